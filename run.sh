@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# A record attempt on this machine's GPUs:  ./run.sh [--name=value ...]
+# Installs nothing. Checks the config and the data first, so mistakes show as one line, then runs
+# torchrun with one process per GPU (8, 4, 2 or 1; NPROC=... to choose).
+set -euo pipefail
+cd "$(dirname "$0")"
+
+if ! python -c "import torch" 2>/dev/null; then
+    echo "error: torch is not importable; install the requirements: pip install -r requirements.txt" >&2
+    exit 1
+fi
+if ! python train_gpt.py --check "$@"; then
+    echo "(FineWeb shards: python data/cached_fineweb10B.py 9   downloads the val shard and 900M train tokens)" >&2
+    exit 1
+fi
+gpus=$(python -c "import torch; print(torch.cuda.device_count())")
+if [ -z "${NPROC:-}" ]; then
+    NPROC=0
+    for n in 8 4 2 1; do
+        if [ "$gpus" -ge "$n" ]; then NPROC=$n; break; fi
+    done
+fi
+if [ "$NPROC" -eq 0 ]; then
+    echo "error: no CUDA GPU found. A CPU run: torchrun --nproc_per_node=2 train_gpt.py --device=cpu --preset=tiny" >&2
+    exit 1
+fi
+echo "launching on $NPROC of $gpus GPUs"
+exec torchrun --standalone --nproc_per_node="$NPROC" train_gpt.py "$@"

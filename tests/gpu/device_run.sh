@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# One device call: GPU numerics tests, then a timed training run on the bench stream, with the inductor
+# cache carried between calls. Usage (repo root, on the GPU machine):
+#   OUT=/some/dir bash tests/gpu/device_run.sh RUN_ID TIMEOUT_S [train_gpt.py flags...]
+# Expects .bench/*.bin.xz (copies of ../shared/bench) and, optionally, .cache/inductor.tar.xz.part*.
+set -uo pipefail
+run_id=$1; budget=$2; shift 2
+OUT=${OUT:-/tmp/device_out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_cache
+
+python3 - <<'PY'
+import lzma, pathlib
+out = pathlib.Path("/tmp/bench"); out.mkdir(exist_ok=True)
+for xz in sorted(pathlib.Path(".bench").glob("*.bin.xz")):
+    target = out / xz.name[:-3]
+    if not target.exists():
+        target.write_bytes(lzma.decompress(xz.read_bytes()))
+PY
+if ls .cache/inductor.tar.xz.part* >/dev/null 2>&1; then
+    mkdir -p "$TORCHINDUCTOR_CACHE_DIR" && cat .cache/inductor.tar.xz.part* | tar -xJf - -C "$TORCHINDUCTOR_CACHE_DIR" \
+        && echo "inductor cache restored: $(du -sh $TORCHINDUCTOR_CACHE_DIR | cut -f1)"
+fi
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+
+if [ "${SKIP_GPU_TESTS:-0}" != 1 ]; then
+    timeout 300 python3 -m pytest -q tests/gpu ${GPU_TEST_ARGS:-} 2>&1 | tail -15 | tee "$OUT/gpu_tests.txt"
+fi
+
+start=$(date +%s)
+timeout "$budget" python3 train_gpt.py --train_files='/tmp/bench/docs_train_*.bin' \
+    --val_files=/tmp/bench/docs_val_000000.bin --val_tokens=2097152 --train_repeat=1 \
+    --run_id="$run_id" "$@" > "$OUT/train_stdout.txt" 2>&1
+echo "train exit code $? after $(( $(date +%s) - start ))s"
+grep -v "train_time" "$OUT/train_stdout.txt" | tail -20
+grep "train_time" "$OUT/train_stdout.txt" | awk 'NR % 25 == 0' | tail -20
+cp "logs/$run_id.txt" "$OUT/" 2>/dev/null
+
+mkdir -p "$OUT/cache"
+tar -cJf - -C "$TORCHINDUCTOR_CACHE_DIR" . 2>/dev/null | split -b 15m - "$OUT/cache/inductor.tar.xz.part"
+ls -la "$OUT/cache"

@@ -1,0 +1,86 @@
+"""GPU numerics against float64 references. Skipped without CUDA; run on the device with
+`python -m pytest -q tests/gpu` (tests/gpu/device_run.sh does that before timing a training run)."""
+import pytest
+import torch
+
+import train_gpt as tg
+from test_train import random_attention_inputs
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got.double() - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("window", [128, 1024])
+def test_compiled_flex_attention_matches_float64(window):
+    T, H, D = 4096, 6, 128
+    g = torch.Generator().manual_seed(window)
+    tokens = torch.randint(0, 1000, (T,), generator=g, dtype=torch.int32)
+    tokens[torch.randint(0, T, (12,), generator=g)] = tg.BOS_TOKEN
+    q, k, v = (torch.randn(T, H, D, generator=g).div(D ** 0.5).to(torch.bfloat16) for _ in range(3))
+    flex = tg.FlexAttention(T, torch.device("cuda"), compiled=True)
+    attend = torch.compile(lambda q, k, v, mask: flex(q, k, v, mask), fullgraph=True)
+    qkv = [t.cuda().requires_grad_() for t in (q, k, v)]
+    out = attend(*qkv, flex.prepare(tokens.cuda(), None, {"S": window})["S"])
+    out.float().square().sum().backward()
+
+    ref_qkv = [t.double().requires_grad_() for t in (q, k, v)]
+    sdpa = tg.SdpaAttention()
+    ref = sdpa(*ref_qkv, sdpa.prepare(tokens, None, {"S": window})["S"])
+    ref.square().sum().backward()
+    assert relative_error(out.cpu(), ref.detach()) < 1e-2
+    for got, want in zip(qkv, ref_qkv):
+        assert relative_error(got.grad.cpu(), want.grad) < 2e-2
+
+
+@pytest.mark.parametrize("shape", [(4, 768, 768), (3072, 768), (8, 768, 3072)])
+def test_bf16_orthogonalize_matches_float64(shape):
+    g = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    got = tg.orthogonalize(g.cuda()).double().cpu()
+    # the same iteration in float64
+    X = g.double()
+    X = X.mT if X.size(-2) > X.size(-1) else X
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) * (1 + 2e-2) + 1e-6)
+    for a, b, c in tg.POLAR_EXPRESS_COEFFS:
+        A = X @ X.mT
+        X = a * X + (b * A + c * A @ A) @ X
+    want = X.mT if g.size(-2) > g.size(-1) else X
+    assert relative_error(got, want) < 3e-2
+    # Gaussian square matrices have singular values near 0 that five iterations cannot lift (even in
+    # float64); on a spectrum inside the method's design range every value must land in the band.
+    singular_values = torch.linalg.svdvals(tg.orthogonalize(well_conditioned(*shape).cuda()).double())
+    assert singular_values.min() > 0.7 and singular_values.max() < 1.2
+
+
+def well_conditioned(*shape, seed=0):
+    """Random singular vectors, singular values spread evenly over [0.05, 1]."""
+    g = torch.Generator().manual_seed(seed)
+    *batch, m, n = shape
+    r = min(m, n)
+    U, _ = torch.linalg.qr(torch.randn(*batch, m, r, generator=g))
+    V, _ = torch.linalg.qr(torch.randn(*batch, n, r, generator=g))
+    return U @ torch.diag_embed(torch.linspace(0.05, 1, r).expand(*batch, r)) @ V.mT
+
+
+def test_gpu_bf16_loss_matches_cpu_fp32():
+    """The whole model: compiled, FlexAttention, bf16 on the GPU vs SDPA, fp32 on the CPU."""
+    cfg, _ = tg.parse_cli(["--preset=tiny", "--micro_batch_tokens=1024", "--window_block=128",
+                           "--window_schedule=1:2,1:2,1:2", "--final_windows=2:4", "--compile=1"])
+    torch.manual_seed(0)
+    cpu_model = tg.GPT(cfg, tg.SdpaAttention(), torch.float32)
+    with torch.no_grad():  # leave the zero init so every path carries signal
+        for p in cpu_model.parameters():
+            if p.ndim == 2:
+                p.normal_(0, 0.02)
+    gpu_model = tg.GPT(cfg, tg.FlexAttention(1024, torch.device("cuda"), compiled=True), torch.bfloat16).cuda()
+    gpu_model.load_state_dict(cpu_model.state_dict())
+    gpu_model.compile_regions()
+    tokens, *_ = random_attention_inputs(T=1025, seed=3)
+    inputs, targets = tokens[:-1], tokens[1:].long()
+    losses = []
+    for model, device in ((cpu_model, "cpu"), (gpu_model, "cuda")):
+        x, y = inputs.to(device), targets.to(device)
+        losses.append(model(x, y, model.prepare_masks(x, None, (128, 256))).item())
+    assert abs(losses[1] - losses[0]) / losses[0] < 1e-2, losses

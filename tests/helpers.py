@@ -1,0 +1,70 @@
+"""Test helpers: token shards in the trainer's format and learnable synthetic documents."""
+import pickle
+import socket
+from pathlib import Path
+
+import numpy as np
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+REPO = Path(__file__).resolve().parent.parent
+
+BOS = 50256
+
+
+def write_shard(path: Path, tokens) -> Path:
+    tokens = np.asarray(tokens, dtype="<u2")
+    header = np.zeros(256, dtype="<i4")
+    header[:3] = (20240520, 1, len(tokens))
+    path.write_bytes(header.tobytes() + tokens.tobytes())
+    return path
+
+
+def learnable_documents(num_tokens: int, seed: int) -> np.ndarray:
+    """BOS-prefixed documents that follow a simple rule (each token = previous + a small step, mod 97),
+    so a tiny model's loss falls well below chance within a few steps."""
+    rng = np.random.default_rng(seed)
+    out = []
+    while sum(len(d) for d in out) < num_tokens:
+        length = int(rng.integers(20, 120))
+        start = int(rng.integers(0, 97))
+        steps = rng.choice([1, 2], size=length - 1, p=[0.9, 0.1])
+        doc = np.concatenate([[start], (start + np.cumsum(steps)) % 97])
+        out.append(np.concatenate([[BOS], doc]))
+    return np.concatenate(out)[:num_tokens]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(target, rank, world_size, port, args, results):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:  # pickled by value: tensors sent as shared memory would die with this process
+        results.put((rank, pickle.dumps(target(rank, world_size, *args))))
+    except BaseException as e:
+        results.put((rank, pickle.dumps(e)))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_on_ranks(target, world_size: int, *args, timeout: float = 300) -> list:
+    """Run target(rank, world_size, *args) in world_size processes joined by a gloo group; return the
+    values they returned, by rank. target must be a module-level function (it is pickled)."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, args=(target, r, world_size, port, args, results))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    by_rank = {rank: pickle.loads(value) for rank, value in (results.get(timeout=timeout) for _ in procs)}
+    for p in procs:
+        p.join(timeout=60)
+    for rank, value in by_rank.items():
+        if isinstance(value, BaseException):
+            raise AssertionError(f"rank {rank} failed: {value!r}")
+    return [by_rank[r] for r in range(world_size)]

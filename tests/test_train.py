@@ -1,0 +1,347 @@
+"""Tests of train_gpt.py on the CPU: config, data loading, attention, schedule, and whole tiny runs on
+one process and on two gloo processes."""
+import dataclasses
+import hashlib
+import math
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import train_gpt as tg
+from helpers import BOS, REPO, learnable_documents, run_on_ranks, write_shard
+
+STEP_LINE = re.compile(r"^step:(\d+)/(\d+)( val_loss:(\S+))? train_time:(\d+)ms step_avg:(\S+)ms( train_loss:\S+)?$")
+
+
+def tiny_config(train, val, **overrides):
+    cfg, _ = tg.parse_cli(["--device=cpu", "--preset=tiny", f"--train_files={train}", f"--val_files={val}"]
+                          + [f"--{k}={v}" for k, v in overrides.items()])
+    return cfg
+
+
+def run_cli(args, cwd, nproc=1, timeout=600):
+    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                    f"--nproc_per_node={nproc}"]
+    return subprocess.run(launcher + [str(REPO / "train_gpt.py")] + args, cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+# ---------------------------------------------------------------------------------------------- config
+
+def test_unknown_option_lists_valid_names():
+    with pytest.raises(tg.UserError, match=r"unknown option --nope\. Valid options: train_files, .*num_iterations"):
+        tg.parse_cli(["--nope=1"])
+
+
+@pytest.mark.parametrize("arg, message", [
+    ("--num_iterations=ten", "bad value for --num_iterations"),
+    ("--compile=maybe", "bad value for --compile"),
+    ("--adam_betas=0.9", "bad value for --adam_betas"),
+    ("--attn_layout=SSL", "--attn_layout='SSL'"),
+    ("--batch_schedule=8,12,24", "multiple of 8"),
+    ("--device=tpu", "--device=tpu"),
+    ("--preset=huge", "unknown --preset=huge"),
+])
+def test_bad_values_are_named(arg, message):
+    with pytest.raises(tg.UserError, match=re.escape(message)):
+        tg.parse_cli([arg])
+
+
+def test_preset_and_overrides():
+    cfg, flags = tg.parse_cli(["--preset=tiny", "--num_iterations=3", "--adam_betas=0.9,0.99", "--compile=1"])
+    assert (cfg.model_dim, cfg.num_iterations, cfg.adam_betas, cfg.compile) == (64, 3, (0.9, 0.99), True)
+    assert flags == {"preset": "tiny"}
+    assert tg.Config().model_dim == 768  # the default is the full record config
+
+
+def test_bad_input_is_one_line_without_traceback(tmp_path):
+    result = run_cli(["--device=cpu", "--preset=tiny", "--train_files=nowhere/*.bin"], cwd=tmp_path)
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --train_files='nowhere/*.bin' matches no files")
+    assert not (tmp_path / "logs").exists()  # nothing written for a run that never started
+
+
+def test_cuda_requested_without_cuda_is_an_error(tiny_data, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    train, val = tiny_data
+    assert tg.main(["--preset=tiny", f"--train_files={train}", f"--val_files={val}"]) == 1
+    assert "pass --device=cpu" in capsys.readouterr().err
+
+
+def test_world_size_must_divide_8(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(tg.UserError, match="world size 3 is not supported"):
+        tg.init_distributed(tiny_config("x", "y"))
+
+
+# ------------------------------------------------------------------------------------------------ data
+
+def test_bos_aligned_batches(tmp_path):
+    tokens = learnable_documents(20_000, seed=5)
+    path = str(write_shard(tmp_path / "s.bin", tokens))
+    length, max_doc_len = 257, 64
+    batches = list(tg.bos_aligned_batches([path], length, max_doc_len, repeat=False))
+    assert len(batches) > 10
+    bos_positions = set(np.flatnonzero(tokens == BOS).tolist())
+    previous_end = -1
+    for shard_tokens, spans in batches:
+        assert sum(end - start for start, end in spans) == length
+        for start, end in spans:
+            assert start in bos_positions and start > previous_end  # whole documents, in order
+            assert end - start <= max_doc_len
+            assert not bos_positions & set(range(start + 1, end))  # never two documents in one span
+            previous_end = end - 1
+        window = np.concatenate([shard_tokens[s:e] for s, e in spans])
+        assert window[0] == BOS
+
+
+def test_ranks_split_the_global_batch_sequence(tmp_path):
+    path = str(write_shard(tmp_path / "s.bin", learnable_documents(20_000, seed=6)))
+    cfg = tg.Config(micro_batch_tokens=128, max_doc_len=64)
+    single = list(tg.train_batches_for_rank([path], cfg, tg.Comm(0, 1)))
+    ranks = [list(tg.train_batches_for_rank([path], cfg, tg.Comm(r, 2))) for r in range(2)]
+    assert all(np.array_equal(single[2 * i + r], ranks[r][i]) for r in range(2) for i in range(len(ranks[1])))
+
+
+def write_bad_shard(path, problem):
+    tokens = np.arange(100, dtype="<u2")
+    header = np.zeros(256, dtype="<i4")
+    header[:3] = (20240520, 1, len(tokens))
+    if problem == "magic":
+        header[0] = 12345
+    if problem == "version":
+        header[1] = 7
+    data = header.tobytes() + tokens.tobytes()
+    if problem == "truncated":
+        data = data[:-10]
+    if problem == "short header":
+        data = data[:100]
+    if problem == "count":
+        header[2] = 5000
+        data = header.tobytes() + tokens.tobytes()
+    path.write_bytes(data)
+
+
+@pytest.mark.parametrize("problem, message", [
+    ("magic", "not a token shard (magic number 12345, expected 20240520)"),
+    ("version", "shard version 7 is not supported"),
+    ("truncated", "header says 100 tokens (1,224 bytes) but the file has 1,214 bytes"),
+    ("count", "header says 5,000 tokens"),
+    ("short header", "too short for the 1024-byte shard header"),
+])
+def test_bad_shard_errors_name_file_and_problem(tmp_path, problem, message):
+    path = tmp_path / "bad_000000.bin"
+    write_bad_shard(path, problem)
+    with pytest.raises(tg.DataError) as err:
+        tg.shard_paths(str(tmp_path / "bad_*.bin"), "train_files")
+    assert str(err.value).startswith(str(path)) and message in str(err.value)
+
+
+def test_empty_glob_is_named(tmp_path):
+    with pytest.raises(tg.DataError, match=r"--val_files='.*none_\*\.bin' matches no files"):
+        tg.shard_paths(str(tmp_path / "none_*.bin"), "val_files")
+
+
+def test_too_little_validation_data(tiny_data):
+    train, val = tiny_data
+    cfg = tiny_config(train, val, val_tokens=1_000_192)
+    with pytest.raises(tg.DataError, match="fewer than --val_tokens=1,000,192"):
+        tg.check_inputs(cfg)
+
+
+def test_running_out_of_training_data(tmp_path):
+    path = str(write_shard(tmp_path / "s.bin", learnable_documents(2_000, seed=7)))
+    cfg = tg.Config(micro_batch_tokens=256, max_doc_len=128)
+    batches = tg.Prefetcher(tg.train_batches_for_rank([path], cfg, tg.Comm()), 256, torch.device("cpu"))
+    with pytest.raises(tg.DataError, match="training data ran out"):
+        for _ in range(100):
+            batches.next()
+    batches.close()
+    repeating = tg.Prefetcher(tg.train_batches_for_rank([path], tg.Config(micro_batch_tokens=256, max_doc_len=128,
+                                                                              train_repeat=True), tg.Comm()),
+                              256, torch.device("cpu"))
+    for _ in range(100):
+        repeating.next()
+    repeating.close()
+
+
+def test_prefetcher_delivers_every_window_intact(tmp_path):
+    rng = np.random.default_rng(0)
+    windows = [rng.integers(0, 50000, 129).astype(np.uint16) for _ in range(20)]
+    for w in windows:
+        w[[0, 50, 51]] = BOS
+    batches = tg.Prefetcher(iter(windows), 128, torch.device("cpu"), slots=2)
+    for w in windows:
+        b = batches.next()
+        assert torch.equal(b.inputs, torch.from_numpy(w[:-1].astype(np.int32)))
+        assert torch.equal(b.targets, torch.from_numpy(w[1:].astype(np.int64)))
+        assert b.cu_seqlens[:5].tolist() == [0, 50, 51, 128, 128]
+    batches.close()
+
+
+# ------------------------------------------------------------------------------------------- attention
+
+def naive_attention(q, k, v, tokens, window):
+    """Float64 loops: causal, same document (a document starts at each BOS), within `window` positions."""
+    q, k, v = q.double(), k.double(), v.double()
+    T = q.size(0)
+    doc = np.cumsum(tokens.numpy() == BOS)
+    out = torch.zeros_like(q)
+    for i in range(T):
+        keys = [j for j in range(max(0, i - window + 1), i + 1) if doc[j] == doc[i]]
+        scores = torch.einsum("hd,jhd->hj", q[i], k[keys])
+        out[i] = torch.einsum("hj,jhd->hd", scores.softmax(-1), v[keys])
+    return out
+
+
+def random_attention_inputs(T=128, H=2, D=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 1000, (T,), generator=g, dtype=torch.int32)
+    tokens[torch.randint(0, T, (6,), generator=g)] = BOS  # documents of irregular length; first one has no BOS
+    q, k, v = (torch.randn(T, H, D, generator=g) for _ in range(3))
+    return tokens, q, k, v
+
+
+@pytest.mark.parametrize("window", [1, 7, 32, 128])
+def test_sdpa_path_matches_naive_reference(window):
+    tokens, q, k, v = random_attention_inputs(seed=window)
+    backend = tg.SdpaAttention()
+    mask = backend.prepare(tokens, None, {"S": window})["S"]
+    got = backend(q, k, v, mask)
+    ref = naive_attention(q, k, v, tokens, window)
+    assert torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_flex_path_matches_sdpa_path():
+    tokens, q, k, v = random_attention_inputs(seed=1)
+    sdpa, flex = tg.SdpaAttention(), tg.FlexAttention(128, torch.device("cpu"), compiled=False)
+    windows = {"S": 16, "L": 64}
+    sdpa_masks, flex_masks = sdpa.prepare(tokens, None, windows), flex.prepare(tokens, None, windows)
+    for kind in windows:
+        assert torch.allclose(flex(q, k, v, flex_masks[kind]), sdpa(q, k, v, sdpa_masks[kind]), atol=1e-5)
+
+
+def test_fa3_path_passes_documents_and_window():
+    """FA3 itself needs a Hopper GPU; a naive varlen stand-in checks what we hand it."""
+    def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size):
+        assert causal and softmax_scale == 1.0 and window_size[1] == 0
+        out = torch.zeros_like(q)
+        bounds = cu_seqlens_q.tolist()
+        for start, end in zip(bounds, bounds[1:]):
+            if end > start:  # FA3 semantics: window_size[0] keys to the left of the query, plus itself
+                seq = [torch.as_tensor(t[start:end]) for t in (q, k, v)]
+                doc_tokens = torch.full((end - start,), 7, dtype=torch.int32)
+                out[start:end] = naive_attention(*seq, doc_tokens, window_size[0] + 1).to(q.dtype)
+        return out, None
+
+    class FakeModule:
+        flash_attn_varlen_func = staticmethod(varlen)
+
+    tokens, q, k, v = random_attention_inputs(seed=2)
+    slot = tg._Slot(128, pin=False)
+    slot.fill(np.concatenate([tokens.numpy(), [0]]).astype(np.uint16))
+    fa3, sdpa = tg.FlashAttention3(FakeModule), tg.SdpaAttention()
+    got = fa3(q, k, v, fa3.prepare(tokens, slot.cu_seqlens, {"S": 9})["S"])
+    want = sdpa(q, k, v, sdpa.prepare(tokens, None, {"S": 9})["S"])
+    assert torch.allclose(got, want, atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------- model pieces
+
+def test_yarn_keeps_fast_frequencies_and_slows_slow_ones():
+    freqs = torch.tensor([10.0, 1.0, 0.01])
+    scaled = tg.yarn_rescale(freqs, old_window=384, new_window=896)
+    assert scaled[0] == freqs[0]  # turns many times across the window: kept
+    assert math.isclose(scaled[2].item(), 0.01 * 384 / 896, rel_tol=1e-6)  # slow: interpolated
+
+
+def test_rotary_tables_follow_window_history():
+    rotary = tg.Rotary(head_dim=16, max_len=64)
+    fresh = rotary.cos.clone(), rotary.attn_scale.item()
+    rotary.set_window_history([8, 32])
+    assert rotary.attn_scale.item() > fresh[1] and not torch.equal(rotary.cos, fresh[0])
+    rotary.set_window_history([8])
+    assert torch.equal(rotary.cos, fresh[0]) and rotary.attn_scale.item() == fresh[1]
+
+
+def test_orthogonalize_gives_near_orthogonal_matrices():
+    g = torch.randn(3, 48, 96, generator=torch.Generator().manual_seed(0))
+    singular_values = torch.linalg.svdvals(tg.orthogonalize(g))
+    assert singular_values.min() > 0.6 and singular_values.max() < 1.25
+
+
+def test_schedule_is_a_function_of_the_step():
+    cfg = tg.Config(num_iterations=90, muon_momentum_warmup=10, muon_momentum_cooldown=5)
+    s = tg.Schedule(cfg)
+    assert [s.micro_batches(i) for i in (0, 29, 30, 89)] == [8, 8, 16, 24]
+    assert s.windows(0) == (128, 384) and s.windows(60) == (640, 1408) and s.windows(90) == (768, 2560)
+    assert s.long_window_history(45) == [384, 896] and s.long_window_history(90) == [384, 896, 1408, 2560]
+    assert s.lr_multiplier(0) == 1.0 and math.isclose(s.lr_multiplier(90), cfg.final_lr_frac)
+    assert s.muon_momentum(0) == 0.85 and s.muon_momentum(50) == 0.95 and s.muon_momentum(89) < 0.95
+
+
+def test_loss_watch_names_step_and_rank():
+    watch = tg.LossWatch(tg.Comm(rank=0, world_size=1), torch.device("cpu"))
+    watch.push(0, torch.tensor(3.0))
+    with pytest.raises(tg.TrainingDiverged, match="loss is nan at step 2 on rank 0"):
+        watch.push(1, torch.tensor(float("nan")))
+        watch.flush()
+    assert watch.losses == [3.0]
+
+
+def test_warm_up_restores_the_initial_model(tiny_data):
+    cfg = tiny_config(*tiny_data)
+    model = tg.GPT(cfg, tg.SdpaAttention(), torch.float32)
+    model.lm_head.weight.data.normal_()  # non-zero head, so the warm-up's steps change every weight
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizers = tg.build_optimizers(model, cfg, tg.Comm())
+    tg.warm_up(model, optimizers, cfg, tg.Comm(), tg.Schedule(cfg), torch.device("cpu"))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    assert all(not opt.state for opt in optimizers)
+
+
+# ------------------------------------------------------------------------------------------ whole runs
+
+def test_two_process_gloo_smoke_run(tiny_data, tmp_path):
+    train, val = tiny_data
+    result = run_cli(["--device=cpu", "--preset=tiny", f"--train_files={train}", f"--val_files={val}",
+                      "--num_iterations=4", "--val_loss_every=2", "--run_id=smoke"], cwd=tmp_path, nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    log = (tmp_path / "logs" / "smoke.txt").read_text()
+    lines = log.splitlines()
+    source = (REPO / "train_gpt.py").read_bytes()
+    assert lines[1] == (f"==== code train_gpt.py sha256={hashlib.sha256(source).hexdigest()} "
+                        f"lines={len(source.decode().splitlines())} ====")
+    assert source.decode() in log
+    assert "world_size: 2" in log and "==== config ====" in log and lines[-1] == "==== end ===="
+    steps = [STEP_LINE.match(line) for line in lines if line.startswith("step:")]
+    assert all(steps), [line for line in lines if line.startswith("step:")]
+    assert [int(m.group(1)) for m in steps if m.group(3) is None] == [1, 2, 3, 4]
+    val = {int(m.group(1)): float(m.group(4)) for m in steps if m.group(3)}
+    assert sorted(val) == [0, 2, 4] and all(math.isfinite(x) for x in val.values())
+    assert val[4] < val[0] - 1.0
+    assert re.search(r"^compile_time:[\d.]+s graphs:\d+$", log, re.M)
+
+
+def _train_on_rank(rank, world_size, cfg):
+    comm = tg.Comm(rank, world_size)
+    return tg.train(cfg, comm, tg.RunLog(cfg, comm)).train_losses
+
+
+def test_world_size_1_and_2_give_the_same_losses(tiny_data, tmp_path):
+    cfg = tiny_config(*tiny_data, num_iterations=3, val_loss_every=0, log_dir=str(tmp_path), run_id="w1",
+                      micro_batch_tokens=128)
+    single = tg.train(cfg, tg.Comm(), tg.RunLog(cfg, tg.Comm())).train_losses
+    two = run_on_ranks(_train_on_rank, 2, dataclasses.replace(cfg, run_id="w2"))
+    assert len(single) == 3 and two[0] == two[1]
+    assert single[0] > single[-1]  # it trained
+    np.testing.assert_allclose(two[0], single, rtol=1e-5)

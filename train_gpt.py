@@ -1,0 +1,1399 @@
+"""Train a GPT-2-small-class model to a target FineWeb validation loss, as fast as one node allows.
+
+    torchrun --standalone --nproc_per_node=8 train_gpt.py               # a record attempt
+    python train_gpt.py --device=cpu --preset=tiny                      # a tiny run on the CPU
+    python train_gpt.py --help                                          # every config field
+
+One file, read top to bottom: config -> comms -> optimizers -> model -> data -> schedule -> training
+loop -> main. Importing it runs nothing. The ideas (and many constants) come from the public NanoGPT
+speedrun (github.com/KellerJordan/modded-nanogpt); comments credit them where they are used.
+"""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import hashlib
+import json
+import math
+import os
+import platform
+import queue
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+BOS_TOKEN = 50256  # GPT-2's <|endoftext|>; every document in a shard starts with it
+SHARD_MAGIC, SHARD_VERSION, SHARD_HEADER_INTS = 20240520, 1, 256
+LOG_FORMAT_VERSION = 1
+
+
+# ----------------------------------------------------------------------------------------------------
+# Config
+
+
+class UserError(Exception):
+    """Bad input (flag, value, file). main() prints it as one line and exits non-zero."""
+
+
+@dataclass(frozen=True)
+class Config:
+    # data
+    train_files: str = "data/fineweb10B/fineweb_train_*.bin"
+    val_files: str = "data/fineweb10B/fineweb_val_*.bin"
+    val_tokens: int = 10_485_760  # fixed, so that runs compare (the speedrun's value)
+    train_repeat: bool = False  # start the train shards over when they run out (small local corpora)
+    # run
+    num_iterations: int = 1555
+    val_loss_every: int = 250  # 0: validate only at the end
+    seed: int = 0
+    run_id: str = ""  # empty: a fresh uuid
+    log_dir: str = "logs"
+    device: str = "cuda"  # cuda | cpu
+    compile: bool = True  # torch.compile each block and the loss head (regional compilation)
+    attn_backend: str = "auto"  # auto | fa3 | flex | sdpa
+    # model
+    vocab_size: int = 50257  # padded to a multiple of 128 inside the model
+    num_layers: int = 11
+    model_dim: int = 768
+    num_heads: int = 6
+    head_dim: int = 128
+    mlp_ratio: int = 4
+    # One character per layer. attn_layout: S short window, L long window, - no attention.
+    # value_embed_layout: which value-embedding table is mixed into that layer's values, . for none.
+    attn_layout: str = "SSSLSS-SSSL"
+    value_embed_layout: str = "01......234"
+    skip_from: int = 3  # the output of this layer is added (gated) to the input of skip_to
+    skip_to: int = 6
+    logit_softcap: float = 30.0
+    # batch: every forward/backward sees micro_batch_tokens tokens, so there is one compiled shape;
+    # the batch-size schedule only changes how many micro-batches make a step.
+    micro_batch_tokens: int = 16 * 1024
+    max_doc_len: int = 2048  # longer documents are cut
+    # Schedules over equal stages of training (comma separated, one entry per stage):
+    batch_schedule: str = "8,16,24"  # micro-batches per step, summed over all ranks
+    lr_schedule: str = "1.0,1.52,1.73"  # lr multiplier per stage: bigger batches take larger steps
+    window_schedule: str = "1:3,3:7,5:11"  # short:long attention windows, in window_block tokens
+    final_windows: str = "6:20"  # windows for the final validation (YaRN extends the long one)
+    window_block: int = 128
+    cooldown_frac: float = 0.55  # the lr decays linearly over this last fraction of training ...
+    final_lr_frac: float = 0.1  # ... down to this fraction
+    # optimizers
+    adam_lr: float = 0.008
+    adam_betas: tuple[float, float] = (0.8, 0.95)
+    adam_eps: float = 1e-10
+    adam_weight_decay: float = 0.0
+    embed_lr_mul: float = 75.0  # token and value embeddings
+    head_lr_mul: float = 1.0
+    scalar_lr_mul: float = 5.0
+    muon_lr: float = 0.06
+    muon_momentum: float = 0.95
+    muon_momentum_start: float = 0.85  # warmed up to muon_momentum over the first steps
+    muon_momentum_warmup: int = 300
+    muon_momentum_cooldown: int = 50  # and back down over the last steps
+    muon_weight_decay: float = 0.0
+
+
+PRESETS = {
+    # A model small enough to train on two CPU processes in seconds, for tests and laptops.
+    "tiny": dict(
+        num_layers=4, model_dim=64, num_heads=2, head_dim=32, attn_layout="SLSL", value_embed_layout="0..1",
+        skip_from=1, skip_to=2, micro_batch_tokens=256, max_doc_len=128, window_block=16,
+        batch_schedule="8,8,16", window_schedule="1:2,2:4,3:6", final_windows="4:8",
+        num_iterations=24, val_loss_every=8, val_tokens=2048, compile=False,
+        muon_momentum_warmup=8, muon_momentum_cooldown=4,
+    ),
+}
+
+CLI_ONLY_FLAGS = ("preset", "check", "help")
+
+
+def _parse_value(name: str, kind, text: str):
+    if kind is bool or kind == "bool":
+        lowered = text.lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off"):
+            return False
+        raise ValueError("expected true/false/1/0")
+    if kind in (int, "int"):
+        return int(text.replace("_", ""))
+    if kind in (float, "float"):
+        return float(text)
+    if kind in (str, "str"):
+        return text
+    # the only tuple field type: two floats, written "a,b"
+    parts = [float(p) for p in text.split(",")]
+    if len(parts) != 2:
+        raise ValueError("expected two comma-separated numbers")
+    return tuple(parts)
+
+
+def parse_cli(argv: list[str]) -> tuple[Config, dict]:
+    """`--name=value` overrides on top of an optional `--preset=NAME`. Returns (config, cli-only flags)."""
+    fields = {f.name: f for f in dataclasses.fields(Config)}
+    valid = ", ".join(list(fields) + list(CLI_ONLY_FLAGS))
+    overrides, flags = {}, {}
+    for arg in argv:
+        if not arg.startswith("--"):
+            raise UserError(f"unexpected argument {arg!r}: arguments take the form --name=value")
+        name, has_value, text = arg[2:].partition("=")
+        if name in CLI_ONLY_FLAGS:
+            flags[name] = text if has_value else "1"
+            continue
+        if name not in fields:
+            raise UserError(f"unknown option --{name}. Valid options: {valid}")
+        if not has_value:
+            raise UserError(f"--{name} needs a value: --{name}=VALUE")
+        kind = fields[name].type
+        try:
+            overrides[name] = _parse_value(name, kind, text)
+        except ValueError as e:
+            raise UserError(f"bad value for --{name}: {text!r} ({e}; the field is {kind})") from None
+    values = {}
+    if "preset" in flags:
+        if flags["preset"] not in PRESETS:
+            raise UserError(f"unknown --preset={flags['preset']}. Presets: {', '.join(PRESETS)}")
+        values.update(PRESETS[flags["preset"]])
+    values.update(overrides)
+    cfg = Config(**values)
+    validate_config(cfg)
+    return cfg, flags
+
+
+def _parse_stage_list(cfg: Config, name: str, parse) -> list:
+    text = getattr(cfg, name)
+    try:
+        return [parse(item) for item in text.split(",")]
+    except ValueError:
+        raise UserError(f"bad --{name}={text!r}: see the Config docstring for its form") from None
+
+
+def _parse_window_pair(item: str) -> tuple[int, int]:
+    short, long = item.split(":")
+    return int(short), int(long)
+
+
+def validate_config(cfg: Config) -> None:
+    def need(ok: bool, message: str):
+        if not ok:
+            raise UserError(message)
+
+    need(cfg.device in ("cuda", "cpu"), f"--device={cfg.device}: use cuda or cpu")
+    need(cfg.attn_backend in ("auto", "fa3", "flex", "sdpa"), f"--attn_backend={cfg.attn_backend}: use auto, fa3, flex or sdpa")
+    need(len(cfg.attn_layout) == cfg.num_layers and set(cfg.attn_layout) <= set("SL-"),
+         f"--attn_layout={cfg.attn_layout!r}: needs one of S/L/- per layer ({cfg.num_layers} layers)")
+    need(len(cfg.value_embed_layout) == cfg.num_layers and all(c == "." or c.isdigit() for c in cfg.value_embed_layout),
+         f"--value_embed_layout={cfg.value_embed_layout!r}: needs one digit or '.' per layer ({cfg.num_layers} layers)")
+    need(all(v == "." or a != "-" for v, a in zip(cfg.value_embed_layout, cfg.attn_layout)),
+         "--value_embed_layout puts a value embedding on a layer without attention (- in --attn_layout)")
+    need(0 <= cfg.skip_from < cfg.skip_to < cfg.num_layers,
+         f"--skip_from={cfg.skip_from} --skip_to={cfg.skip_to}: need 0 <= skip_from < skip_to < num_layers")
+    need(cfg.num_heads * cfg.head_dim == cfg.model_dim, "num_heads * head_dim must equal model_dim")
+    need(cfg.head_dim % 4 == 0, "--head_dim must be a multiple of 4 (half-truncated rotary)")
+    need(cfg.num_iterations >= 1, "--num_iterations must be at least 1")
+    need(cfg.micro_batch_tokens % 128 == 0, "--micro_batch_tokens must be a multiple of 128")
+    need(cfg.val_tokens % cfg.micro_batch_tokens == 0,
+         f"--val_tokens={cfg.val_tokens} must be a multiple of --micro_batch_tokens={cfg.micro_batch_tokens}")
+    batches = _parse_stage_list(cfg, "batch_schedule", int)
+    lrs = _parse_stage_list(cfg, "lr_schedule", float)
+    windows = _parse_stage_list(cfg, "window_schedule", _parse_window_pair)
+    _parse_stage_list(cfg, "final_windows", _parse_window_pair)
+    need(len(batches) == len(lrs) == len(windows),
+         "--batch_schedule, --lr_schedule and --window_schedule need the same number of stages")
+    need(all(b > 0 and b % 8 == 0 for b in batches),
+         f"--batch_schedule={cfg.batch_schedule}: each entry must be a positive multiple of 8, "
+         "so that 1, 2, 4 and 8 processes split it evenly")
+    longest = max(max(pair) for pair in windows + [_parse_window_pair(cfg.final_windows)])
+    need(longest * cfg.window_block <= cfg.micro_batch_tokens, "attention windows exceed micro_batch_tokens")
+
+
+def config_help() -> str:
+    lines = ["usage: train_gpt.py [--preset=tiny] [--check] [--name=value ...]", "", "config fields (defaults):"]
+    for f in dataclasses.fields(Config):
+        lines.append(f"  --{f.name}={f.default}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Comms
+
+
+@dataclass(frozen=True)
+class Comm:
+    """Who we are in the job. Without a process group (world size 1) nothing is communicated."""
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def all_reduce_mean_(tensors: list[Tensor], comm: Comm) -> None:
+    """Average tensors over ranks in place: launch every all-reduce, then wait on them all."""
+    if not comm.distributed:
+        return
+    works = [dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=True) for t in tensors]
+    for work, t in zip(works, tensors):
+        work.wait()
+        t.div_(comm.world_size)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Optimizers
+#
+# The training loop sees only torch.optim-style objects (param_groups with an "initial_lr", zero_grad,
+# step); each step() does its own gradient communication, so a sharded optimizer drops in unchanged.
+
+
+class _AdamBucket:
+    """Parameters of one param group whose gradients travel in one reduce-scatter. A bucket is one
+    tensor, or several small ones packed together; `shard` elements of its flat form belong to each rank."""
+
+    def __init__(self, params: list[Tensor], group: dict, world_size: int):
+        self.params, self.group = params, group
+        self.numel = sum(p.numel() for p in params)
+        self.shard = -(-self.numel // world_size)
+        self.padded = self.shard * world_size
+        # One parameter of a size that divides evenly is used in place; anything else goes through a
+        # zero-padded flat copy.
+        self.in_place = len(params) == 1 and self.padded == self.numel
+        self.ready = 0  # parameters whose gradient is complete in the current backward
+        self.pending = None  # (work or None, this rank's averaged gradient shard)
+
+    def flat(self, tensors: list[Tensor]) -> Tensor:
+        if self.in_place:
+            return tensors[0].view(-1)
+        flat = tensors[0].new_zeros(self.padded)
+        torch.cat([t.reshape(-1) for t in tensors], out=flat[: self.numel])
+        return flat
+
+
+class DistAdam(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay) with gradients, optimizer state and updates sharded over ranks
+    (ZeRO-1 style; the speedrun's 2025-05 "replace all_reduce with reduce_scatter" record).
+
+    Every parameter is seen as a flat vector of which rank r owns the contiguous slice
+    [r*shard, (r+1)*shard); exp_avg and exp_avg_sq exist only for that slice, so the state is 1/world
+    of plain AdamW's. Small parameters of one param group share a bucket (their gradients are packed
+    with one copy); a bucket whose size is not a multiple of the world size is zero-padded to the next
+    multiple (in the default model only the scalar bucket: 45 values padded to 48 at 8 ranks; padding
+    stays zero because its gradient is zero).
+
+    Communication schedule of one step, world size W > 1 (W = 1 sends nothing):
+      1. reduce_scatter_tensor (average) of each bucket's gradient into this rank's shard, launched from
+         a backward hook as soon as the bucket's last gradient is accumulated, when the training loop
+         armed the hooks (before_last_backward) for the last micro-batch; otherwise at step();
+      2. in launch order, for each bucket: wait for its reduce-scatter, update the owned slice with one
+         fused AdamW kernel, launch all_gather_into_tensor of the updated slice into the parameter;
+      3. wait for every all-gather (and unpack packed buckets into their parameters).
+    No all_reduce is issued.
+    """
+
+    SMALL = 8192  # parameters below this many values share their param group's bucket
+
+    def __init__(self, params, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world_size = dist.get_world_size() if self.distributed else 1
+        self.buckets: list[_AdamBucket] = []
+        for group in self.param_groups:
+            small = [p for p in group["params"] if p.numel() < self.SMALL]
+            self.buckets += [_AdamBucket([p], group, self.world_size) for p in group["params"] if p.numel() >= self.SMALL]
+            if small:
+                self.buckets.append(_AdamBucket(small, group, self.world_size))
+        self.bucket_of = {p: b for b in self.buckets for p in b.params}
+        self.launched: list[_AdamBucket] = []
+        self.armed = False
+        for p in self.bucket_of:
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def before_last_backward(self):
+        """Let the coming backward launch each bucket's reduce-scatter as soon as its gradients are done."""
+        self.armed = True
+
+    def _on_grad_ready(self, param: Tensor):
+        if self.armed:
+            bucket = self.bucket_of[param]
+            bucket.ready += 1
+            if bucket.ready == len(bucket.params):
+                self._launch_reduce(bucket)
+
+    def _launch_reduce(self, bucket: _AdamBucket):
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
+        flat = bucket.flat(grads)
+        if self.distributed:
+            shard = flat.new_empty(bucket.shard)
+            work = dist.reduce_scatter_tensor(shard, flat, op=dist.ReduceOp.AVG, async_op=True)
+            bucket.pending = (work, shard)
+        else:
+            bucket.pending = (None, flat)
+        self.launched.append(bucket)
+
+    @torch.no_grad()
+    def step(self):
+        for bucket in self.buckets:
+            if bucket.pending is None:
+                self._launch_reduce(bucket)
+        gathers = []
+        for bucket in self.launched:
+            work, grad_shard = bucket.pending
+            if work is not None:
+                work.wait()
+            flat = bucket.flat(bucket.params)
+            owned = flat[self.rank * bucket.shard: (self.rank + 1) * bucket.shard]
+            self._update(bucket, owned, grad_shard)
+            if self.distributed:
+                gathers.append((bucket, flat, dist.all_gather_into_tensor(flat, owned, async_op=True)))
+            elif not bucket.in_place:
+                gathers.append((bucket, flat, None))
+        for bucket, flat, work in gathers:
+            if work is not None:
+                work.wait()
+            if not bucket.in_place:
+                offset = 0
+                for p in bucket.params:
+                    p.copy_(flat[offset: offset + p.numel()].view_as(p))
+                    offset += p.numel()
+        for bucket in self.buckets:
+            bucket.ready, bucket.pending = 0, None
+        self.launched = []
+        self.armed = False
+
+    def _update(self, bucket: _AdamBucket, owned: Tensor, grad_shard: Tensor):
+        state = self.state[bucket.params[0]]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=owned.device)
+            state["exp_avg"] = torch.zeros_like(owned)
+            state["exp_avg_sq"] = torch.zeros_like(owned)
+        state["step"] += 1
+        group = bucket.group
+        beta1, beta2 = group["betas"]
+        # One fused kernel per slice; same arithmetic as torch.optim.AdamW.
+        torch._fused_adamw_([owned], [grad_shard], [state["exp_avg"]], [state["exp_avg_sq"]], [], [state["step"]],
+                            amsgrad=False, lr=group["lr"], beta1=beta1, beta2=beta2,
+                            weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+
+
+# Polar Express (Amsel, Persson, Musco, Gower 2025, arXiv:2505.16932): per-iteration coefficients for
+# X <- a X + (b A + c A^2) X with A = X X^T, computed for 5 iterations with safety factor 2e-2; the
+# values are the ones the speedrun adopted in its 2025-09-29 record. They drive every singular value
+# of X into roughly [0.7, 1.1] from anywhere in (0, 1].
+POLAR_EXPRESS_COEFFS = (
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+)
+
+
+def orthogonalize(grads: Tensor) -> Tensor:
+    """Approximately replace each matrix of a [..., rows, cols] batch by U V^T of its SVD.
+
+    bf16 on the GPU (the iteration is robust to it), fp32 elsewhere so CPU tests are exact.
+    """
+    dtype = torch.bfloat16 if grads.is_cuda else torch.float32
+    X = grads.to(dtype)
+    transposed = X.size(-2) > X.size(-1)
+    if transposed:  # iterate on the smaller Gram matrix
+        X = X.mT
+    # Frobenius norm bounds the spectral norm: after this every singular value is below 1.
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) * (1 + 2e-2) + 1e-6)
+    for a, b, c in POLAR_EXPRESS_COEFFS:
+        A = X @ X.mT
+        B = b * A + c * (A @ A)
+        X = a * X + B @ X
+    return X.mT if transposed else X
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon (Jordan et al. 2024): Nesterov momentum, then orthogonalise the update of each matrix.
+
+    Each param group may set "split": its matrices are stacks of that many row blocks (a [4d, d]
+    QKVO weight is split 4 ways), each orthogonalised on its own.
+    Communication per step: one all-reduce (sum, then / world size) per gradient, all launched before
+    the first wait; every rank then updates every matrix. Without a process group nothing is sent.
+    """
+
+    def __init__(self, params, lr: float, momentum: float, weight_decay: float = 0.0, comm: Comm = Comm()):
+        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, split=1))
+        self.comm = comm
+
+    @torch.no_grad()
+    def step(self):
+        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        all_reduce_mean_([p.grad for p in params], self.comm)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                update = muon_momentum_(p.grad, self.state[p], group["momentum"])
+                rows = p.size(0) // group["split"]
+                ortho = orthogonalize(update.view(group["split"], rows, p.size(1))).view_as(p)
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                p.add_(ortho.to(p.dtype), alpha=-group["lr"])
+
+
+def muon_momentum_(grad: Tensor, state: dict, momentum: float) -> Tensor:
+    """Update the momentum buffer in `state`; return the Nesterov-style update direction."""
+    if "momentum_buffer" not in state:
+        state["momentum_buffer"] = torch.zeros_like(grad)
+    buf = state["momentum_buffer"]
+    buf.lerp_(grad, 1 - momentum)
+    return grad.lerp(buf, momentum)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Model
+
+
+def rms_norm(x: Tensor) -> Tensor:
+    return F.rms_norm(x, (x.size(-1),))
+
+
+def next_multiple_of(n: int, k: int) -> int:
+    return -(-n // k) * k
+
+
+def yarn_rescale(freqs: Tensor, old_window: int, new_window: int, alpha: float = 1.0, beta: float = 32.0) -> Tensor:
+    """YaRN-style frequency interpolation (Peng et al. 2023) for a window that grows old -> new tokens.
+
+    Frequencies that turn fewer than `alpha` times across the old window are slowed by old/new, so
+    positions in the new window look like the distances they were trained on; those turning more than
+    `beta` times are kept; in between they blend. (The speedrun added this in its 2025-09-10 record.)
+    """
+    turns = old_window * freqs / (2 * math.pi)
+    keep = ((turns - alpha) / (beta - alpha)).clamp(0, 1)
+    ratio = old_window / new_window
+    return freqs * (ratio + keep * (1 - ratio))
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding on half of each head's dimensions; the other half carries no position.
+
+    Half-truncated RoPE with base 1024 follows the speedrun's 2024-12 records. The rotation tables and
+    the attention scale are buffers updated in place when the attention window grows, so compiled graphs
+    read them as inputs and never recompile.
+    """
+
+    def __init__(self, head_dim: int, max_len: int, attn_scale: float = 0.12):
+        super().__init__()
+        n = head_dim // 4
+        freqs = torch.cat([(1 / 1024) ** torch.linspace(0, 1, n), torch.zeros(n)])
+        self.register_buffer("base_freqs", freqs, persistent=False)
+        self.register_buffer("positions", torch.arange(max_len, dtype=torch.float32), persistent=False)
+        self.register_buffer("cos", torch.empty(max_len, head_dim // 2), persistent=False)
+        self.register_buffer("sin", torch.empty(max_len, head_dim // 2), persistent=False)
+        self.register_buffer("attn_scale", torch.empty(()), persistent=False)
+        self.base_attn_scale = attn_scale
+        self.set_window_history([])
+
+    @torch.no_grad()
+    def set_window_history(self, windows: list[int]) -> None:
+        """Re-derive the tables from the sequence of long-window sizes (tokens) seen so far."""
+        freqs, scale = self.base_freqs, self.base_attn_scale
+        for old, new in zip(windows, windows[1:]):
+            if new != old:
+                freqs = yarn_rescale(freqs, old, new)
+                scale *= 1 + 0.2 * math.log(new / old)  # sharper attention over a longer window
+        theta = torch.outer(self.positions, freqs)
+        self.cos.copy_(theta.cos())
+        self.sin.copy_(theta.sin())
+        self.attn_scale.fill_(scale)
+
+    def tables(self) -> tuple[Tensor, Tensor, Tensor]:
+        return self.cos, self.sin, self.attn_scale
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x: [T, heads, head_dim]; rotates pairs (i, i + head_dim/2) by position-dependent angles."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    cos, sin = cos[: x.size(0), None, :], sin[: x.size(0), None, :]
+    return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1).type_as(x)
+
+
+def document_ids(tokens: Tensor) -> Tensor:
+    """Document index of each position: a new document starts at every BOS token."""
+    return torch.cumsum(tokens == BOS_TOKEN, dim=0, dtype=torch.int32)
+
+
+# Attention backends. Each computes the same function of (q, k, v, tokens, window): causal attention
+# restricted to the query's own document and to the last `window` positions (the query included),
+# with q already scaled. `prepare` builds, once per micro-batch and outside compiled code, whatever
+# the kernel needs for each window kind ("S" short, "L" long); `__call__` runs inside the blocks.
+
+
+class SdpaAttention:
+    """Plain PyTorch: a dense [T, T] boolean mask. Exact and simple; meant for CPUs and small T."""
+    name = "sdpa"
+
+    def prepare(self, tokens: Tensor, cu_seqlens: Tensor, windows: dict[str, int]) -> dict:
+        doc = document_ids(tokens)
+        pos = torch.arange(tokens.numel(), device=tokens.device)
+        distance = pos[:, None] - pos[None, :]
+        allowed = (distance >= 0) & (doc[:, None] == doc[None, :])
+        return {kind: allowed & (distance < w) for kind, w in windows.items()}
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+        y = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                           attn_mask=mask, scale=1.0)
+        return y.transpose(0, 1)
+
+
+class FlexAttention:
+    """torch FlexAttention with block-sparse masks (the speedrun's 2024-11 switch to long contexts).
+
+    The mask functions are created once and read the document ids and window sizes from tensors
+    that `prepare` overwrites in place, so neither create_block_mask nor the compiled blocks ever see
+    a new function and recompile. Stream order keeps a micro-batch's backward ahead of the next
+    micro-batch's overwrite.
+    """
+    name = "flex"
+
+    def __init__(self, seq_len: int, device: torch.device, compiled: bool):
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        self.flex_attention = flex_attention
+        self.create_block_mask = torch.compile(create_block_mask) if compiled else create_block_mask
+        self.seq_len = seq_len
+        self.doc = torch.zeros(seq_len, dtype=torch.int32, device=device)
+        self.window = {kind: torch.zeros((), dtype=torch.int32, device=device) for kind in "SL"}
+        self.mask_mods = {kind: self._mask_mod(self.doc, self.window[kind]) for kind in "SL"}
+
+    @staticmethod
+    def _mask_mod(doc: Tensor, window: Tensor):
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (kv_idx <= q_idx) & (doc[q_idx] == doc[kv_idx]) & (q_idx - kv_idx < window)
+        return mask_mod
+
+    def prepare(self, tokens: Tensor, cu_seqlens: Tensor, windows: dict[str, int]) -> dict:
+        self.doc.copy_(document_ids(tokens))
+        masks = {}
+        for kind, w in windows.items():
+            self.window[kind].fill_(w)
+            masks[kind] = self.create_block_mask(self.mask_mods[kind], None, None, self.seq_len, self.seq_len,
+                                                 device=tokens.device)
+        return masks
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask) -> Tensor:
+        y = self.flex_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                block_mask=mask, scale=1.0)
+        return y[0].transpose(0, 1)
+
+
+class FlashAttention3:
+    """FlashAttention-3 varlen kernels (Hopper): documents as separate sequences, a sliding window.
+
+    The window is a Python int to the kernel, so each window size is its own compiled graph; the
+    warm-up runs every window pair of the schedule so none compiles in the timed region.
+    """
+    name = "fa3"
+
+    def __init__(self, module):
+        self.varlen = module.flash_attn_varlen_func
+
+    def prepare(self, tokens: Tensor, cu_seqlens: Tensor, windows: dict[str, int]) -> dict:
+        return {kind: (cu_seqlens, w) for kind, w in windows.items()}
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask) -> Tensor:
+        cu_seqlens, window = mask
+        T = q.size(0)
+        y = self.varlen(q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=T, max_seqlen_k=T,
+                        softmax_scale=1.0, causal=True, window_size=(window - 1, 0))
+        return y[0] if isinstance(y, tuple) else y
+
+
+def make_attention(cfg: Config, device: torch.device):
+    """Pick the attention backend: FA3 when it imports (CUDA), else FlexAttention (CUDA), else SDPA."""
+    choice = cfg.attn_backend
+    if choice in ("auto", "fa3") and device.type == "cuda":
+        try:
+            import flash_attn_interface
+            return FlashAttention3(flash_attn_interface)
+        except ImportError:
+            if choice == "fa3":
+                raise UserError("--attn_backend=fa3 but flash_attn_interface does not import; "
+                                "install FlashAttention-3 or use --attn_backend=auto") from None
+    if choice == "fa3":
+        raise UserError("--attn_backend=fa3 needs --device=cuda")
+    if choice == "flex" or (choice == "auto" and device.type == "cuda"):
+        return FlexAttention(cfg.micro_batch_tokens, device, compiled=cfg.compile)
+    return SdpaAttention()
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, dim: int, num_heads: int, head_dim: int):
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, head_dim
+        # Q, K, V and O stacked as one [4*dim, dim] matrix (each block out x in): the same shape as the
+        # MLP weights, so the optimizer can treat all matrices of the model as one stack.
+        self.qkvo_w = nn.Parameter(torch.empty(4 * dim, dim))
+
+    def forward(self, x: Tensor, value_embed: Tensor | None, value_mix: Tensor, rope, mask, attend) -> Tensor:
+        T, dim = x.shape
+        cos, sin, scale = rope
+        w = self.qkvo_w.to(x.dtype)
+        q, k, v = (x @ w[: 3 * dim].T).view(T, 3, self.num_heads, self.head_dim).unbind(1)
+        q, k = rms_norm(q), rms_norm(k)  # QK-norm
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if value_embed is not None:  # value embeddings (speedrun 2024-12, after Zhou et al. 2024)
+            v = value_mix[0] * v + value_mix[1] * value_embed.view_as(v)
+        y = attend((q * scale).type_as(k), k, v, mask)
+        return y.reshape(T, dim) @ w[3 * dim:].T
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.fc_w = nn.Parameter(torch.empty(hidden, dim))  # out x in
+        self.proj_w = nn.Parameter(torch.empty(hidden, dim))  # in x out: stored transposed, same shape as fc_w
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = F.relu(x @ self.fc_w.to(x.dtype).T).square()  # ReLU^2 (So et al. 2021)
+        return h @ self.proj_w.to(x.dtype)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: Config, has_attention: bool):
+        super().__init__()
+        self.attn = CausalSelfAttention(cfg.model_dim, cfg.num_heads, cfg.head_dim) if has_attention else None
+        self.mlp = MLP(cfg.model_dim, cfg.mlp_ratio * cfg.model_dim)
+        # [residual scale, embedding (x0) scale, value scale, value-embedding scale]
+        self.lambdas = nn.Parameter(torch.tensor([1.0, 0.0, 0.5, 0.5]))
+        self.attend = None  # the attention backend, set by GPT
+
+    def forward(self, x: Tensor, x0: Tensor, value_embed: Tensor | None, rope, mask) -> Tensor:
+        lambdas = self.lambdas.to(x.dtype)
+        x = lambdas[0] * x + lambdas[1] * x0  # every layer can re-read the embedding (speedrun 2024-11)
+        if self.attn is not None:
+            x = x + self.attn(rms_norm(x), value_embed, lambdas[2:], rope, mask, self.attend)
+        return x + self.mlp(rms_norm(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: Config, attend, compute_dtype: torch.dtype):
+        super().__init__()
+        self.cfg, self.attend, self.compute_dtype = cfg, attend, compute_dtype
+        vocab = next_multiple_of(cfg.vocab_size, 128)  # padded for efficient matmuls
+        dim = cfg.model_dim
+        self.embed = nn.Embedding(vocab, dim)
+        num_value_embeds = 1 + max((int(c) for c in cfg.value_embed_layout if c != "."), default=-1)
+        self.value_embeds = nn.ModuleList(nn.Embedding(vocab, dim) for _ in range(num_value_embeds))
+        self.blocks = nn.ModuleList(Block(cfg, kind != "-") for kind in cfg.attn_layout)
+        for block in self.blocks:
+            block.attend = attend
+        self.skip_gate = nn.Parameter(torch.tensor(-1.5))  # sigmoid(-1.5) ~ 0.18 (speedrun 2025-09)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)  # untied from the embedding (speedrun 2024-11)
+        self.rotary = Rotary(cfg.head_dim, cfg.micro_batch_tokens)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        dim = self.cfg.model_dim
+        bound = math.sqrt(3) * 0.5 * dim ** -0.5  # uniform with std 0.5/sqrt(dim)
+        for block in self.blocks:
+            if block.attn is not None:
+                block.attn.qkvo_w[: 3 * dim].uniform_(-bound, bound)
+                block.attn.qkvo_w[3 * dim:].zero_()  # output projections start at zero (muP-like)
+            block.mlp.fc_w.uniform_(-bound, bound)
+            block.mlp.proj_w.zero_()
+        self.lm_head.weight.zero_()
+
+    def matrix_params(self) -> dict[str, list[nn.Parameter]]:
+        """The hidden matrices (for Muon), by kind."""
+        return {
+            "attn": [b.attn.qkvo_w for b in self.blocks if b.attn is not None],
+            "mlp": [w for b in self.blocks for w in (b.mlp.fc_w, b.mlp.proj_w)],
+        }
+
+    def compile_regions(self):
+        """Compile each block and the loss head separately: one small graph per distinct block type
+        instead of one whole-model graph, which compiles many times faster at the same speed."""
+        # Block variants (window kind, value embedding or not, grad mode, ...) each take a cache entry
+        # of the one Block.forward; the default limit of 8 would silently fall back to eager.
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        for block in self.blocks:
+            block.compile(dynamic=False, fullgraph=True)
+        self.loss_head = torch.compile(self.loss_head, dynamic=False, fullgraph=True)
+
+    def prepare_masks(self, tokens: Tensor, cu_seqlens: Tensor, windows: tuple[int, int]) -> dict:
+        return self.attend.prepare(tokens, cu_seqlens, {"S": windows[0], "L": windows[1]})
+
+    def forward(self, tokens: Tensor, targets: Tensor, masks: dict) -> Tensor:
+        """Mean cross-entropy over one packed micro-batch: tokens and targets are [T]."""
+        cfg = self.cfg
+        x = x0 = rms_norm(self.embed(tokens)).to(self.compute_dtype)
+        value_embeds = [ve(tokens).to(self.compute_dtype) for ve in self.value_embeds]
+        rope = self.rotary.tables()
+        skip = None
+        for i, block in enumerate(self.blocks):
+            if i == cfg.skip_to:
+                x = x + torch.sigmoid(self.skip_gate).to(x.dtype) * skip
+            ve_index = cfg.value_embed_layout[i]
+            value_embed = None if ve_index == "." else value_embeds[int(ve_index)]
+            x = block(x, x0, value_embed, rope, masks.get(cfg.attn_layout[i]))
+            if i == cfg.skip_from:
+                skip = x
+        return self.loss_head(x, targets)
+
+    def loss_head(self, x: Tensor, targets: Tensor) -> Tensor:
+        logits = rms_norm(x) @ self.lm_head.weight.to(x.dtype).T
+        # Soft-cap the logits into (0, cap) with a sigmoid: the speedrun's 30*sigmoid(z/7.5) form of
+        # Gemma 2's tanh cap, which keeps logits from growing without bound early in training.
+        cap = self.cfg.logit_softcap
+        logits = cap * torch.sigmoid(logits.float() / (cap / 4))
+        return F.cross_entropy(logits, targets)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Data
+#
+# Shards use the llm.c / speedrun layout: 256 little-endian int32 (magic, version, token count, ...)
+# then the tokens as little-endian uint16. Each document starts with BOS.
+
+
+class DataError(UserError):
+    pass
+
+
+def read_shard(path: str) -> np.ndarray:
+    """Validate a shard's header and size; return its tokens as a read-only memory map."""
+    size = os.path.getsize(path)
+    header_bytes = SHARD_HEADER_INTS * 4
+    if size < header_bytes:
+        raise DataError(f"{path}: {size} bytes, too short for the {header_bytes}-byte shard header")
+    header = np.fromfile(path, dtype="<i4", count=SHARD_HEADER_INTS)
+    if header[0] != SHARD_MAGIC:
+        raise DataError(f"{path}: not a token shard (magic number {header[0]}, expected {SHARD_MAGIC})")
+    if header[1] != SHARD_VERSION:
+        raise DataError(f"{path}: shard version {header[1]} is not supported (expected {SHARD_VERSION})")
+    num_tokens = int(header[2])
+    expected = header_bytes + 2 * num_tokens
+    if size != expected:
+        raise DataError(f"{path}: header says {num_tokens:,} tokens ({expected:,} bytes) but the file has "
+                        f"{size:,} bytes; the file is truncated or corrupt, download or build it again")
+    return np.memmap(path, dtype="<u2", mode="r", offset=header_bytes, shape=(num_tokens,))
+
+
+def shard_paths(pattern: str, flag: str) -> list[str]:
+    """The shards matching a glob, each checked, so that bad data fails before any compiling."""
+    paths = sorted(glob.glob(pattern))
+    if not paths:
+        raise DataError(f"--{flag}={pattern!r} matches no files. Download FineWeb shards with "
+                        f"`python data/cached_fineweb10B.py 9` or point --{flag} at your own shards")
+    for path in paths:
+        read_shard(path)
+    return paths
+
+
+def bos_aligned_batches(paths: list[str], length: int, max_doc_len: int, repeat: bool):
+    """Yield (tokens, spans): each batch is `length` tokens made of whole documents from their BOS on,
+    each cut at max_doc_len, the last one cut to fit (speedrun 2025-07: batches start at a BOS).
+
+    The text of a document past max_doc_len is dropped; so is the tail of each shard.
+    """
+    while True:
+        produced = False
+        for path in paths:
+            tokens = read_shard(path)
+            starts = np.flatnonzero(tokens == BOS_TOKEN)
+            ends = np.append(starts[1:], len(tokens))
+            doc = 0
+            while True:
+                spans, need = [], length
+                while need > 0 and doc < len(starts):
+                    start = int(starts[doc])
+                    end = min(int(ends[doc]), start + max_doc_len, start + need)
+                    spans.append((start, end))
+                    need -= end - start
+                    doc += 1
+                if need > 0:
+                    break
+                produced = True
+                yield tokens, spans
+        if not produced:
+            raise DataError(f"no batch of {length} tokens could be built from {paths[0]}...: the shards need "
+                            f"documents that start with the BOS token {BOS_TOKEN}")
+        if not repeat:
+            return
+
+
+def train_batches_for_rank(paths: list[str], cfg: Config, comm: Comm):
+    """This rank's share of the global sequence of micro-batches: every world_size-th one, so the same
+    micro-batches (in the same steps) are seen on 1, 2, 4 or 8 processes."""
+    batches = bos_aligned_batches(paths, cfg.micro_batch_tokens + 1, cfg.max_doc_len, cfg.train_repeat)
+    for index, (tokens, spans) in enumerate(batches):
+        if index % comm.world_size == comm.rank:
+            yield np.concatenate([tokens[start:end] for start, end in spans])
+
+
+def val_batches_for_rank(paths: list[str], cfg: Config, comm: Comm):
+    """Consecutive, unaligned chunks of the validation stream; the first val_tokens tokens are scored."""
+    shards = [read_shard(path) for path in paths]
+    available = sum(len(s) for s in shards)
+    if available < cfg.val_tokens + 1:
+        raise DataError(f"--val_files={cfg.val_files!r} hold {available:,} tokens, fewer than "
+                        f"--val_tokens={cfg.val_tokens:,} (+1); lower --val_tokens")
+    stream = shards[0] if len(shards) == 1 else np.concatenate(shards)
+    T = cfg.micro_batch_tokens
+    for index in range(comm.rank, cfg.val_tokens // T, comm.world_size):
+        yield np.asarray(stream[index * T: index * T + T + 1])
+
+
+def max_documents(seq_len: int) -> int:
+    # Fixed length of cu_seqlens so FA3 sees one shape; 16 tokens per document on average is far
+    # below what real text has.
+    return seq_len // 16 + 1
+
+
+@dataclass
+class MicroBatch:
+    inputs: Tensor  # [T] int32
+    targets: Tensor  # [T] int64
+    cu_seqlens: Tensor  # [max_documents + 1] int32: document starts, then T repeated
+
+
+class _Slot:
+    def __init__(self, seq_len: int, pin: bool):
+        self.inputs = torch.empty(seq_len, dtype=torch.int32, pin_memory=pin)
+        self.targets = torch.empty(seq_len, dtype=torch.int64, pin_memory=pin)
+        self.cu_seqlens = torch.empty(max_documents(seq_len) + 1, dtype=torch.int32, pin_memory=pin)
+        self.copied = None  # CUDA event: the device copy out of this slot has finished
+
+    def fill(self, window: np.ndarray):
+        inputs = window[:-1]
+        self.inputs.numpy()[:] = inputs
+        self.targets.numpy()[:] = window[1:]
+        starts = np.flatnonzero(inputs == BOS_TOKEN)
+        if len(starts) == 0 or starts[0] != 0:
+            starts = np.insert(starts, 0, 0)
+        cu = self.cu_seqlens.numpy()
+        if len(starts) >= len(cu):
+            raise DataError(f"a micro-batch of {len(inputs)} tokens holds {len(starts)} documents, more than the "
+                            f"{len(cu) - 1} supported; the documents are implausibly short")
+        cu[: len(starts)] = starts
+        cu[len(starts):] = len(inputs)
+
+
+class Prefetcher:
+    """Builds micro-batches on a background thread into pinned host buffers; next() starts their
+    non-blocking copy to the device and returns at once, so the next batch is ready while the GPU works.
+
+    A few buffer slots rotate between the thread and the caller; the thread refills a slot only after
+    the CUDA event recorded behind its copy has fired, so a buffer is never overwritten mid-copy.
+    """
+
+    def __init__(self, batches, seq_len: int, device: torch.device, slots: int = 4):
+        self.device = device
+        self.free, self.ready = queue.Queue(), queue.Queue()
+        for _ in range(slots):
+            self.free.put(_Slot(seq_len, pin=device.type == "cuda"))
+        self.closed = False
+        self.thread = threading.Thread(target=self._fill, args=(batches,), daemon=True)
+        self.thread.start()
+
+    def _fill(self, batches):
+        try:
+            for window in batches:
+                slot = self.free.get()
+                if self.closed:
+                    return
+                if slot.copied is not None:
+                    slot.copied.synchronize()
+                slot.fill(window)
+                self.ready.put(slot)
+            self.ready.put(StopIteration())
+        except BaseException as e:  # handed to the training thread, which raises it
+            self.ready.put(e)
+
+    def next(self) -> MicroBatch:
+        item = self.ready.get()
+        if isinstance(item, StopIteration):
+            raise DataError("the training data ran out: add shards (python data/cached_fineweb10B.py N), "
+                            "lower --num_iterations, or set --train_repeat=1")
+        if isinstance(item, BaseException):
+            raise item
+        if self.device.type == "cuda":
+            batch = MicroBatch(*(t.to(self.device, non_blocking=True)
+                                 for t in (item.inputs, item.targets, item.cu_seqlens)))
+            item.copied = torch.cuda.Event()
+            item.copied.record()
+        else:  # the slot is reused, so the CPU path hands out copies
+            batch = MicroBatch(item.inputs.clone(), item.targets.clone(), item.cu_seqlens.clone())
+        self.free.put(item)
+        return batch
+
+    def close(self):
+        self.closed = True
+        self.free.put(None)  # wakes the thread if it waits for a slot
+
+
+# ----------------------------------------------------------------------------------------------------
+# Schedule
+
+
+class Schedule:
+    """Everything that changes during training, as a function of the step.
+
+    Training is cut into equal stages (one per entry of batch_schedule); each stage has a batch size,
+    an lr multiplier and a pair of attention windows. Growing the batch and the windows over training
+    follows the speedrun's 2025-11 (batch) and 2024-11 (window) records.
+    """
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.num_iterations = cfg.num_iterations
+        self.batches = _parse_stage_list(cfg, "batch_schedule", int)
+        self.lr_multipliers = _parse_stage_list(cfg, "lr_schedule", float)
+        block = cfg.window_block
+        self.stage_windows = [(s * block, l * block) for s, l in _parse_stage_list(cfg, "window_schedule", _parse_window_pair)]
+        short, long = _parse_window_pair(cfg.final_windows)
+        self.final_windows = (short * block, long * block)
+
+    def stage(self, step: int) -> int:
+        return min(step * len(self.batches) // self.num_iterations, len(self.batches) - 1)
+
+    def micro_batches(self, step: int) -> int:
+        """Micro-batches in this step, summed over all ranks."""
+        return self.batches[self.stage(step)]
+
+    def lr_multiplier(self, step: int) -> float:
+        lr = self.lr_multipliers[self.stage(step)]
+        cooldown_start = self.num_iterations * (1 - self.cfg.cooldown_frac)
+        if step >= cooldown_start:
+            t = (step - cooldown_start) / max(self.num_iterations - cooldown_start, 1)
+            lr = lr * (1 - t) + self.cfg.final_lr_frac * t
+        return lr
+
+    def muon_momentum(self, step: int) -> float:
+        """Linear warm-up from muon_momentum_start, and back down over the last steps."""
+        cfg = self.cfg
+        low, high = cfg.muon_momentum_start, cfg.muon_momentum
+        if step < cfg.muon_momentum_warmup:
+            return low + (high - low) * step / cfg.muon_momentum_warmup
+        steps_left = self.num_iterations - step
+        if steps_left < cfg.muon_momentum_cooldown:
+            return low + (high - low) * steps_left / cfg.muon_momentum_cooldown
+        return high
+
+    def windows(self, step: int) -> tuple[int, int]:
+        """(short, long) attention windows in tokens; the final validation gets the extended pair."""
+        if step >= self.num_iterations:
+            return self.final_windows
+        return self.stage_windows[self.stage(step)]
+
+    def long_window_history(self, step: int) -> list[int]:
+        """The long windows used up to this step, for YaRN to replay."""
+        history = [long for _, long in self.stage_windows[: self.stage(step) + 1]]
+        if step >= self.num_iterations:
+            history.append(self.final_windows[1])
+        return history
+
+    def all_windows(self) -> list[tuple[int, int]]:
+        return sorted(set(self.stage_windows) | {self.final_windows})
+
+
+# ----------------------------------------------------------------------------------------------------
+# Logging
+
+
+class RunLog:
+    """Rank 0 writes logs/<run_id>.txt: the source of this file, the environment, the config, then one
+    line per step (records/tool.py reads this layout back); other ranks write nothing."""
+
+    def __init__(self, cfg: Config, comm: Comm):
+        self.file = None
+        if not comm.is_main:
+            return
+        os.makedirs(cfg.log_dir, exist_ok=True)
+        self.path = os.path.join(cfg.log_dir, f"{cfg.run_id}.txt")
+        self.file = open(self.path, "w", encoding="utf-8")
+        source = Path(__file__).read_bytes()
+        code = source.decode("utf-8")
+        lines = code.splitlines()
+        self._write(f"#### train_gpt.py log v{LOG_FORMAT_VERSION} run_id={cfg.run_id}")
+        self._write(f"==== code train_gpt.py sha256={hashlib.sha256(source).hexdigest()} lines={len(lines)} ====")
+        self._write("\n".join(lines))
+        self._write("==== end code ====")
+        self._write("==== environment ====")
+        for key, value in environment(cfg, comm).items():
+            self._write(f"{key}: {value}")
+        self._write("==== nvidia-smi ====")
+        self._write(nvidia_smi())
+        self._write("==== config ====")
+        self._write("config: " + json.dumps(dataclasses.asdict(cfg)))
+        self._write("==== training ====")
+        print(f"logging to {self.path}", flush=True)
+
+    def _write(self, text: str):
+        self.file.write(text + "\n")
+        self.file.flush()
+
+    def __call__(self, text: str):
+        """One line to stdout and the log (rank 0 only)."""
+        if self.file is not None:
+            print(text, flush=True)
+            self._write(text)
+
+    def finish(self):
+        if self.file is not None:
+            self._write("==== end ====")
+            self.file.close()
+            self.file = None
+
+
+def environment(cfg: Config, comm: Comm) -> dict[str, str]:
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "not installed"
+    if cfg.device == "cuda":
+        hardware = f"{comm.world_size}x {torch.cuda.get_device_name()}"
+    else:
+        hardware = f"{comm.world_size}x cpu ({platform.machine()}, {os.cpu_count()} cores)"
+    return {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "device": cfg.device,
+        "world_size": str(comm.world_size),
+        "hardware": hardware,
+        "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+    }
+
+
+def nvidia_smi() -> str:
+    try:
+        return subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "not available"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Training loop
+
+
+class TrainingDiverged(UserError):
+    pass
+
+
+def build_optimizers(model: GPT, cfg: Config, comm: Comm) -> list[torch.optim.Optimizer]:
+    """Adam for embeddings, head and scalars; Muon for the hidden matrices (speedrun 2024-10)."""
+    matrices = model.matrix_params()
+    muon = Muon([dict(params=matrices["attn"], split=4), dict(params=matrices["mlp"], split=1)],
+                lr=cfg.muon_lr, momentum=cfg.muon_momentum, weight_decay=cfg.muon_weight_decay, comm=comm)
+    embeddings = [model.embed.weight] + [ve.weight for ve in model.value_embeds]
+    scalars = [model.skip_gate] + [block.lambdas for block in model.blocks]
+    adam = DistAdam([dict(params=embeddings, lr=cfg.adam_lr * cfg.embed_lr_mul),
+                     dict(params=[model.lm_head.weight], lr=cfg.adam_lr * cfg.head_lr_mul),
+                     dict(params=scalars, lr=cfg.adam_lr * cfg.scalar_lr_mul)],
+                    lr=cfg.adam_lr, betas=cfg.adam_betas, eps=cfg.adam_eps, weight_decay=cfg.adam_weight_decay)
+    optimizers = [adam, muon]
+    covered = [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
+    missing = [name for name, p in model.named_parameters() if not any(p is q for q in covered)]
+    if missing or len(covered) != len({id(p) for p in covered}):
+        raise RuntimeError(f"optimizer parameter split is wrong; unassigned: {missing}")
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["initial_lr"] = group["lr"]
+    return optimizers
+
+
+def set_hyperparameters(optimizers, schedule: Schedule, step: int):
+    lr_multiplier = schedule.lr_multiplier(step)
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["lr"] = group["initial_lr"] * lr_multiplier
+            if isinstance(opt, Muon):
+                group["momentum"] = schedule.muon_momentum(step)
+
+
+class LossWatch:
+    """Reads each step's loss back to the host one step late, so checking it for NaN/inf never stalls
+    the GPU: by the time step s is read, step s+1 is already queued behind it."""
+
+    def __init__(self, comm: Comm, device: torch.device):
+        self.comm, self.device = comm, device
+        self.pending = None
+        self.losses: list[float] = []  # mean over all ranks, one per step
+
+    def push(self, step: int, local_loss: Tensor):
+        losses = local_loss.float().reshape(1)
+        if self.comm.distributed:
+            losses = losses.new_empty(self.comm.world_size)
+            dist.all_gather_into_tensor(losses, local_loss.float().reshape(1))
+        if self.device.type == "cuda":
+            host = torch.empty(losses.numel(), pin_memory=True)
+            host.copy_(losses, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host, event = losses, None
+        self.flush()
+        self.pending = (step, host, event)
+
+    def flush(self):
+        if self.pending is None:
+            return
+        step, host, event = self.pending
+        self.pending = None
+        if event is not None:
+            event.synchronize()
+        losses = host.tolist()
+        bad = [rank for rank, loss in enumerate(losses) if not math.isfinite(loss)]
+        if bad:
+            raise TrainingDiverged(f"training diverged: loss is {losses[bad[0]]} at step {step + 1} on rank {bad[0]}")
+        self.losses.append(sum(losses) / len(losses))
+
+
+def train_step(model: GPT, optimizers, batches: Prefetcher, windows: tuple[int, int], micro_batches: int) -> Tensor:
+    """Forward/backward over this rank's micro-batches, then the optimizers. Returns the mean loss.
+
+    Each micro-batch loss is a mean over its tokens; dividing by the local micro-batch count and then
+    averaging over ranks (inside the optimizers) gives the mean over all micro-batches of the step, so
+    1, 2, 4 or 8 processes compute the same update.
+    """
+    total = None
+    for index in range(micro_batches):
+        if index == micro_batches - 1:  # let gradient communication start inside the last backward
+            for opt in optimizers:
+                if hasattr(opt, "before_last_backward"):
+                    opt.before_last_backward()
+        batch = batches.next()
+        masks = model.prepare_masks(batch.inputs, batch.cu_seqlens, windows)
+        loss = model(batch.inputs, batch.targets, masks)
+        (loss / micro_batches).backward()
+        total = loss.detach() if total is None else total + loss.detach()
+    for opt in optimizers:
+        opt.step()
+    model.zero_grad(set_to_none=True)
+    return total / micro_batches
+
+
+@torch.no_grad()
+def evaluate(model: GPT, cfg: Config, comm: Comm, val_paths: list[str], windows: tuple[int, int],
+             device: torch.device) -> float:
+    batches = Prefetcher(val_batches_for_rank(val_paths, cfg, comm), cfg.micro_batch_tokens, device)
+    count = cfg.val_tokens // cfg.micro_batch_tokens // comm.world_size
+    total = torch.zeros((), device=device)
+    try:
+        for _ in range(count):
+            batch = batches.next()
+            total += model(batch.inputs, batch.targets, model.prepare_masks(batch.inputs, batch.cu_seqlens, windows))
+    finally:
+        batches.close()
+    if comm.distributed:
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    return total.item() / (count * comm.world_size)
+
+
+def dummy_batches(cfg: Config, seed: int):
+    """Random token windows with documents of random length, for the warm-up."""
+    rng = np.random.default_rng(seed)
+    while True:
+        window = rng.integers(0, BOS_TOKEN, cfg.micro_batch_tokens + 1).astype(np.uint16)
+        window[0] = BOS_TOKEN
+        window[rng.integers(1, cfg.micro_batch_tokens, cfg.micro_batch_tokens // 512 + 1)] = BOS_TOKEN
+        yield window
+
+
+def warm_up(model: GPT, optimizers, cfg: Config, comm: Comm, schedule: Schedule, device: torch.device):
+    """Run every graph the timed region will need (training and no-grad forward, each window pair,
+    the optimizer step) on random data, then restore the initial weights and empty the optimizer
+    state. Nothing here is timed."""
+    initial = {name: t.detach().clone() for name, t in model.state_dict().items()}
+    batches = Prefetcher(dummy_batches(cfg, seed=cfg.seed + 1 + comm.rank), cfg.micro_batch_tokens, device)
+    try:
+        for windows in schedule.all_windows():
+            train_step(model, optimizers, batches, windows, micro_batches=1)
+            with torch.no_grad():
+                batch = batches.next()
+                model(batch.inputs, batch.targets, model.prepare_masks(batch.inputs, batch.cu_seqlens, windows))
+    finally:
+        batches.close()
+    model.load_state_dict(initial)
+    for opt in optimizers:
+        opt.state.clear()
+
+
+def compiled_graph_count() -> int:
+    from torch._dynamo.utils import counters
+    return int(counters["stats"]["unique_graphs"])
+
+
+@dataclass
+class TrainResult:
+    train_losses: list[float]  # per step, mean over ranks
+    val_losses: list[tuple[int, float]]  # (step, loss)
+    train_time_ms: float
+
+
+def train(cfg: Config, comm: Comm, log: RunLog) -> TrainResult:
+    device = torch.device("cuda", comm.local_rank) if cfg.device == "cuda" else torch.device("cpu")
+    torch.manual_seed(cfg.seed)
+    train_paths = shard_paths(cfg.train_files, "train_files")
+    val_paths = shard_paths(cfg.val_files, "val_files")
+    schedule = Schedule(cfg)
+    attend = make_attention(cfg, device)
+    compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = GPT(cfg, attend, compute_dtype).to(device)
+    if comm.distributed:  # same seed gives the same init, but make certain
+        for t in model.state_dict().values():
+            dist.broadcast(t, 0)
+    num_params = sum(p.numel() for p in model.parameters())
+    log(f"model: {num_params:,} parameters, attention backend {attend.name}, compute dtype {compute_dtype}, "
+        f"world size {comm.world_size}")
+
+    # Untimed warm-up: compile and tune every kernel, then start over from the same weights.
+    start = time.perf_counter()
+    optimizers = build_optimizers(model, cfg, comm)
+    if cfg.compile:
+        model.compile_regions()
+    warm_up(model, optimizers, cfg, comm, schedule, device)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    graphs_after_warmup = compiled_graph_count()
+    log(f"compile_time:{time.perf_counter() - start:.1f}s graphs:{graphs_after_warmup}")
+
+    watch = LossWatch(comm, device)
+    batches = Prefetcher(train_batches_for_rank(train_paths, cfg, comm), cfg.micro_batch_tokens, device)
+    val_losses = []
+    reported = 0
+    history = None
+    train_time_ms = 0.0
+
+    def synchronize():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    try:
+        synchronize()
+        clock = time.perf_counter()
+        N = cfg.num_iterations
+        for step in range(N + 1):
+            last = step == N
+            if history != schedule.long_window_history(step):
+                history = schedule.long_window_history(step)
+                model.rotary.set_window_history(history)
+            windows = schedule.windows(step)
+            if last or (cfg.val_loss_every > 0 and step % cfg.val_loss_every == 0):
+                synchronize()
+                train_time_ms += 1000 * (time.perf_counter() - clock)
+                watch.flush()
+                val_loss = evaluate(model, cfg, comm, val_paths, windows, device)
+                val_losses.append((step, val_loss))
+                recent = watch.losses[reported:]  # training loss since the previous validation
+                reported = len(watch.losses)
+                log(f"step:{step}/{N} val_loss:{val_loss:.4f} train_time:{train_time_ms:.0f}ms "
+                    f"step_avg:{train_time_ms / max(step, 1):.2f}ms"
+                    + (f" train_loss:{sum(recent) / len(recent):.4f}" if recent else ""))
+                synchronize()
+                clock = time.perf_counter()
+            if last:
+                break
+            set_hyperparameters(optimizers, schedule, step)
+            loss = train_step(model, optimizers, batches, windows, schedule.micro_batches(step) // comm.world_size)
+            watch.push(step, loss)
+            elapsed_ms = train_time_ms + 1000 * (time.perf_counter() - clock)
+            log(f"step:{step + 1}/{N} train_time:{elapsed_ms:.0f}ms step_avg:{elapsed_ms / (step + 1):.2f}ms")
+        watch.flush()
+    finally:
+        batches.close()
+
+    recompiles = compiled_graph_count() - graphs_after_warmup
+    if recompiles:
+        log(f"warning: {recompiles} graphs were compiled inside the timed region")
+    if device.type == "cuda":
+        log(f"peak memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "
+            f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")
+    return TrainResult(watch.losses, val_losses, train_time_ms)
+
+
+# ----------------------------------------------------------------------------------------------------
+# main
+
+
+def init_distributed(cfg: Config) -> Comm:
+    """World size 1 without torchrun; under torchrun, one process per GPU (or CPU process with gloo)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if world_size not in (1, 2, 4, 8):
+        raise UserError(f"world size {world_size} is not supported: run on 1, 2, 4 or 8 processes, "
+                        "so that every step's batch splits evenly (8 processes per node at most)")
+    if cfg.device == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError("--device=cuda, but torch sees no CUDA GPU (torch.cuda.is_available() is False); "
+                            "pass --device=cpu to run on the CPU")
+        if local_rank >= torch.cuda.device_count():
+            raise UserError(f"local rank {local_rank} has no GPU: {torch.cuda.device_count()} visible; "
+                            "start at most that many processes per node")
+        torch.cuda.set_device(local_rank)
+    if world_size > 1:
+        if cfg.device == "cuda":
+            dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+        else:
+            dist.init_process_group("gloo")
+    return Comm(rank, world_size, local_rank)
+
+
+def check_inputs(cfg: Config) -> None:
+    """What --check verifies before a launch: the config, the device and every data file."""
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device=cuda, but torch sees no CUDA GPU; pass --device=cpu to run on the CPU")
+    shard_paths(cfg.train_files, "train_files")
+    next(val_batches_for_rank(shard_paths(cfg.val_files, "val_files"), cfg, Comm()))  # enough val tokens?
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    comm = None
+    try:
+        cfg, flags = parse_cli(argv)
+        if "help" in flags:
+            print(config_help())
+            return 0
+        if "check" in flags:
+            check_inputs(cfg)
+            print("ok: config, device and data files look right")
+            return 0
+        check_inputs(cfg)  # before anything is written or compiled
+        comm = init_distributed(cfg)
+        if not cfg.run_id:
+            run_id = [str(uuid.uuid4())]
+            if comm.distributed:  # every rank must agree on the run id
+                dist.broadcast_object_list(run_id, 0)
+            cfg = dataclasses.replace(cfg, run_id=run_id[0])
+        log = RunLog(cfg, comm)
+        train(cfg, comm, log)
+        log.finish()
+        return 0
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if comm is not None and comm.distributed and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
