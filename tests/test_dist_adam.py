@@ -1,0 +1,119 @@
+"""DistAdam on one process and on two gloo processes, against torch.optim.AdamW on the full gradient."""
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+import train_gpt as tg
+from helpers import run_on_ranks
+
+# Shapes like the model's: large matrices (divisible and not by the world size) and small scalars
+# that get packed into one bucket.
+SHAPES = [(128, 96), (97, 89), (4,), (1,), (5, 3)]
+STEPS = 4
+HYPER = dict(betas=(0.8, 0.95), eps=1e-10, weight_decay=0.05)
+
+
+def make_params(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(*shape, generator=g).requires_grad_() for shape in SHAPES]
+
+
+def rank_grads(rank, step):
+    """The gradient rank `rank` computes at `step`: different on every rank."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return [torch.randn(*shape, generator=g) for shape in SHAPES]
+
+
+def groups(params):
+    # two param groups with different lrs; the first holds a packed small parameter too
+    return [dict(params=[params[0], params[2]], lr=0.01), dict(params=[params[1], params[3], params[4]], lr=0.003)]
+
+
+def reference_params(world_size):
+    params = make_params()
+    opt = torch.optim.AdamW(groups(params), **HYPER)
+    for step in range(STEPS):
+        per_rank = [rank_grads(r, step) for r in range(world_size)]
+        for i, p in enumerate(params):
+            p.grad = sum(g[i] for g in per_rank) / world_size
+        opt.step()
+    return [p.detach() for p in params]
+
+
+def dist_adam_params(rank, world_size, calls=None):
+    params = make_params()
+    opt = tg.DistAdam(groups(params), lr=0.01, **HYPER)
+    for step in range(STEPS):
+        for p, g in zip(params, rank_grads(rank, step)):
+            p.grad = g
+        opt.step()
+        opt.zero_grad()
+    state_numel = sum(s["exp_avg"].numel() + s["exp_avg_sq"].numel() for s in opt.state.values())
+    return [p.detach() for p in params], state_numel
+
+
+def assert_close(got, want):
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-6, atol=1e-7)
+
+
+def test_single_process_equals_adamw(monkeypatch):
+    for name in ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor"):
+        monkeypatch.setattr(dist, name, lambda *a, **k: pytest.fail("world size 1 must not communicate"))
+    got, state_numel = dist_adam_params(0, 1)
+    assert_close(got, reference_params(1))
+    assert state_numel == 2 * sum(torch.Size(s).numel() for s in SHAPES)
+
+
+def _two_rank_run(rank, world_size):
+    calls = {"all_reduce": 0, "reduce_scatter_tensor": 0, "all_gather_into_tensor": 0}
+    for name in calls:
+        original = getattr(dist, name)
+
+        def counted(*args, _name=name, _original=original, **kwargs):
+            calls[_name] += 1
+            return _original(*args, **kwargs)
+        setattr(dist, name, counted)
+    params, state_numel = dist_adam_params(rank, world_size)
+    return params, state_numel, calls
+
+
+def test_two_ranks_equal_adamw_on_the_full_gradient():
+    results = run_on_ranks(_two_rank_run, 2)
+    want = reference_params(2)
+    buckets = 4  # (128, 96) and (97, 89) alone; per group the small ones packed: [(4,)] and [(1,), (5, 3)]
+    full_state = 2 * sum(torch.Size(s).numel() for s in SHAPES)
+    for params, state_numel, calls in results:
+        assert_close(params, want)
+        # each rank holds half the state, plus padding where a size is odd (97*89 = 8633 -> 8634)
+        assert state_numel == 2 * (12288 // 2 + 8634 // 2 + 4 // 2 + 16 // 2)
+        assert state_numel < 0.51 * full_state
+        assert calls["all_reduce"] == 0
+        assert calls["reduce_scatter_tensor"] == calls["all_gather_into_tensor"] == buckets * STEPS
+
+
+def _hook_run(rank, world_size):
+    """A real backward with the hooks armed: reduce-scatters start before step() is called."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    opt = tg.DistAdam([dict(params=list(model.parameters()), lr=0.01)], lr=0.01)
+    launched = []
+    original = dist.reduce_scatter_tensor
+
+    def counted(*args, **kwargs):
+        launched.append(1)
+        return original(*args, **kwargs)
+    dist.reduce_scatter_tensor = counted
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(rank))
+    opt.before_last_backward()
+    model(x).square().mean().backward()
+    during_backward = len(launched)
+    opt.step()
+    return during_backward, len(launched), [p.detach().clone() for p in model.parameters()]
+
+
+def test_backward_hooks_launch_the_reduce_scatters():
+    (early0, total0, params0), (early1, total1, params1) = run_on_ranks(_hook_run, 2)
+    assert early0 == total0 > 0 and early1 == total1  # everything launched inside backward
+    assert all(torch.equal(a, b) for a, b in zip(params0, params1))  # ranks agree after the step
