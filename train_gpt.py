@@ -226,6 +226,63 @@ def config_help() -> str:
 
 
 # ----------------------------------------------------------------------------------------------------
+# Triton kernels (used on CUDA when Triton imports; every one has a plain-torch equivalent)
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+if triton is not None:
+    @triton.autotune(
+        configs=[triton.Config(dict(BLOCK=b, BLOCK_K=k), num_warps=w, num_stages=st)
+                 for b, k, w, st in ((128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 4), (128, 32, 8, 4))],
+        key=["M", "K", "HAS_Y"])
+    @triton.jit
+    def _symmetric_matmul_kernel(X, Y, Out, M, K, sxb, sxm, sxk, syb, sym, syn, sob, som, son, alpha, beta,
+                                 HAS_Y: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Out[b] = alpha * X[b] @ X[b]^T (+ beta * Y[b]) for symmetric results: each program computes one
+        tile on or below the diagonal and also writes its mirror, so half the products are skipped."""
+        tile, batch = tl.program_id(0), tl.program_id(1)
+        # tile -> (row, col) with col <= row, counting the lower triangle row by row
+        row = ((tl.sqrt(8.0 * tile + 1.0) - 1.0) / 2.0).to(tl.int32)
+        row = tl.where((row + 1) * (row + 2) // 2 <= tile, row + 1, row)
+        row = tl.where(row * (row + 1) // 2 > tile, row - 1, row)
+        col = tile - row * (row + 1) // 2
+        rows = row * BLOCK + tl.arange(0, BLOCK)
+        cols = col * BLOCK + tl.arange(0, BLOCK)
+        ks = tl.arange(0, BLOCK_K)
+        X += batch * sxb
+        acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = (k0 + ks) < K
+            a = tl.load(X + rows[:, None] * sxm + (k0 + ks)[None, :] * sxk, mask=(rows[:, None] < M) & k_ok[None, :], other=0.0)
+            b = tl.load(X + cols[:, None] * sxm + (k0 + ks)[None, :] * sxk, mask=(cols[:, None] < M) & k_ok[None, :], other=0.0)
+            acc = tl.dot(a, tl.trans(b), acc)
+        acc *= alpha
+        inside = (rows[:, None] < M) & (cols[None, :] < M)
+        if HAS_Y:
+            y = tl.load(Y + batch * syb + rows[:, None] * sym + cols[None, :] * syn, mask=inside, other=0.0)
+            acc += beta * y.to(tl.float32)
+        Out += batch * sob
+        result = acc.to(Out.dtype.element_ty)
+        tl.store(Out + rows[:, None] * som + cols[None, :] * son, result, mask=inside)
+        if row != col:
+            tl.store(Out + cols[None, :] * som + rows[:, None] * son, result, mask=inside)
+
+
+def symmetric_matmul(X: Tensor, out: Tensor, alpha: float = 1.0, beta: float = 0.0, Y: Tensor | None = None) -> Tensor:
+    """out = alpha * X @ X^T + beta * Y over a [batch, M, K] stack, with the Triton kernel above."""
+    batch, M, K = X.shape
+    tiles = lambda meta: (triton.cdiv(M, meta["BLOCK"]) * (triton.cdiv(M, meta["BLOCK"]) + 1) // 2, batch)
+    Yt = Y if Y is not None else out
+    _symmetric_matmul_kernel[tiles](X, Yt, out, M, K, *X.stride(), *Yt.stride(), *out.stride(), alpha, beta,
+                                    HAS_Y=Y is not None)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
 # Comms
 
 
@@ -243,16 +300,6 @@ class Comm:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-
-def all_reduce_mean_(tensors: list[Tensor], comm: Comm) -> None:
-    """Average tensors over ranks in place: launch every all-reduce, then wait on them all."""
-    if not comm.distributed:
-        return
-    works = [dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=True) for t in tensors]
-    for work, t in zip(works, tensors):
-        work.wait()
-        t.div_(comm.world_size)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -406,11 +453,15 @@ POLAR_EXPRESS_COEFFS = (
 )
 
 
-def orthogonalize(grads: Tensor) -> Tensor:
+def orthogonalize(grads: Tensor, use_triton: bool | None = None) -> Tensor:
     """Approximately replace each matrix of a [..., rows, cols] batch by U V^T of its SVD.
 
-    bf16 on the GPU (the iteration is robust to it), fp32 elsewhere so CPU tests are exact.
+    bf16 on the GPU (the iteration is robust to it), fp32 elsewhere so CPU tests are exact. On CUDA
+    with Triton, X X^T and b A + c A A (A symmetric) use the symmetric kernel, which skips the
+    products above the diagonal (the speedrun's 2025-07 Triton Muon record); otherwise plain torch.
     """
+    if use_triton is None:
+        use_triton = grads.is_cuda and triton is not None
     dtype = torch.bfloat16 if grads.is_cuda else torch.float32
     X = grads.to(dtype)
     transposed = X.size(-2) > X.size(-1)
@@ -418,39 +469,133 @@ def orthogonalize(grads: Tensor) -> Tensor:
         X = X.mT
     # Frobenius norm bounds the spectral norm: after this every singular value is below 1.
     X = X / (X.norm(dim=(-2, -1), keepdim=True) * (1 + 2e-2) + 1e-6)
-    for a, b, c in POLAR_EXPRESS_COEFFS:
-        A = X @ X.mT
-        B = b * A + c * (A @ A)
-        X = a * X + B @ X
+    if use_triton:
+        X = X.reshape(-1, *X.shape[-2:]).contiguous()
+        A = X.new_empty(X.size(0), X.size(1), X.size(1))
+        B = torch.empty_like(A)
+        for a, b, c in POLAR_EXPRESS_COEFFS:
+            symmetric_matmul(X, out=A)
+            symmetric_matmul(A, out=B, alpha=c, beta=b, Y=A)
+            X = torch.baddbmm(X, B, X, beta=a)
+        X = X.view(*grads.shape[:-2], *X.shape[-2:])
+    else:
+        for a, b, c in POLAR_EXPRESS_COEFFS:
+            A = X @ X.mT
+            B = b * A + c * (A @ A)
+            X = a * X + B @ X
     return X.mT if transposed else X
 
 
-class Muon(torch.optim.Optimizer):
-    """Muon (Jordan et al. 2024): Nesterov momentum, then orthogonalise the update of each matrix.
+def plan_muon_groups(shapes: list[tuple[int, ...]], world_size: int) -> list[list[int]]:
+    """Split matrices (by index) into communication groups: one shape per group, smaller shapes first,
+    and each shape's matrices in two halves whose sizes are multiples of the world size when the count
+    allows it, so a reduce-scatter needs no padding and the second half's communication overlaps the
+    first half's orthogonalisation. A group whose size is not a multiple of world_size gets padded."""
+    by_shape: dict[tuple[int, ...], list[int]] = {}
+    for index, shape in enumerate(shapes):
+        by_shape.setdefault(tuple(shape), []).append(index)
+    groups = []
+    for shape in sorted(by_shape, key=math.prod):
+        members = by_shape[shape]
+        per_rank = len(members) // world_size
+        split = world_size * ((per_rank + 1) // 2) if per_rank >= 2 else len(members)
+        groups += [g for g in (members[:split], members[split:]) if g]
+    return groups
 
-    Each param group may set "split": its matrices are stacks of that many row blocks (a [4d, d]
-    QKVO weight is split 4 ways), each orthogonalised on its own.
-    Communication per step: one all-reduce (sum, then / world size) per gradient, all launched before
-    the first wait; every rank then updates every matrix. Without a process group nothing is sent.
+
+class _MuonGroup:
+    def __init__(self, params: list[Tensor], world_size: int):
+        self.params = params
+        self.per_rank = -(-len(params) // world_size)
+        self.padding = self.per_rank * world_size - len(params)
+        self.pending = None  # (work or None, this rank's averaged gradients [per_rank, rows, cols])
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon (Jordan et al. 2024): Nesterov momentum, then replace each matrix's update by the nearest
+    semi-orthogonal matrix, computed with Polar Express iterations (POLAR_EXPRESS_COEFFS).
+
+    Each param group may set "split": its matrices are stacks of that many row blocks, each
+    orthogonalised on its own (a [4d, d] QKVO weight is Q, K, V and O). Storing the attention weights
+    in the MLP weights' shape lets all matrices share reduce-scatters (the speedrun's 2025-09
+    "MuonCustomSizing" record).
+
+    Communication schedule of one step, world size W > 1 (W = 1 sends nothing and runs the same math):
+      1. for every group of plan_muon_groups (stacked same-shape gradients), launch reduce_scatter_tensor
+         (average): rank r receives the gradients of matrices [r*k, (r+1)*k) of the group;
+      2. for each group in order: wait, apply momentum to the owned matrices (momentum buffers exist only
+         for those), orthogonalise them (QKVO matrices per projection), launch all_gather_into_tensor of
+         the updates;
+      3. wait for the gathers and apply every update to every replica.
+    Default model (10 QKVO + 22 MLP matrices, all 3072 x 768): two groups of 16 matrices at every world
+    size; per rank and group 2 matrices at W=8, 4 at W=4, 8 at W=2; padding 0 at 1, 2, 4 and 8 ranks.
     """
 
-    def __init__(self, params, lr: float, momentum: float, weight_decay: float = 0.0, comm: Comm = Comm()):
+    def __init__(self, params, lr: float, momentum: float, weight_decay: float = 0.0):
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, split=1))
-        self.comm = comm
+        self.distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world_size = dist.get_world_size() if self.distributed else 1
+        params = [p for group in self.param_groups for p in group["params"]]
+        self.group_of = {p: group for group in self.param_groups for p in group["params"]}
+        plan = plan_muon_groups([tuple(p.shape) for p in params], self.world_size)
+        self.groups = [_MuonGroup([params[i] for i in indices], self.world_size) for indices in plan]
+
+    def _launch_reduce(self, group: _MuonGroup):
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in group.params]
+        grads += [torch.zeros_like(grads[0])] * group.padding
+        stacked = torch.stack(grads)
+        if self.distributed:
+            owned = stacked.new_empty(group.per_rank, *stacked.shape[1:])
+            group.pending = (dist.reduce_scatter_tensor(owned, stacked, op=dist.ReduceOp.AVG, async_op=True), owned)
+        else:
+            group.pending = (None, stacked)
+
+    def _owned_updates(self, group: _MuonGroup, grads: Tensor) -> Tensor:
+        """Momentum and orthogonalisation of this rank's matrices of the group; padding slots stay zero."""
+        first = self.rank * group.per_rank
+        owned = group.params[first: first + group.per_rank]
+        updates = None
+        by_split: dict[int, list[int]] = {}
+        directions = []
+        for i, p in enumerate(owned):
+            settings = self.group_of[p]
+            directions.append(muon_momentum_(grads[i], self.state[p], settings["momentum"]))
+            by_split.setdefault(settings["split"], []).append(i)
+        for split, members in by_split.items():  # one batched orthogonalisation per kind of matrix
+            batch = torch.stack([directions[i] for i in members])
+            n, rows, cols = batch.shape
+            ortho = orthogonalize(batch.view(n * split, rows // split, cols)).view(n, rows, cols)
+            if updates is None:
+                updates = ortho.new_zeros(group.per_rank, rows, cols)
+            updates[members] = ortho
+        if updates is None:  # this rank holds only padding
+            updates = grads.new_zeros(grads.shape, dtype=torch.bfloat16 if grads.is_cuda else torch.float32)
+        return updates
 
     @torch.no_grad()
     def step(self):
-        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
-        all_reduce_mean_([p.grad for p in params], self.comm)
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                update = muon_momentum_(p.grad, self.state[p], group["momentum"])
-                rows = p.size(0) // group["split"]
-                ortho = orthogonalize(update.view(group["split"], rows, p.size(1))).view_as(p)
-                p.mul_(1 - group["lr"] * group["weight_decay"])
-                p.add_(ortho.to(p.dtype), alpha=-group["lr"])
+        for group in self.groups:
+            self._launch_reduce(group)
+        gathers = []
+        for group in self.groups:
+            work, grads = group.pending
+            if work is not None:
+                work.wait()
+            updates = self._owned_updates(group, grads)
+            if self.distributed:
+                everything = updates.new_empty(group.per_rank * self.world_size, *updates.shape[1:])
+                gathers.append((group, everything, dist.all_gather_into_tensor(everything, updates, async_op=True)))
+            else:
+                gathers.append((group, updates, None))
+            group.pending = None
+        for group, updates, work in gathers:
+            if work is not None:
+                work.wait()
+            for p, update in zip(group.params, updates):
+                settings = self.group_of[p]
+                p.mul_(1 - settings["lr"] * settings["weight_decay"])
+                p.add_(update.to(p.dtype), alpha=-settings["lr"])
 
 
 def muon_momentum_(grad: Tensor, state: dict, momentum: float) -> Tensor:
@@ -804,13 +949,16 @@ def shard_paths(pattern: str, flag: str) -> list[str]:
     return paths
 
 
-def bos_aligned_batches(paths: list[str], length: int, max_doc_len: int, repeat: bool):
+def bos_aligned_batches(paths: list[str], length: int, max_doc_len: int, repeat: bool, on_new_pass=None):
     """Yield (tokens, spans): each batch is `length` tokens made of whole documents from their BOS on,
     each cut at max_doc_len, the last one cut to fit (speedrun 2025-07: batches start at a BOS).
 
-    The text of a document past max_doc_len is dropped; so is the tail of each shard.
+    The text of a document past max_doc_len is dropped; so is the tail of each shard. With `repeat`,
+    the shards start over when they run out, and on_new_pass(number) is called.
     """
-    while True:
+    for number in range(1, sys.maxsize):
+        if number > 1 and on_new_pass is not None:
+            on_new_pass(number)
         produced = False
         for path in paths:
             tokens = read_shard(path)
@@ -836,10 +984,10 @@ def bos_aligned_batches(paths: list[str], length: int, max_doc_len: int, repeat:
             return
 
 
-def train_batches_for_rank(paths: list[str], cfg: Config, comm: Comm):
+def train_batches_for_rank(paths: list[str], cfg: Config, comm: Comm, on_new_pass=None):
     """This rank's share of the global sequence of micro-batches: every world_size-th one, so the same
     micro-batches (in the same steps) are seen on 1, 2, 4 or 8 processes."""
-    batches = bos_aligned_batches(paths, cfg.micro_batch_tokens + 1, cfg.max_doc_len, cfg.train_repeat)
+    batches = bos_aligned_batches(paths, cfg.micro_batch_tokens + 1, cfg.max_doc_len, cfg.train_repeat, on_new_pass)
     for index, (tokens, spans) in enumerate(batches):
         if index % comm.world_size == comm.rank:
             yield np.concatenate([tokens[start:end] for start, end in spans])
@@ -1096,11 +1244,11 @@ class TrainingDiverged(UserError):
     pass
 
 
-def build_optimizers(model: GPT, cfg: Config, comm: Comm) -> list[torch.optim.Optimizer]:
+def build_optimizers(model: GPT, cfg: Config) -> list[torch.optim.Optimizer]:
     """Adam for embeddings, head and scalars; Muon for the hidden matrices (speedrun 2024-10)."""
     matrices = model.matrix_params()
     muon = Muon([dict(params=matrices["attn"], split=4), dict(params=matrices["mlp"], split=1)],
-                lr=cfg.muon_lr, momentum=cfg.muon_momentum, weight_decay=cfg.muon_weight_decay, comm=comm)
+                lr=cfg.muon_lr, momentum=cfg.muon_momentum, weight_decay=cfg.muon_weight_decay)
     embeddings = [model.embed.weight] + [ve.weight for ve in model.value_embeds]
     scalars = [model.skip_gate] + [block.lambdas for block in model.blocks]
     adam = DistAdam([dict(params=embeddings, lr=cfg.adam_lr * cfg.embed_lr_mul),
@@ -1265,7 +1413,7 @@ def train(cfg: Config, comm: Comm, log: RunLog) -> TrainResult:
 
     # Untimed warm-up: compile and tune every kernel, then start over from the same weights.
     start = time.perf_counter()
-    optimizers = build_optimizers(model, cfg, comm)
+    optimizers = build_optimizers(model, cfg)
     if cfg.compile:
         model.compile_regions()
     warm_up(model, optimizers, cfg, comm, schedule, device)
@@ -1275,7 +1423,10 @@ def train(cfg: Config, comm: Comm, log: RunLog) -> TrainResult:
     log(f"compile_time:{time.perf_counter() - start:.1f}s graphs:{graphs_after_warmup}")
 
     watch = LossWatch(comm, device)
-    batches = Prefetcher(train_batches_for_rank(train_paths, cfg, comm), cfg.micro_batch_tokens, device)
+    def note_new_pass(number: int):  # called from the loader thread; repeated data skews the losses
+        log(f"note: the training data starts over (pass {number}); later losses are on repeated data")
+
+    batches = Prefetcher(train_batches_for_rank(train_paths, cfg, comm, note_new_pass), cfg.micro_batch_tokens, device)
     val_losses = []
     reported = 0
     history = None

@@ -165,12 +165,15 @@ def test_running_out_of_training_data(tmp_path):
         for _ in range(100):
             batches.next()
     batches.close()
+    passes = []
     repeating = tg.Prefetcher(tg.train_batches_for_rank([path], tg.Config(micro_batch_tokens=256, max_doc_len=128,
-                                                                              train_repeat=True), tg.Comm()),
+                                                                              train_repeat=True), tg.Comm(),
+                                                        on_new_pass=passes.append),
                               256, torch.device("cpu"))
     for _ in range(100):
         repeating.next()
     repeating.close()
+    assert passes[:3] == [2, 3, 4]  # the data ran out many times, and each start-over was reported
 
 
 def test_prefetcher_delivers_every_window_intact(tmp_path):
@@ -302,7 +305,7 @@ def test_warm_up_restores_the_initial_model(tiny_data):
     model = tg.GPT(cfg, tg.SdpaAttention(), torch.float32)
     model.lm_head.weight.data.normal_()  # non-zero head, so the warm-up's steps change every weight
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    optimizers = tg.build_optimizers(model, cfg, tg.Comm())
+    optimizers = tg.build_optimizers(model, cfg)
     tg.warm_up(model, optimizers, cfg, tg.Comm(), tg.Schedule(cfg), torch.device("cpu"))
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert all(p.grad is None for p in model.parameters())

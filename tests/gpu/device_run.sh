@@ -27,6 +27,10 @@ if [ "${SKIP_GPU_TESTS:-0}" != 1 ]; then
     timeout 300 python3 -m pytest -q tests/gpu ${GPU_TEST_ARGS:-} 2>&1 | tail -15 | tee "$OUT/gpu_tests.txt"
 fi
 
+if [ "${BENCH:-0}" = 1 ]; then
+    timeout 200 python3 tests/gpu/bench_optimizers.py 2>&1 | tail -12 | tee "$OUT/bench.txt"
+fi
+
 start=$(date +%s)
 timeout "$budget" python3 train_gpt.py --train_files='/tmp/bench/docs_train_*.bin' \
     --val_files=/tmp/bench/docs_val_000000.bin --val_tokens=2097152 --train_repeat=1 \

@@ -35,10 +35,11 @@ def test_compiled_flex_attention_matches_float64(window):
         assert relative_error(got.grad.cpu(), want.grad) < 2e-2
 
 
+@pytest.mark.parametrize("use_triton", [True, False])
 @pytest.mark.parametrize("shape", [(4, 768, 768), (3072, 768), (8, 768, 3072)])
-def test_bf16_orthogonalize_matches_float64(shape):
+def test_bf16_orthogonalize_matches_float64(shape, use_triton):
     g = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
-    got = tg.orthogonalize(g.cuda()).double().cpu()
+    got = tg.orthogonalize(g.cuda(), use_triton).double().cpu()
     # the same iteration in float64
     X = g.double()
     X = X.mT if X.size(-2) > X.size(-1) else X
@@ -50,7 +51,7 @@ def test_bf16_orthogonalize_matches_float64(shape):
     assert relative_error(got, want) < 3e-2
     # Gaussian square matrices have singular values near 0 that five iterations cannot lift (even in
     # float64); on a spectrum inside the method's design range every value must land in the band.
-    singular_values = torch.linalg.svdvals(tg.orthogonalize(well_conditioned(*shape).cuda()).double())
+    singular_values = torch.linalg.svdvals(tg.orthogonalize(well_conditioned(*shape).cuda(), use_triton).double())
     assert singular_values.min() > 0.7 and singular_values.max() < 1.2
 
 
@@ -84,3 +85,25 @@ def test_gpu_bf16_loss_matches_cpu_fp32():
         x, y = inputs.to(device), targets.to(device)
         losses.append(model(x, y, model.prepare_masks(x, None, (128, 256))).item())
     assert abs(losses[1] - losses[0]) / losses[0] < 1e-2, losses
+
+
+# The shapes Muon sees in the default model: 40 attention projections of 768 x 768, 22 MLP matrices
+# stored 3072 x 768 (iterated transposed, 768 x 3072), and an odd shape for the edge masks.
+SYMMETRIC_SHAPES = [(40, 768, 768), (22, 768, 3072), (3, 200, 136)]
+
+
+@pytest.mark.parametrize("shape", SYMMETRIC_SHAPES)
+def test_symmetric_matmul_kernel_matches_float64(shape):
+    g = torch.Generator().manual_seed(1)
+    X = torch.randn(*shape, generator=g).div(shape[-1] ** 0.5).to(torch.bfloat16)
+    Xc = X.cuda()
+    A = torch.full((shape[0], shape[1], shape[1]), float("nan"), device="cuda", dtype=torch.bfloat16)  # poisoned
+    tg.symmetric_matmul(Xc, out=A)
+    ref_A = X.double() @ X.double().mT
+    assert not A.isnan().any()
+    assert relative_error(A.cpu(), ref_A) < 1e-2
+    B = torch.full_like(A, float("nan"))
+    tg.symmetric_matmul(A, out=B, alpha=-2.3, beta=0.7, Y=A)
+    A64 = A.double().cpu()
+    assert not B.isnan().any()
+    assert relative_error(B.cpu(), 0.7 * A64 - 2.3 * A64 @ A64) < 1e-2

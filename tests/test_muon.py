@@ -1,0 +1,139 @@
+"""The sharded Muon: its group planner, and its updates on two gloo ranks against a plain one-process Muon."""
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+import train_gpt as tg
+from helpers import run_on_ranks
+
+# A QKVO-like stack (4 row blocks) and MLP-like matrices of the same shape, plus one other shape.
+ATTN, MLP, OTHER = 3, 6, 2
+STEPS = 3
+LR, MOMENTUM, WD = 0.02, 0.9, 0.1
+
+
+def default_model_shapes():
+    cfg = tg.Config()
+    model = tg.GPT(cfg, tg.SdpaAttention(), torch.float32)
+    matrices = model.matrix_params()
+    return [tuple(p.shape) for p in matrices["attn"] + matrices["mlp"]]
+
+
+def test_planner_needs_no_padding_for_the_default_model():
+    shapes = default_model_shapes()
+    assert len(shapes) == 32 and set(shapes) == {(3072, 768)}
+    for world_size in (1, 2, 4, 8):
+        groups = tg.plan_muon_groups(shapes, world_size)
+        assert sorted(i for g in groups for i in g) == list(range(32))
+        assert [len(g) for g in groups] == [16, 16]
+        assert all(len(g) % world_size == 0 for g in groups)
+
+
+def test_planner_orders_small_shapes_first_and_pads_odd_worlds():
+    shapes = [(8, 4)] * 5 + [(2, 2)] * 3
+    groups = tg.plan_muon_groups(shapes, 2)
+    assert groups[0] == [5, 6, 7]  # the smaller shape first, one padded group (3 -> 4)
+    assert [len(g) for g in groups[1:]] == [2, 3]  # 5 matrices: a group of 2, then one padded to 4
+    for world_size in (3, 4):
+        groups = tg.plan_muon_groups([(4, 4)] * 10, world_size)
+        assert sorted(i for g in groups for i in g) == list(range(10))
+    # 3 ranks: a full group of 6 (2 per rank), then 4 matrices padded to 6
+    assert tg.plan_muon_groups([(4, 4)] * 10, 3) == [[0, 1, 2, 3, 4, 5], [6, 7, 8, 9]]
+
+
+def make_params(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    attn = [torch.randn(32, 8, generator=g).requires_grad_() for _ in range(ATTN)]
+    mlp = [torch.randn(32, 8, generator=g).requires_grad_() for _ in range(MLP)]
+    other = [torch.randn(12, 20, generator=g).requires_grad_() for _ in range(OTHER)]
+    return attn, mlp, other
+
+
+def rank_grads(rank, step, params):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return [torch.randn(p.shape, generator=g) for p in params]
+
+
+def reference_params(world_size):
+    """Muon written plainly, one matrix at a time, on the gradient averaged over all ranks."""
+    attn, mlp, other = make_params()
+    params = attn + mlp + other
+    buffers = [torch.zeros_like(p) for p in params]
+    with torch.no_grad():
+        for step in range(STEPS):
+            per_rank = [rank_grads(r, step, params) for r in range(world_size)]
+            for i, p in enumerate(params):
+                grad = sum(g[i] for g in per_rank) / world_size
+                buffers[i] = MOMENTUM * buffers[i] + (1 - MOMENTUM) * grad
+                direction = (1 - MOMENTUM) * grad + MOMENTUM * buffers[i]
+                if i < ATTN:
+                    ortho = torch.cat([tg.orthogonalize(block) for block in direction.split(8)])
+                else:
+                    ortho = tg.orthogonalize(direction)
+                p.mul_(1 - LR * WD).sub_(LR * ortho)
+    return [p.detach() for p in params]
+
+
+def muon_params(rank, world_size):
+    attn, mlp, other = make_params()
+    params = attn + mlp + other
+    opt = tg.Muon([dict(params=attn, split=4), dict(params=mlp + other)], lr=LR, momentum=MOMENTUM, weight_decay=WD)
+    calls = {"all_reduce": 0, "reduce_scatter_tensor": 0, "all_gather_into_tensor": 0}
+    for name in calls:
+        if hasattr(dist, name):
+            original = getattr(dist, name)
+
+            def counted(*args, _name=name, _original=original, **kwargs):
+                calls[_name] += 1
+                return _original(*args, **kwargs)
+            setattr(dist, name, counted)
+    for step in range(STEPS):
+        for p, g in zip(params, rank_grads(rank, step, params)):
+            p.grad = g
+        opt.step()
+    buffers = sum(s["momentum_buffer"].numel() for s in opt.state.values())
+    return [p.detach() for p in params], buffers, calls, len(opt.groups)
+
+
+def assert_close(got, want):
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_single_process_matches_reference():
+    params, buffers, calls, _ = muon_params(0, 1)
+    assert_close(params, reference_params(1))
+    assert sum(calls.values()) == 0
+
+
+def test_two_ranks_match_single_process_on_the_full_gradient():
+    results = run_on_ranks(muon_params, 2)
+    want = reference_params(2)
+    total = (ATTN + MLP) * 32 * 8 + OTHER * 12 * 20
+    for params, buffers, calls, groups in results:
+        assert_close(params, want)
+        assert calls["all_reduce"] == 0
+        assert calls["reduce_scatter_tensor"] == calls["all_gather_into_tensor"] == groups * STEPS
+    assert sum(r[1] for r in results) == total  # each momentum buffer lives on exactly one rank
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_rank_without_work_gets_padding_only(world_size):
+    """Fewer matrices than ranks: padding slots yield zero updates and nothing breaks."""
+    p = torch.randn(6, 4).requires_grad_()
+    if world_size == 1:
+        opt = tg.Muon([dict(params=[p])], lr=0.1, momentum=0.9)
+        p.grad = torch.randn(6, 4)
+        opt.step()
+        return
+    run_on_ranks(_single_matrix_on_two_ranks, 2)
+
+
+def _single_matrix_on_two_ranks(rank, world_size):
+    p = torch.ones(6, 4).requires_grad_()
+    opt = tg.Muon([dict(params=[p])], lr=0.1, momentum=0.9)
+    p.grad = torch.full((6, 4), float(rank + 1))
+    opt.step()
+    assert not torch.equal(p.detach(), torch.ones(6, 4))
+    return p.detach()
