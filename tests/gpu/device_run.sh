@@ -32,7 +32,7 @@ if [ "${BENCH:-0}" = 1 ]; then
 fi
 
 start=$(date +%s)
-timeout "$budget" python3 train_gpt.py --train_files='/tmp/bench/docs_train_*.bin' \
+timeout "$budget" python3 ${TRAINER:-train_gpt.py} --train_files='/tmp/bench/docs_train_*.bin' \
     --val_files=/tmp/bench/docs_val_000000.bin --val_tokens=2097152 --train_repeat=1 \
     --run_id="$run_id" "$@" > "$OUT/train_stdout.txt" 2>&1
 echo "train exit code $? after $(( $(date +%s) - start ))s"
