@@ -302,6 +302,13 @@ class Comm:
         return self.rank == 0
 
 
+def current_rank_and_world() -> tuple[int, int]:
+    """Rank and size of the default process group; (0, 1) when there is none."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
 # ----------------------------------------------------------------------------------------------------
 # Optimizers
 #
@@ -358,9 +365,8 @@ class DistAdam(torch.optim.Optimizer):
     def __init__(self, params, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        self.distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        self.rank = dist.get_rank() if self.distributed else 0
-        self.world_size = dist.get_world_size() if self.distributed else 1
+        self.rank, self.world_size = current_rank_and_world()
+        self.distributed = self.world_size > 1
         self.buckets: list[_AdamBucket] = []
         for group in self.param_groups:
             small = [p for p in group["params"] if p.numel() < self.SMALL]
@@ -533,9 +539,8 @@ class Muon(torch.optim.Optimizer):
 
     def __init__(self, params, lr: float, momentum: float, weight_decay: float = 0.0):
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, split=1))
-        self.distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        self.rank = dist.get_rank() if self.distributed else 0
-        self.world_size = dist.get_world_size() if self.distributed else 1
+        self.rank, self.world_size = current_rank_and_world()
+        self.distributed = self.world_size > 1
         params = [p for group in self.param_groups for p in group["params"]]
         self.group_of = {p: group for group in self.param_groups for p in group["params"]}
         plan = plan_muon_groups([tuple(p.shape) for p in params], self.world_size)
