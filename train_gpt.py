@@ -4,8 +4,8 @@
     python train_gpt.py --device=cpu --preset=tiny                      # a tiny run on the CPU
     python train_gpt.py --help                                          # every config field
 
-One file, read top to bottom: config -> comms -> optimizers -> model -> data -> schedule -> training
-loop -> main. Importing it runs nothing. The ideas (and many constants) come from the public NanoGPT
+One file, read top to bottom: config -> Triton kernels -> comms -> optimizers -> model -> data ->
+schedule -> logging -> training loop -> main. Importing it runs nothing. The ideas (and many constants) come from the public NanoGPT
 speedrun (github.com/KellerJordan/modded-nanogpt); comments credit them where they are used.
 """
 from __future__ import annotations
@@ -118,7 +118,7 @@ PRESETS = {
 CLI_ONLY_FLAGS = ("preset", "check", "help")
 
 
-def _parse_value(name: str, kind, text: str):
+def _parse_value(kind, text: str):
     if kind is bool or kind == "bool":
         lowered = text.lower()
         if lowered in ("1", "true", "yes", "on"):
@@ -157,7 +157,7 @@ def parse_cli(argv: list[str]) -> tuple[Config, dict]:
             raise UserError(f"--{name} needs a value: --{name}=VALUE")
         kind = fields[name].type
         try:
-            overrides[name] = _parse_value(name, kind, text)
+            overrides[name] = _parse_value(kind, text)
         except ValueError as e:
             raise UserError(f"bad value for --{name}: {text!r} ({e}; the field is {kind})") from None
     values = {}
