@@ -61,6 +61,7 @@ class Config:
     log_dir: str = "logs"
     device: str = "cuda"  # cuda | cpu
     compile: bool = True  # torch.compile each block and the loss head (regional compilation)
+    compile_cache: str = ""  # file for torch's compile artifacts: loaded before the warm-up, saved after it
     attn_backend: str = "auto"  # auto | fa3 | flex | sdpa
     # model
     vocab_size: int = 50257  # padded to a multiple of 128 inside the model
@@ -1393,6 +1394,51 @@ def compiled_graph_count() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def compile_cache_hits() -> int:
+    """Compiled graphs served from a cache (inductor kernels and AOTAutograd graphs) in this process."""
+    from torch._dynamo.utils import counters
+    return int(counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"])
+
+
+class CompileCache:
+    """--compile_cache=PATH: torch's portable compile artifacts, loaded before the warm-up and written
+    (by rank 0) after it, so a fresh machine or an empty TORCHINDUCTOR_CACHE_DIR skips most compiling.
+    A file that cannot be used (corrupt, foreign, another torch version) is ignored with a warning."""
+
+    def __init__(self, path: str, log: RunLog, comm: Comm):
+        self.path, self.log, self.comm = path, log, comm
+
+    def load(self):
+        if not os.path.exists(self.path):
+            self.log(f"compile cache {self.path}: none yet; it is written after the warm-up")
+            return
+        import logging
+        torch_log = logging.getLogger("torch.compiler._cache")
+        level = torch_log.level
+        torch_log.setLevel(logging.ERROR)  # torch logs a traceback for unreadable files; we say it in one line
+        try:
+            info = torch.compiler.load_cache_artifacts(Path(self.path).read_bytes())
+        except Exception as e:  # whatever the file holds, a bad cache must never stop a run
+            info, reason = None, f"{type(e).__name__}: {e}"
+        else:
+            reason = "corrupt, or written by another torch version"
+        finally:
+            torch_log.setLevel(level)
+        if info is None:
+            self.log(f"warning: compile cache {self.path} ignored ({reason}); compiling from scratch")
+        else:
+            self.log(f"compile cache {self.path}: loaded {sum(len(v) for v in info.artifacts.values())} artifacts")
+
+    def save(self):
+        artifacts = torch.compiler.save_cache_artifacts()
+        if not self.comm.is_main or artifacts is None:
+            return
+        tmp = f"{self.path}.tmp{os.getpid()}"
+        Path(tmp).write_bytes(artifacts[0])
+        os.replace(tmp, self.path)
+        self.log(f"compile cache {self.path}: saved {len(artifacts[0]):,} bytes")
+
+
 @dataclass
 class TrainResult:
     train_losses: list[float]  # per step, mean over ranks
@@ -1419,13 +1465,18 @@ def train(cfg: Config, comm: Comm, log: RunLog) -> TrainResult:
     # Untimed warm-up: compile and tune every kernel, then start over from the same weights.
     start = time.perf_counter()
     optimizers = build_optimizers(model, cfg)
+    cache = CompileCache(cfg.compile_cache, log, comm) if cfg.compile and cfg.compile_cache else None
+    if cache is not None:
+        cache.load()
     if cfg.compile:
         model.compile_regions()
     warm_up(model, optimizers, cfg, comm, schedule, device)
     if device.type == "cuda":
         torch.cuda.synchronize()
     graphs_after_warmup = compiled_graph_count()
-    log(f"compile_time:{time.perf_counter() - start:.1f}s graphs:{graphs_after_warmup}")
+    log(f"compile_time:{time.perf_counter() - start:.1f}s graphs:{graphs_after_warmup} cache_hits:{compile_cache_hits()}")
+    if cache is not None:
+        cache.save()
 
     watch = LossWatch(comm, device)
     def note_new_pass(number: int):  # called from the loader thread; repeated data skews the losses
