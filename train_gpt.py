@@ -77,6 +77,10 @@ class Config:
     skip_from: int = 3  # the output of this layer is added (gated) to the input of skip_to
     skip_to: int = 6
     logit_softcap: float = 30.0
+    # Hashed (previous token, token) embedding added to the residual stream (speedrun 2026-01-19);
+    # 0 turns it off. Its gradient rows travel sparsely between ranks unless sparse_bigram_comms=0.
+    bigram_rows: int = 5 * 50304
+    sparse_bigram_comms: bool = True
     # batch: every forward/backward sees micro_batch_tokens tokens, so there is one compiled shape;
     # the batch-size schedule only changes how many micro-batches make a step.
     micro_batch_tokens: int = 16 * 1024
@@ -112,7 +116,7 @@ PRESETS = {
         skip_from=1, skip_to=2, micro_batch_tokens=256, max_doc_len=128, window_block=16,
         batch_schedule="8,8,16", window_schedule="1:2,2:4,3:6", final_windows="4:8",
         num_iterations=24, val_loss_every=8, val_tokens=2048, compile=False,
-        muon_momentum_warmup=8, muon_momentum_cooldown=4,
+        muon_momentum_warmup=8, muon_momentum_cooldown=4, bigram_rows=4096,
     ),
 }
 
@@ -204,6 +208,8 @@ def validate_config(cfg: Config) -> None:
     need(cfg.head_dim % 4 == 0, "--head_dim must be a multiple of 4 (half-truncated rotary)")
     need(cfg.num_iterations >= 1, "--num_iterations must be at least 1")
     need(cfg.micro_batch_tokens % 128 == 0, "--micro_batch_tokens must be a multiple of 128")
+    need(cfg.bigram_rows == 0 or (cfg.bigram_rows >= 16 and cfg.bigram_rows % 8 == 0),
+         f"--bigram_rows={cfg.bigram_rows}: use 0 (off) or a multiple of 8 (rows are split evenly over ranks)")
     need(cfg.val_tokens % cfg.micro_batch_tokens == 0,
          f"--val_tokens={cfg.val_tokens} must be a multiple of --micro_batch_tokens={cfg.micro_batch_tokens}")
     batches = _parse_stage_list(cfg, "batch_schedule", int)
@@ -330,7 +336,7 @@ class _AdamBucket:
         # zero-padded flat copy.
         self.in_place = len(params) == 1 and self.padded == self.numel
         self.ready = 0  # parameters whose gradient is complete in the current backward
-        self.pending = None  # (work or None, this rank's averaged gradient shard)
+        self.pending = None  # waits for the communication; returns this rank's averaged gradient shard
 
     def flat(self, tensors: list[Tensor]) -> Tensor:
         if self.in_place:
@@ -338,6 +344,45 @@ class _AdamBucket:
         flat = tensors[0].new_zeros(self.padded)
         torch.cat([t.reshape(-1) for t in tensors], out=flat[: self.numel])
         return flat
+
+
+class _RowExchange:
+    """One step's sparse gradient exchange for a row-sharded table (see DistAdam): rank r owns rows
+    [r*R, (r+1)*R). Built when the touched rows are known; launch() runs once the gradient is ready."""
+
+    def __init__(self, param: Tensor, rows: np.ndarray, rank: int, world_size: int, cpu_group):
+        self.rank, self.world_size = rank, world_size
+        self.rows_per_rank = param.size(0) // world_size
+        rows = np.ascontiguousarray(rows, dtype=np.int64)
+        self.send_counts = np.diff(np.searchsorted(rows, np.arange(world_size + 1) * self.rows_per_rank))
+        self.send_rows = torch.from_numpy(rows)
+        if param.is_cuda:
+            self.send_rows = self.send_rows.pin_memory()
+        self.recv_counts = torch.empty(world_size, dtype=torch.int64)
+        self.counts_sent = dist.all_to_all_single(self.recv_counts, torch.from_numpy(self.send_counts),
+                                                  group=cpu_group, async_op=True)
+
+    def launch(self, grad: Tensor):
+        """Send the touched rows to their owners; returns a function that waits and gives this rank's
+        averaged gradient shard (flat)."""
+        self.counts_sent.wait()  # a CPU collective: the host waits, the GPU does not
+        send_splits = self.send_counts.tolist()
+        recv_splits = self.recv_counts.numpy().tolist()
+        received = sum(recv_splits)
+        send_rows = self.send_rows.to(grad.device, non_blocking=True)
+        recv_rows = torch.empty(received, dtype=torch.int64, device=grad.device)
+        rows_sent = dist.all_to_all_single(recv_rows, send_rows, recv_splits, send_splits, async_op=True)
+        values = grad.index_select(0, send_rows)
+        recv_values = grad.new_empty(received, grad.size(1))
+        values_sent = dist.all_to_all_single(recv_values, values, recv_splits, send_splits, async_op=True)
+
+        def finish() -> Tensor:
+            rows_sent.wait()
+            values_sent.wait()
+            shard = grad.new_zeros(self.rows_per_rank, grad.size(1))
+            shard.index_add_(0, recv_rows - self.rank * self.rows_per_rank, recv_values)
+            return shard.div_(self.world_size).view(-1)
+        return finish
 
 
 class DistAdam(torch.optim.Optimizer):
@@ -359,15 +404,30 @@ class DistAdam(torch.optim.Optimizer):
          fused AdamW kernel, launch all_gather_into_tensor of the updated slice into the parameter;
       3. wait for every all-gather (and unpack packed buckets into their parameters).
     No all_reduce is issued.
+
+    sparse_params (2-D, rows divisible by the world size), e.g. the bigram table: when the training loop
+    passes the rows this rank's batches touched since the last step (sorted, unique; known on the host
+    from the loader), step 1 becomes a sparse exchange (the speedrun's 2026-02-06 record): the per-owner
+    row counts go through all_to_all_single on a gloo group right away (CPU, while the forward runs);
+    when the gradient is ready, the row indices and then the gradient rows go to their owners with
+    all_to_all_single (split sizes from the host counts, so nothing waits on the GPU); each owner sums
+    what it receives into its shard. Untouched rows have zero gradient, so this equals the dense
+    reduce-scatter up to summation order. The all-gather stays dense.
     """
 
     SMALL = 8192  # parameters below this many values share their param group's bucket
 
     def __init__(self, params, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0):
+                 weight_decay: float = 0.0, sparse_params=()):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.rank, self.world_size = current_rank_and_world()
         self.distributed = self.world_size > 1
+        self.sparse_params = set(sparse_params) if self.distributed else set()
+        for p in self.sparse_params:
+            if p.ndim != 2 or p.size(0) % self.world_size or p.numel() < self.SMALL:
+                raise ValueError(f"sparse parameter of shape {tuple(p.shape)}: needs rows divisible by the world size")
+        self.cpu_group = dist.new_group(backend="gloo") if self.sparse_params else None
+        self.row_exchanges: dict[Tensor, _RowExchange] = {}
         self.buckets: list[_AdamBucket] = []
         for group in self.param_groups:
             small = [p for p in group["params"] if p.numel() < self.SMALL]
@@ -380,9 +440,13 @@ class DistAdam(torch.optim.Optimizer):
         for p in self.bucket_of:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
-    def before_last_backward(self):
-        """Let the coming backward launch each bucket's reduce-scatter as soon as its gradients are done."""
+    def before_last_backward(self, sparse_rows: dict | None = None):
+        """Let the coming backward launch each bucket's reduce-scatter as soon as its gradients are done.
+        sparse_rows: {sparse parameter: rows touched on this rank this step}; starts their counts exchange."""
         self.armed = True
+        for p, rows in (sparse_rows or {}).items():
+            if p in self.sparse_params:
+                self.row_exchanges[p] = _RowExchange(p, rows, self.rank, self.world_size, self.cpu_group)
 
     def _on_grad_ready(self, param: Tensor):
         if self.armed:
@@ -393,13 +457,16 @@ class DistAdam(torch.optim.Optimizer):
 
     def _launch_reduce(self, bucket: _AdamBucket):
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
-        flat = bucket.flat(grads)
-        if self.distributed:
-            shard = flat.new_empty(bucket.shard)
-            work = dist.reduce_scatter_tensor(shard, flat, op=dist.ReduceOp.AVG, async_op=True)
-            bucket.pending = (work, shard)
+        exchange = self.row_exchanges.pop(bucket.params[0], None)
+        if exchange is not None:
+            bucket.pending = exchange.launch(grads[0])
+        elif self.distributed:
+            shard = grads[0].new_empty(bucket.shard)
+            work = dist.reduce_scatter_tensor(shard, bucket.flat(grads), op=dist.ReduceOp.AVG, async_op=True)
+            bucket.pending = lambda: (work.wait(), shard)[1]
         else:
-            bucket.pending = (None, flat)
+            flat = bucket.flat(grads)
+            bucket.pending = lambda: flat
         self.launched.append(bucket)
 
     @torch.no_grad()
@@ -409,9 +476,7 @@ class DistAdam(torch.optim.Optimizer):
                 self._launch_reduce(bucket)
         gathers = []
         for bucket in self.launched:
-            work, grad_shard = bucket.pending
-            if work is not None:
-                work.wait()
+            grad_shard = bucket.pending()
             flat = bucket.flat(bucket.params)
             owned = flat[self.rank * bucket.shard: (self.rank + 1) * bucket.shard]
             self._update(bucket, owned, grad_shard)
@@ -430,6 +495,7 @@ class DistAdam(torch.optim.Optimizer):
         for bucket in self.buckets:
             bucket.ready, bucket.pending = 0, None
         self.launched = []
+        self.row_exchanges = {}
         self.armed = False
 
     def _update(self, bucket: _AdamBucket, owned: Tensor, grad_shard: Tensor):
@@ -827,13 +893,15 @@ class Block(nn.Module):
         super().__init__()
         self.attn = CausalSelfAttention(cfg.model_dim, cfg.num_heads, cfg.head_dim) if has_attention else None
         self.mlp = MLP(cfg.model_dim, cfg.mlp_ratio * cfg.model_dim)
-        # [residual scale, embedding (x0) scale, value scale, value-embedding scale]
-        self.lambdas = nn.Parameter(torch.tensor([1.0, 0.0, 0.5, 0.5]))
+        # [residual scale, embedding (x0) scale, value scale, value-embedding scale, bigram scale]
+        self.lambdas = nn.Parameter(torch.tensor([1.0, 0.0, 0.5, 0.5, 0.1]))
         self.attend = None  # the attention backend, set by GPT
 
-    def forward(self, x: Tensor, x0: Tensor, value_embed: Tensor | None, rope, mask) -> Tensor:
+    def forward(self, x: Tensor, x0: Tensor, value_embed: Tensor | None, rope, mask, bigram: Tensor | None) -> Tensor:
         lambdas = self.lambdas.to(x.dtype)
         x = lambdas[0] * x + lambdas[1] * x0  # every layer can re-read the embedding (speedrun 2024-11)
+        if bigram is not None:
+            x = x + lambdas[4] * bigram
         if self.attn is not None:
             x = x + self.attn(rms_norm(x), value_embed, lambdas[2:], rope, mask, self.attend)
         return x + self.mlp(rms_norm(x))
@@ -852,6 +920,7 @@ class GPT(nn.Module):
         for block in self.blocks:
             block.attend = attend
         self.skip_gate = nn.Parameter(torch.tensor(-1.5))  # sigmoid(-1.5) ~ 0.18 (speedrun 2025-09)
+        self.bigram_embed = nn.Embedding(cfg.bigram_rows, dim) if cfg.bigram_rows else None
         self.lm_head = nn.Linear(dim, vocab, bias=False)  # untied from the embedding (speedrun 2024-11)
         self.rotary = Rotary(cfg.head_dim, cfg.micro_batch_tokens)
         self.reset_parameters()
@@ -867,6 +936,8 @@ class GPT(nn.Module):
             block.mlp.fc_w.uniform_(-bound, bound)
             block.mlp.proj_w.zero_()
         self.lm_head.weight.zero_()
+        if self.bigram_embed is not None:
+            self.bigram_embed.weight.zero_()
 
     def matrix_params(self) -> dict[str, list[nn.Parameter]]:
         """The hidden matrices (for Muon), by kind."""
@@ -888,11 +959,12 @@ class GPT(nn.Module):
     def prepare_masks(self, tokens: Tensor, cu_seqlens: Tensor, windows: tuple[int, int]) -> dict:
         return self.attend.prepare(tokens, cu_seqlens, {"S": windows[0], "L": windows[1]})
 
-    def forward(self, tokens: Tensor, targets: Tensor, masks: dict) -> Tensor:
-        """Mean cross-entropy over one packed micro-batch: tokens and targets are [T]."""
+    def forward(self, tokens: Tensor, targets: Tensor, masks: dict, bigrams: Tensor | None = None) -> Tensor:
+        """Mean cross-entropy over one packed micro-batch: tokens, targets and bigram rows are [T]."""
         cfg = self.cfg
         x = x0 = rms_norm(self.embed(tokens)).to(self.compute_dtype)
         value_embeds = [ve(tokens).to(self.compute_dtype) for ve in self.value_embeds]
+        bigram = self.bigram_embed(bigrams).to(self.compute_dtype) if self.bigram_embed is not None else None
         rope = self.rotary.tables()
         skip = None
         for i, block in enumerate(self.blocks):
@@ -900,7 +972,7 @@ class GPT(nn.Module):
                 x = x + torch.sigmoid(self.skip_gate).to(x.dtype) * skip
             ve_index = cfg.value_embed_layout[i]
             value_embed = None if ve_index == "." else value_embeds[int(ve_index)]
-            x = block(x, x0, value_embed, rope, masks.get(cfg.attn_layout[i]))
+            x = block(x, x0, value_embed, rope, masks.get(cfg.attn_layout[i]), bigram)
             if i == cfg.skip_from:
                 skip = x
         return self.loss_head(x, targets)
@@ -1012,6 +1084,20 @@ def val_batches_for_rank(paths: list[str], cfg: Config, comm: Comm):
         yield np.asarray(stream[index * T: index * T + T + 1])
 
 
+def bigram_hash(tokens: np.ndarray, rows: int) -> np.ndarray:
+    """Row of the bigram embedding for each position: a multiplicative (Fibonacci) hash of the pair
+    (previous token, token) into rows - 1 buckets. Positions without a previous token of their own
+    document (the window's first position, and every BOS) get the reserved last row."""
+    t = tokens.astype(np.uint64)
+    pairs = t[:-1] * np.uint64(65536) + t[1:]
+    mixed = (pairs * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(32)  # wraps mod 2**64, as intended
+    out = np.empty(len(tokens), dtype=np.int32)
+    out[0] = rows - 1
+    out[1:] = mixed % np.uint64(rows - 1)
+    out[tokens == BOS_TOKEN] = rows - 1
+    return out
+
+
 def max_documents(seq_len: int) -> int:
     # Fixed length of cu_seqlens so FA3 sees one shape; 16 tokens per document on average is far
     # below what real text has.
@@ -1023,19 +1109,27 @@ class MicroBatch:
     inputs: Tensor  # [T] int32
     targets: Tensor  # [T] int64
     cu_seqlens: Tensor  # [max_documents + 1] int32: document starts, then T repeated
+    bigrams: Tensor | None = None  # [T] int32 rows of the bigram embedding
+    bigram_rows_used: np.ndarray | None = None  # sorted unique values of bigrams, on the host
 
 
 class _Slot:
-    def __init__(self, seq_len: int, pin: bool):
+    def __init__(self, seq_len: int, pin: bool, bigram_rows: int = 0):
         self.inputs = torch.empty(seq_len, dtype=torch.int32, pin_memory=pin)
         self.targets = torch.empty(seq_len, dtype=torch.int64, pin_memory=pin)
         self.cu_seqlens = torch.empty(max_documents(seq_len) + 1, dtype=torch.int32, pin_memory=pin)
+        self.bigram_rows = bigram_rows
+        self.bigrams = torch.empty(seq_len, dtype=torch.int32, pin_memory=pin) if bigram_rows else None
+        self.bigram_rows_used = None
         self.copied = None  # CUDA event: the device copy out of this slot has finished
 
     def fill(self, window: np.ndarray):
         inputs = window[:-1]
         self.inputs.numpy()[:] = inputs
         self.targets.numpy()[:] = window[1:]
+        if self.bigram_rows:
+            self.bigrams.numpy()[:] = bigram_hash(inputs, self.bigram_rows)
+            self.bigram_rows_used = np.unique(self.bigrams.numpy())
         starts = np.flatnonzero(inputs == BOS_TOKEN)
         if len(starts) == 0 or starts[0] != 0:
             starts = np.insert(starts, 0, 0)
@@ -1055,11 +1149,11 @@ class Prefetcher:
     the CUDA event recorded behind its copy has fired, so a buffer is never overwritten mid-copy.
     """
 
-    def __init__(self, batches, seq_len: int, device: torch.device, slots: int = 4):
+    def __init__(self, batches, seq_len: int, device: torch.device, slots: int = 4, bigram_rows: int = 0):
         self.device = device
         self.free, self.ready = queue.Queue(), queue.Queue()
         for _ in range(slots):
-            self.free.put(_Slot(seq_len, pin=device.type == "cuda"))
+            self.free.put(_Slot(seq_len, pin=device.type == "cuda", bigram_rows=bigram_rows))
         self.closed = False
         self.thread = threading.Thread(target=self._fill, args=(batches,), daemon=True)
         self.thread.start()
@@ -1085,13 +1179,14 @@ class Prefetcher:
                             "lower --num_iterations, or set --train_repeat=1")
         if isinstance(item, BaseException):
             raise item
+        tensors = (item.inputs, item.targets, item.cu_seqlens, item.bigrams)
         if self.device.type == "cuda":
-            batch = MicroBatch(*(t.to(self.device, non_blocking=True)
-                                 for t in (item.inputs, item.targets, item.cu_seqlens)))
+            batch = MicroBatch(*(t.to(self.device, non_blocking=True) if t is not None else None for t in tensors))
             item.copied = torch.cuda.Event()
             item.copied.record()
         else:  # the slot is reused, so the CPU path hands out copies
-            batch = MicroBatch(item.inputs.clone(), item.targets.clone(), item.cu_seqlens.clone())
+            batch = MicroBatch(*(t.clone() if t is not None else None for t in tensors))
+        batch.bigram_rows_used = item.bigram_rows_used
         self.free.put(item)
         return batch
 
@@ -1256,11 +1351,13 @@ def build_optimizers(model: GPT, cfg: Config) -> list[torch.optim.Optimizer]:
     muon = Muon([dict(params=matrices["attn"], split=4), dict(params=matrices["mlp"], split=1)],
                 lr=cfg.muon_lr, momentum=cfg.muon_momentum, weight_decay=cfg.muon_weight_decay)
     embeddings = [model.embed.weight] + [ve.weight for ve in model.value_embeds]
+    bigram = [model.bigram_embed.weight] if model.bigram_embed is not None else []
     scalars = [model.skip_gate] + [block.lambdas for block in model.blocks]
-    adam = DistAdam([dict(params=embeddings, lr=cfg.adam_lr * cfg.embed_lr_mul),
+    adam = DistAdam([dict(params=embeddings + bigram, lr=cfg.adam_lr * cfg.embed_lr_mul),
                      dict(params=[model.lm_head.weight], lr=cfg.adam_lr * cfg.head_lr_mul),
                      dict(params=scalars, lr=cfg.adam_lr * cfg.scalar_lr_mul)],
-                    lr=cfg.adam_lr, betas=cfg.adam_betas, eps=cfg.adam_eps, weight_decay=cfg.adam_weight_decay)
+                    lr=cfg.adam_lr, betas=cfg.adam_betas, eps=cfg.adam_eps, weight_decay=cfg.adam_weight_decay,
+                    sparse_params=bigram if cfg.sparse_bigram_comms else ())
     optimizers = [adam, muon]
     covered = [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
     missing = [name for name, p in model.named_parameters() if not any(p is q for q in covered)]
@@ -1319,6 +1416,10 @@ class LossWatch:
         self.losses.append(sum(losses) / len(losses))
 
 
+def micro_batch_loss(model: GPT, batch: MicroBatch, windows: tuple[int, int]) -> Tensor:
+    return model(batch.inputs, batch.targets, model.prepare_masks(batch.inputs, batch.cu_seqlens, windows), batch.bigrams)
+
+
 def train_step(model: GPT, optimizers, batches: Prefetcher, windows: tuple[int, int], micro_batches: int) -> Tensor:
     """Forward/backward over this rank's micro-batches, then the optimizers. Returns the mean loss.
 
@@ -1327,14 +1428,17 @@ def train_step(model: GPT, optimizers, batches: Prefetcher, windows: tuple[int, 
     1, 2, 4 or 8 processes compute the same update.
     """
     total = None
+    bigram_rows_used = []
     for index in range(micro_batches):
+        batch = batches.next()
+        if batch.bigram_rows_used is not None:
+            bigram_rows_used.append(batch.bigram_rows_used)
         if index == micro_batches - 1:  # let gradient communication start inside the last backward
+            sparse_rows = {model.bigram_embed.weight: np.unique(np.concatenate(bigram_rows_used))} if bigram_rows_used else {}
             for opt in optimizers:
                 if hasattr(opt, "before_last_backward"):
-                    opt.before_last_backward()
-        batch = batches.next()
-        masks = model.prepare_masks(batch.inputs, batch.cu_seqlens, windows)
-        loss = model(batch.inputs, batch.targets, masks)
+                    opt.before_last_backward(sparse_rows)
+        loss = micro_batch_loss(model, batch, windows)
         (loss / micro_batches).backward()
         total = loss.detach() if total is None else total + loss.detach()
     for opt in optimizers:
@@ -1346,13 +1450,14 @@ def train_step(model: GPT, optimizers, batches: Prefetcher, windows: tuple[int, 
 @torch.no_grad()
 def evaluate(model: GPT, cfg: Config, comm: Comm, val_paths: list[str], windows: tuple[int, int],
              device: torch.device) -> float:
-    batches = Prefetcher(val_batches_for_rank(val_paths, cfg, comm), cfg.micro_batch_tokens, device)
+    batches = Prefetcher(val_batches_for_rank(val_paths, cfg, comm), cfg.micro_batch_tokens, device,
+                         bigram_rows=cfg.bigram_rows)
     count = cfg.val_tokens // cfg.micro_batch_tokens // comm.world_size
     total = torch.zeros((), device=device)
     try:
         for _ in range(count):
             batch = batches.next()
-            total += model(batch.inputs, batch.targets, model.prepare_masks(batch.inputs, batch.cu_seqlens, windows))
+            total += micro_batch_loss(model, batch, windows)
     finally:
         batches.close()
     if comm.distributed:
@@ -1375,13 +1480,14 @@ def warm_up(model: GPT, optimizers, cfg: Config, comm: Comm, schedule: Schedule,
     the optimizer step) on random data, then restore the initial weights and empty the optimizer
     state. Nothing here is timed."""
     initial = {name: t.detach().clone() for name, t in model.state_dict().items()}
-    batches = Prefetcher(dummy_batches(cfg, seed=cfg.seed + 1 + comm.rank), cfg.micro_batch_tokens, device)
+    batches = Prefetcher(dummy_batches(cfg, seed=cfg.seed + 1 + comm.rank), cfg.micro_batch_tokens, device,
+                         bigram_rows=cfg.bigram_rows)
     try:
         for windows in schedule.all_windows():
             train_step(model, optimizers, batches, windows, micro_batches=1)
             with torch.no_grad():
                 batch = batches.next()
-                model(batch.inputs, batch.targets, model.prepare_masks(batch.inputs, batch.cu_seqlens, windows))
+                micro_batch_loss(model, batch, windows)
     finally:
         batches.close()
     model.load_state_dict(initial)
@@ -1482,7 +1588,8 @@ def train(cfg: Config, comm: Comm, log: RunLog) -> TrainResult:
     def note_new_pass(number: int):  # called from the loader thread; repeated data skews the losses
         log(f"note: the training data starts over (pass {number}); later losses are on repeated data")
 
-    batches = Prefetcher(train_batches_for_rank(train_paths, cfg, comm, note_new_pass), cfg.micro_batch_tokens, device)
+    batches = Prefetcher(train_batches_for_rank(train_paths, cfg, comm, note_new_pass), cfg.micro_batch_tokens, device,
+                         bigram_rows=cfg.bigram_rows)
     val_losses = []
     reported = 0
     history = None

@@ -1,0 +1,100 @@
+"""The bigram hash embedding: the loader's hash, and the sparse gradient exchange against the dense one."""
+import numpy as np
+import pytest
+import torch
+
+import train_gpt as tg
+from helpers import BOS, run_on_ranks
+
+ROWS, DIM, STEPS = 64, 128, 3
+
+
+def reference_hash(tokens, rows):
+    """Plain-Python statement of the hash: (previous, current) -> Fibonacci hash mod rows-1; no
+    previous token of the same document (first position, BOS) -> the reserved last row."""
+    out = []
+    for i, token in enumerate(tokens):
+        if i == 0 or token == BOS:
+            out.append(rows - 1)
+        else:
+            pair = int(tokens[i - 1]) * 65536 + int(token)
+            out.append(((pair * 0x9E3779B97F4A7C15) % 2**64 >> 32) % (rows - 1))
+    return out
+
+
+def test_loader_bigram_rows_equal_the_reference_hash():
+    rng = np.random.default_rng(0)
+    window = rng.integers(0, 50257, 257).astype(np.uint16)
+    window[[0, 17, 18, 100]] = BOS  # document starts, two in a row
+    batches = tg.Prefetcher(iter([window]), 256, torch.device("cpu"), bigram_rows=4096)
+    batch = batches.next()
+    batches.close()
+    want = reference_hash(window[:-1].tolist(), 4096)
+    assert batch.bigrams.tolist() == want
+    assert batch.bigram_rows_used.tolist() == sorted(set(want))
+    assert want[17] == want[18] == want[100] == 4095 and len(set(want)) > 200
+
+
+def test_tiny_model_uses_the_bigram_table():
+    cfg, _ = tg.parse_cli(["--preset=tiny"])
+    model = tg.GPT(cfg, tg.SdpaAttention(), torch.float32)
+    model.lm_head.weight.data.normal_()  # a zero head would give every earlier weight zero gradient
+    tokens = torch.randint(0, 1000, (256,), dtype=torch.int32)
+    bigrams = torch.from_numpy(tg.bigram_hash(tokens.numpy(), cfg.bigram_rows))
+    masks = model.prepare_masks(tokens, None, (16, 32))
+    model(tokens, tokens.long(), masks, bigrams).backward()
+    grad_rows = model.bigram_embed.weight.grad.abs().sum(1).nonzero().flatten()
+    assert set(grad_rows.tolist()) <= set(bigrams.tolist()) and len(grad_rows) > 0
+
+
+def touched_rows(rank, step):
+    """Random touched rows per rank; row 0 is touched by every rank, rows ROWS-8.. by none."""
+    rng = np.random.default_rng(100 * step + rank)
+    rows = rng.choice(np.arange(1, ROWS - 8), size=20, replace=False)
+    return np.unique(np.append(rows, 0))
+
+
+def _adam_on_rank(rank, world_size, sparse):
+    torch.manual_seed(0)
+    table = torch.randn(ROWS, DIM).requires_grad_()
+    opt = tg.DistAdam([dict(params=[table], lr=0.01)], lr=0.01, betas=(0.8, 0.95), eps=1e-10,
+                      sparse_params=[table] if sparse else ())
+    syncs = []
+    originals = {name: getattr(torch.Tensor, name) for name in ("item", "cpu", "tolist")}
+    shards = []
+    for step in range(STEPS):
+        rows = touched_rows(rank, step)
+        grad = torch.zeros(ROWS, DIM)
+        grad[rows] = torch.randn(len(rows), DIM, generator=torch.Generator().manual_seed(step * 10 + rank))
+        table.grad = grad
+        opt.before_last_backward({table: rows})
+        for name in originals:  # the step must not read device values back to the host
+            setattr(torch.Tensor, name, lambda *a, _name=name, **k: syncs.append(_name) or originals[_name](*a, **k))
+        try:
+            bucket = opt.buckets[0]
+            opt._launch_reduce(bucket)
+            finish = bucket.pending
+            shard = finish()
+            bucket.pending = lambda: shard
+            shards.append(shard.clone())
+            opt.step()
+        finally:
+            for name, fn in originals.items():
+                setattr(torch.Tensor, name, fn)
+    return table.detach(), shards, syncs
+
+
+def test_sparse_exchange_equals_dense_reduce_scatter():
+    dense = run_on_ranks(_adam_on_rank, 2, False)
+    sparse = run_on_ranks(_adam_on_rank, 2, True)
+    for (d_table, d_shards, _), (s_table, s_shards, syncs) in zip(dense, sparse):
+        assert syncs == []
+        for d, s in zip(d_shards, s_shards):
+            torch.testing.assert_close(s, d, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(s_table, d_table, rtol=1e-6, atol=1e-7)
+    assert torch.equal(sparse[0][0], sparse[1][0])  # ranks agree after the dense all-gather
+
+
+def test_bigram_rows_must_split_over_ranks():
+    with pytest.raises(tg.UserError, match="--bigram_rows=1001"):
+        tg.parse_cli(["--bigram_rows=1001"])
