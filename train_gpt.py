@@ -1500,6 +1500,29 @@ def compiled_graph_count() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+class RecompileWatch:
+    """Reports graphs compiled after the warm-up (there should be none), with dynamo's reasons."""
+
+    def __init__(self):
+        from torch._dynamo.utils import guard_failures
+        self.failures = guard_failures
+        self.graphs = compiled_graph_count()
+        self.seen = {code: len(reasons) for code, reasons in guard_failures.items()}
+
+    def new_reasons(self) -> list[str]:
+        """Why each graph compiled since the last call was needed ("where: failed guard")."""
+        if compiled_graph_count() == self.graphs:
+            return []
+        self.graphs = compiled_graph_count()
+        reasons = []
+        for code, failures in list(self.failures.items()):
+            for failure in failures[self.seen.get(code, 0):]:
+                where = f"{code.co_name} ({Path(code.co_filename).name}:{code.co_firstlineno})"
+                reasons.append(f"{where}: {failure.splitlines()[0].strip()}")
+            self.seen[code] = len(failures)
+        return reasons or ["a new graph (no guard failed: first call of a new function)"]
+
+
 def compile_cache_hits() -> int:
     """Compiled graphs served from a cache (inductor kernels and AOTAutograd graphs) in this process."""
     from torch._dynamo.utils import counters
@@ -1579,8 +1602,8 @@ def train(cfg: Config, comm: Comm, log: RunLog) -> TrainResult:
     warm_up(model, optimizers, cfg, comm, schedule, device)
     if device.type == "cuda":
         torch.cuda.synchronize()
-    graphs_after_warmup = compiled_graph_count()
-    log(f"compile_time:{time.perf_counter() - start:.1f}s graphs:{graphs_after_warmup} cache_hits:{compile_cache_hits()}")
+    recompiles = RecompileWatch()
+    log(f"compile_time:{time.perf_counter() - start:.1f}s graphs:{recompiles.graphs} cache_hits:{compile_cache_hits()}")
     if cache is not None:
         cache.save()
 
@@ -1629,13 +1652,14 @@ def train(cfg: Config, comm: Comm, log: RunLog) -> TrainResult:
             watch.push(step, loss)
             elapsed_ms = train_time_ms + 1000 * (time.perf_counter() - clock)
             log(f"step:{step + 1}/{N} train_time:{elapsed_ms:.0f}ms step_avg:{elapsed_ms / (step + 1):.2f}ms")
+            for reason in recompiles.new_reasons():
+                log(f"warning: recompiled in the timed region at step {step + 1}: {reason}")
         watch.flush()
     finally:
         batches.close()
 
-    recompiles = compiled_graph_count() - graphs_after_warmup
-    if recompiles:
-        log(f"warning: {recompiles} graphs were compiled inside the timed region")
+    for reason in recompiles.new_reasons():  # validation graphs, if any slipped past the warm-up
+        log(f"warning: recompiled in the timed region: {reason}")
     if device.type == "cuda":
         log(f"peak memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "
             f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")

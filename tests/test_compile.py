@@ -37,3 +37,21 @@ def test_compiled_runs_match_eager_and_reuse_the_cache_file(tiny_data, tmp_path)
     losses = [float(VAL.search(log).group(1)) for log in (first, second, eager)]
     assert losses[0] == losses[1]
     assert abs(losses[0] - losses[2]) < 1e-3 * losses[2]
+
+
+def test_recompile_watch_reports_the_failed_guard():
+    import torch
+    import train_gpt as tg
+
+    def scale(x, n):
+        return x * n
+
+    compiled = torch.compile(scale, dynamic=False)
+    compiled(torch.randn(3), 2)
+    watch = tg.RecompileWatch()
+    compiled(torch.randn(3), 2)
+    assert watch.new_reasons() == []  # same guards: no new graph
+    compiled(torch.randn(3), 3)
+    reasons = watch.new_reasons()
+    assert len(reasons) == 1 and reasons[0].startswith("scale (test_compile.py:") and "n == 2" in reasons[0]
+    assert watch.new_reasons() == []
