@@ -1,6 +1,8 @@
 """Test helpers: token shards in the trainer's format and learnable synthetic documents."""
+import importlib.util
 import pickle
 import socket
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -68,3 +70,14 @@ def run_on_ranks(target, world_size: int, *args, timeout: float = 300) -> list:
         if isinstance(value, BaseException):
             raise AssertionError(f"rank {rank} failed: {value!r}")
     return [by_rank[r] for r in range(world_size)]
+
+
+def load_script(relative_path: str):
+    """Import a script of the repository under its own name, without putting its folder on sys.path
+    (data/tokenize.py would shadow the standard library's tokenize)."""
+    path = REPO / relative_path
+    spec = importlib.util.spec_from_file_location(path.stem + "_script", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while it executes
+    spec.loader.exec_module(module)
+    return module

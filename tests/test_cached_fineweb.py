@@ -6,10 +6,9 @@ import sys
 import numpy as np
 import pytest
 
-from helpers import REPO, write_shard
+from helpers import REPO, load_script, write_shard
 
-sys.path.insert(0, str(REPO / "data"))
-import cached_fineweb10B as fw  # noqa: E402
+fw = load_script("data/cached_fineweb10B.py")
 
 
 def fake_hub(calls):

@@ -1,0 +1,136 @@
+"""Turn your own text into token shards that train_gpt.py reads (GPT-2 BPE via tiktoken).
+
+    python data/tokenize.py DOCS_DIR/ notes.txt --out data/mytext          # every file is one document
+    python data/tokenize.py dump.jsonl --jsonl_field text --out data/mytext
+
+Every document is encoded with tiktoken's `gpt2` encoding and prefixed by BOS (50256). Documents are
+shuffled (--seed), the first ones fill the validation shard ({name}_val_000000.bin, --val_tokens), the
+rest the train shards ({name}_train_000001.bin, ...) of --shard_tokens each. Offline, tiktoken reads the
+BPE files from TIKTOKEN_CACHE_DIR.
+"""
+import os
+import sys
+
+# This file shares its name with the standard library's tokenize module (which numpy and inspect import):
+# run as a script, its folder must not stand first on sys.path.
+if sys.path and os.path.abspath(sys.path[0] or ".") == os.path.dirname(os.path.abspath(__file__)):
+    sys.path.pop(0)
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+BOS = 50256
+MAGIC, VERSION = 20240520, 1
+
+
+class TokenizeError(Exception):
+    pass
+
+
+def write_shard(path: Path, tokens: np.ndarray) -> None:
+    """The trainer's shard format, written to a temporary name first so no half shard is left behind."""
+    header = np.zeros(256, dtype="<i4")
+    header[:3] = (MAGIC, VERSION, len(tokens))
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "wb") as f:
+        f.write(header.tobytes())
+        f.write(np.asarray(tokens, dtype="<u2").tobytes())
+    os.replace(tmp, path)
+
+
+def input_files(inputs: list[str]) -> list[Path]:
+    """The files named, and every file under the directories named (sorted)."""
+    files = []
+    for item in inputs:
+        path = Path(item)
+        if path.is_dir():
+            files += sorted(p for p in path.rglob("*") if p.is_file())
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise TokenizeError(f"{path}: no such file or directory")
+    return files
+
+
+def read_documents(files: list[Path], jsonl_field: str | None):
+    """Yield (source, text): one per file, or one per JSONL line with --jsonl_field."""
+    for path in files:
+        if jsonl_field is None:
+            yield str(path), path.read_text(encoding="utf-8", errors="replace")
+            continue
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for number, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    text = json.loads(line)[jsonl_field]
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    raise TokenizeError(f"{path}:{number}: not a JSON object with a {jsonl_field!r} field") from None
+                yield f"{path}:{number}", str(text)
+
+
+def tokenize_documents(documents, encode, out: Path, name: str, val_tokens: int, shard_tokens: int,
+                       seed: int, progress: bool = True) -> list[Path]:
+    """Encode, shuffle, split and write; returns the shards written (val first)."""
+    from tqdm import tqdm
+    docs = [np.concatenate([[BOS], encode(text)]).astype(np.uint16)
+            for _, text in tqdm(list(documents), desc="documents", unit="doc", disable=not progress)]
+    if not docs:
+        raise TokenizeError("no documents found in the inputs")
+    np.random.default_rng(seed).shuffle(docs)
+    out.mkdir(parents=True, exist_ok=True)
+    written, val, index = [], [], 0
+    while index < len(docs) - 1 and sum(len(d) for d in val) < val_tokens:
+        val.append(docs[index])
+        index += 1
+    written.append(out / f"{name}_val_000000.bin")
+    write_shard(written[-1], np.concatenate(val))
+    train = np.concatenate(docs[index:])
+    for number, start in enumerate(range(0, len(train), shard_tokens), start=1):
+        written.append(out / f"{name}_train_{number:06d}.bin")
+        write_shard(written[-1], train[start: start + shard_tokens])
+    return written
+
+
+def gpt2_encoder():
+    try:
+        import tiktoken
+        encoding = tiktoken.get_encoding("gpt2")
+    except Exception as e:  # no package, no network, no cached files: all end the same way for the user
+        reason = str(e).splitlines()[0][:160] if str(e) else ""
+        raise TokenizeError(f"could not load tiktoken's gpt2 encoding ({type(e).__name__}: {reason}). Install tiktoken, "
+                            "and offline set TIKTOKEN_CACHE_DIR to a directory holding the GPT-2 BPE files") from None
+    return lambda text: encoding.encode_ordinary(text)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("inputs", nargs="+", help="text files, directories (recursively), or JSONL files")
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--name", default="local", help="shard name prefix")
+    parser.add_argument("--jsonl_field", help="read JSONL files, one document per line, from this field")
+    parser.add_argument("--val_tokens", type=int, default=10_485_760)
+    parser.add_argument("--shard_tokens", type=int, default=100_000_000)
+    parser.add_argument("--seed", type=int, default=1234, help="document shuffle seed")
+    parser.add_argument("--force", action="store_true", help="overwrite existing shards of this name")
+    args = parser.parse_args(argv)
+    try:
+        existing = sorted(args.out.glob(f"{args.name}_*.bin")) if args.out.exists() else []
+        if existing and not args.force:
+            raise TokenizeError(f"{existing[0]} already exists; pass --force to overwrite shards named {args.name}_*")
+        files = input_files(args.inputs)
+        written = tokenize_documents(read_documents(files, args.jsonl_field), gpt2_encoder(), args.out,
+                                     args.name, args.val_tokens, args.shard_tokens, args.seed)
+    except TokenizeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    for path in written:
+        print(f"{path}: {(path.stat().st_size - 1024) // 2:,} tokens")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""data/tokenize.py: text files and JSONL into shards, and back."""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import train_gpt as tg
+from helpers import REPO, load_script
+
+tokenize = load_script("data/tokenize.py")
+BOS = 50256
+
+
+def byte_encoder(text):
+    """A stand-in for GPT-2 BPE that needs no files: one token per UTF-8 byte."""
+    return list(text.encode("utf-8"))
+
+
+def documents_of(path):
+    tokens = tg.read_shard(str(path))  # the trainer's own reader accepts the shard
+    starts = list(np.flatnonzero(tokens == BOS)) + [len(tokens)]
+    assert starts[0] == 0  # every document begins with BOS
+    return [bytes(tokens[a + 1:b].astype(np.uint8)).decode("utf-8") for a, b in zip(starts, starts[1:])]
+
+
+def make_corpus(tmp_path):
+    texts = [f"document {i}: " + "words " * (i % 7 + 1) + "é✓" for i in range(30)]
+    folder = tmp_path / "corpus" / "sub"
+    folder.mkdir(parents=True)
+    for i, text in enumerate(texts):
+        (folder / f"{i:02d}.txt").write_text(text, encoding="utf-8")
+    return texts
+
+
+def test_round_trip_split_and_shuffle(tmp_path):
+    texts = make_corpus(tmp_path)
+    written = tokenize.tokenize_documents(tokenize.read_documents(tokenize.input_files([str(tmp_path / "corpus")]), None), byte_encoder,
+                                          tmp_path / "out", "t", val_tokens=100, shard_tokens=300, seed=7,
+                                          progress=False)
+    assert written[0].name == "t_val_000000.bin" and [p.name for p in written[1:3]] == ["t_train_000001.bin", "t_train_000002.bin"]
+    val = documents_of(written[0])
+    assert sum(len(t.encode()) + 1 for t in val) >= 100 > sum(len(t.encode()) + 1 for t in val[:-1])
+    train_tokens = np.concatenate([tg.read_shard(str(p)) for p in written[1:]])
+    assert all(len(tg.read_shard(str(p))) == 300 for p in written[1:-1])
+    starts = list(np.flatnonzero(train_tokens == BOS)) + [len(train_tokens)]
+    train = [bytes(train_tokens[a + 1:b].astype(np.uint8)).decode() for a, b in zip(starts, starts[1:])]
+    assert sorted(val + train) == sorted(texts)  # every document exactly once, intact
+    again = tokenize.tokenize_documents(tokenize.read_documents(tokenize.input_files([str(tmp_path / "corpus")]), None), byte_encoder,
+                                        tmp_path / "out2", "t", val_tokens=100, shard_tokens=300, seed=7, progress=False)
+    assert documents_of(again[0]) == val  # the shuffle follows the seed
+
+
+def test_jsonl_field_and_bad_line(tmp_path):
+    path = tmp_path / "dump.jsonl"
+    path.write_text("\n".join(json.dumps({"text": f"row {i}", "id": i}) for i in range(5)) + "\n\n")
+    docs = list(tokenize.read_documents([path], "text"))
+    assert [text for _, text in docs] == [f"row {i}" for i in range(5)] and docs[2][0].endswith("dump.jsonl:3")
+    path.write_text(path.read_text() + '{"id": 9}\n')
+    with pytest.raises(tokenize.TokenizeError, match=r"dump\.jsonl:7: not a JSON object with a 'text' field"):
+        list(tokenize.read_documents([path], "text"))
+
+
+def test_cli_refuses_to_overwrite_and_reports_missing_input(tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "local_val_000000.bin").write_bytes(b"x")
+    run = lambda *a: subprocess.run([sys.executable, str(REPO / "data" / "tokenize.py"), *map(str, a)],
+                                    capture_output=True, text=True, timeout=120)
+    result = run(tmp_path / "missing.txt", "--out", tmp_path / "new")
+    assert result.returncode == 1 and "missing.txt: no such file or directory" in result.stderr
+    (tmp_path / "a.txt").write_text("hi")
+    result = run(tmp_path / "a.txt", "--out", tmp_path / "out")
+    assert result.returncode == 1 and "already exists; pass --force" in result.stderr
+    assert (tmp_path / "out" / "local_val_000000.bin").read_bytes() == b"x"
+
+
+def test_real_gpt2_encoding_when_available(tmp_path):
+    tiktoken = pytest.importorskip("tiktoken")
+    try:
+        tiktoken.get_encoding("gpt2")
+    except Exception as e:
+        pytest.skip(f"tiktoken's gpt2 files are not available offline here ({type(e).__name__})")
+    (tmp_path / "a.txt").write_text("Hello world")
+    (tmp_path / "b.txt").write_text("Second document.")
+    result = subprocess.run([sys.executable, str(REPO / "data" / "tokenize.py"), tmp_path / "a.txt", tmp_path / "b.txt",
+                             "--out", tmp_path / "out", "--val_tokens", "1"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    shards = sorted((tmp_path / "out").glob("*.bin"))
+    tokens = np.concatenate([tg.read_shard(str(p)) for p in shards]).tolist()
+    assert [50256, 15496, 995] in [tokens[i:i + 3] for i in range(len(tokens))]  # "Hello world"
