@@ -1162,7 +1162,7 @@ class Prefetcher:
         try:
             for window in batches:
                 slot = self.free.get()
-                if self.closed:
+                if slot is None or self.closed:
                     return
                 if slot.copied is not None:
                     slot.copied.synchronize()
@@ -1191,8 +1191,11 @@ class Prefetcher:
         return batch
 
     def close(self):
+        """Stop the thread and wait for it: a thread still inside numpy or torch when the interpreter
+        exits is torn down in a way that aborts the process ("terminate called without an active exception")."""
         self.closed = True
         self.free.put(None)  # wakes the thread if it waits for a slot
+        self.thread.join()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1608,6 +1611,7 @@ def train(cfg: Config, comm: Comm, log: RunLog) -> TrainResult:
         cache.save()
 
     watch = LossWatch(comm, device)
+
     def note_new_pass(number: int):  # called from the loader thread; repeated data skews the losses
         log(f"note: the training data starts over (pass {number}); later losses are on repeated data")
 
