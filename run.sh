@@ -9,10 +9,8 @@ if ! python -c "import torch" 2>/dev/null; then
     echo "error: torch is not importable; install the requirements: pip install -r requirements.txt" >&2
     exit 1
 fi
-if ! python train_gpt.py --check "$@"; then
-    echo "(FineWeb shards: python data/cached_fineweb10B.py 9   downloads the val shard and 900M train tokens)" >&2
-    exit 1
-fi
+# One line on stderr for a bad flag, a missing GPU or bad data (a missing shard names the download command).
+python train_gpt.py --check "$@" || exit 1
 gpus=$(python -c "import torch; print(torch.cuda.device_count())")
 if [ -z "${NPROC:-}" ]; then
     NPROC=0

@@ -348,3 +348,30 @@ def test_world_size_1_and_2_give_the_same_losses(tiny_data, tmp_path):
     assert len(single) == 3 and two[0] == two[1]
     assert single[0] > single[-1]  # it trained
     np.testing.assert_allclose(two[0], single, rtol=1e-5)
+
+
+def test_check_and_help_flags(tiny_data, tmp_path):
+    train, val = tiny_data
+    ok = run_cli(["--device=cpu", "--preset=tiny", f"--train_files={train}", f"--val_files={val}", "--check"], cwd=tmp_path)
+    assert ok.returncode == 0 and ok.stdout.startswith("ok:") and not (tmp_path / "logs").exists()
+    short = run_cli(["--device=cpu", "--preset=tiny", f"--train_files={train}", f"--val_files={val}",
+                     "--val_tokens=1048576", "--check"], cwd=tmp_path)
+    assert short.returncode == 1 and "fewer than --val_tokens=1,048,576" in short.stderr
+    usage = run_cli(["--help"], cwd=tmp_path)
+    assert usage.returncode == 0 and "--num_iterations=1555" in usage.stdout and "--compile_cache=" in usage.stdout
+
+
+def test_run_sh_checks_before_launching(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU machine run.sh would launch a real run")
+    no_cuda = subprocess.run(["bash", str(REPO / "run.sh")], capture_output=True, text=True, timeout=120)
+    assert no_cuda.returncode == 1 and no_cuda.stderr.strip() == (
+        "error: --device=cuda, but torch sees no CUDA GPU; pass --device=cpu to run on the CPU")
+    missing = subprocess.run(["bash", str(REPO / "run.sh"), "--device=cpu", "--train_files=nowhere/*.bin"],
+                             capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 1 and len(missing.stderr.strip().splitlines()) == 1
+    assert "matches no files" in missing.stderr and "data/cached_fineweb10B.py 9" in missing.stderr
+    (tmp_path / "notes.bin").write_bytes(b"not tokens" * 200)
+    bad = subprocess.run(["bash", str(REPO / "run.sh"), "--device=cpu", "--preset=tiny",
+                          f"--train_files={tmp_path / '*.bin'}"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1 and "notes.bin: not a token shard" in bad.stderr  # rejected before any launch
