@@ -14,6 +14,7 @@ import dataclasses
 import glob
 import hashlib
 import json
+import logging
 import math
 import os
 import platform
@@ -1544,7 +1545,6 @@ class CompileCache:
         if not os.path.exists(self.path):
             self.log(f"compile cache {self.path}: none yet; it is written after the warm-up")
             return
-        import logging
         torch_log = logging.getLogger("torch.compiler._cache")
         level = torch_log.level
         torch_log.setLevel(logging.ERROR)  # torch logs a traceback for unreadable files; we say it in one line
