@@ -62,8 +62,10 @@ class Config:
     log_dir: str = "logs"
     device: str = "cuda"  # cuda | cpu
     compile: bool = True  # torch.compile each block and the loss head (regional compilation)
+    compile_whole_model: bool = False  # one graph for the whole model instead (slow to compile; for comparison)
     compile_cache: str = ""  # file for torch's compile artifacts: loaded before the warm-up, saved after it
     attn_backend: str = "auto"  # auto | fa3 | flex | sdpa
+    triton_kernels: bool = True  # 0: plain-torch Newton-Schulz even where Triton is present (A/B, debugging)
     # model
     vocab_size: int = 50257  # padded to a multiple of 128 inside the model
     num_layers: int = 11
@@ -197,6 +199,7 @@ def validate_config(cfg: Config) -> None:
 
     need(cfg.device in ("cuda", "cpu"), f"--device={cfg.device}: use cuda or cpu")
     need(cfg.attn_backend in ("auto", "fa3", "flex", "sdpa"), f"--attn_backend={cfg.attn_backend}: use auto, fa3, flex or sdpa")
+    need(cfg.compile or not cfg.compile_whole_model, "--compile_whole_model=1 needs --compile=1")
     need(len(cfg.attn_layout) == cfg.num_layers and set(cfg.attn_layout) <= set("SL-"),
          f"--attn_layout={cfg.attn_layout!r}: needs one of S/L/- per layer ({cfg.num_layers} layers)")
     need(len(cfg.value_embed_layout) == cfg.num_layers and all(c == "." or c.isdigit() for c in cfg.value_embed_layout),
@@ -605,8 +608,9 @@ class Muon(torch.optim.Optimizer):
     size; per rank and group 2 matrices at W=8, 4 at W=4, 8 at W=2; padding 0 at 1, 2, 4 and 8 ranks.
     """
 
-    def __init__(self, params, lr: float, momentum: float, weight_decay: float = 0.0):
+    def __init__(self, params, lr: float, momentum: float, weight_decay: float = 0.0, use_triton: bool | None = None):
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, split=1))
+        self.use_triton = use_triton  # None: the Triton kernel on CUDA when Triton imports
         self.rank, self.world_size = current_rank_and_world()
         self.distributed = self.world_size > 1
         params = [p for group in self.param_groups for p in group["params"]]
@@ -638,7 +642,7 @@ class Muon(torch.optim.Optimizer):
         for split, members in by_split.items():  # one batched orthogonalisation per kind of matrix
             batch = torch.stack([directions[i] for i in members])
             n, rows, cols = batch.shape
-            ortho = orthogonalize(batch.view(n * split, rows // split, cols)).view(n, rows, cols)
+            ortho = orthogonalize(batch.view(n * split, rows // split, cols), self.use_triton).view(n, rows, cols)
             if updates is None:
                 updates = ortho.new_zeros(group.per_rank, rows, cols)
             updates[members] = ortho
@@ -865,15 +869,16 @@ class CausalSelfAttention(nn.Module):
         # MLP weights, so the optimizer can treat all matrices of the model as one stack.
         self.qkvo_w = nn.Parameter(torch.empty(4 * dim, dim))
 
-    def forward(self, x: Tensor, value_embed: Tensor | None, value_mix: Tensor, rope, mask, attend) -> Tensor:
+    def forward(self, x: Tensor, value_embed: Tensor, value_mix: Tensor, rope, mask, attend) -> Tensor:
         T, dim = x.shape
         cos, sin, scale = rope
         w = self.qkvo_w.to(x.dtype)
         q, k, v = (x @ w[: 3 * dim].T).view(T, 3, self.num_heads, self.head_dim).unbind(1)
         q, k = rms_norm(q), rms_norm(k)  # QK-norm
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if value_embed is not None:  # value embeddings (speedrun 2024-12, after Zhou et al. 2024)
-            v = value_mix[0] * v + value_mix[1] * value_embed.view_as(v)
+        # Value embeddings (speedrun 2024-12, after Zhou et al. 2024); layers without one get zeros, which
+        # leaves the learned scale of v and lets every attention block share one compiled graph.
+        v = value_mix[0] * v + value_mix[1] * value_embed.view_as(v)
         y = attend((q * scale).type_as(k), k, v, mask)
         return y.reshape(T, dim) @ w[3 * dim:].T
 
@@ -898,7 +903,7 @@ class Block(nn.Module):
         self.lambdas = nn.Parameter(torch.tensor([1.0, 0.0, 0.5, 0.5, 0.1]))
         self.attend = None  # the attention backend, set by GPT
 
-    def forward(self, x: Tensor, x0: Tensor, value_embed: Tensor | None, rope, mask, bigram: Tensor | None) -> Tensor:
+    def forward(self, x: Tensor, x0: Tensor, value_embed: Tensor, rope, mask, bigram: Tensor | None) -> Tensor:
         lambdas = self.lambdas.to(x.dtype)
         x = lambdas[0] * x + lambdas[1] * x0  # every layer can re-read the embedding (speedrun 2024-11)
         if bigram is not None:
@@ -949,9 +954,9 @@ class GPT(nn.Module):
 
     def compile_regions(self):
         """Compile each block and the loss head separately: one small graph per distinct block type
-        instead of one whole-model graph, which compiles many times faster at the same speed."""
-        # Block variants (window kind, value embedding or not, grad mode, ...) each take a cache entry
-        # of the one Block.forward; the default limit of 8 would silently fall back to eager.
+        (attention or not) instead of one whole-model graph, which compiles several times faster."""
+        # Block variants each take a cache entry of the one Block.forward; the default limit of 8
+        # would silently fall back to eager if a configuration ever made more.
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         for block in self.blocks:
             block.compile(dynamic=False, fullgraph=True)
@@ -963,8 +968,12 @@ class GPT(nn.Module):
     def forward(self, tokens: Tensor, targets: Tensor, masks: dict, bigrams: Tensor | None = None) -> Tensor:
         """Mean cross-entropy over one packed micro-batch: tokens, targets and bigram rows are [T]."""
         cfg = self.cfg
-        x = x0 = rms_norm(self.embed(tokens)).to(self.compute_dtype)
+        x0 = rms_norm(self.embed(tokens)).to(self.compute_dtype)
         value_embeds = [ve(tokens).to(self.compute_dtype) for ve in self.value_embeds]
+        # Every attention block should call its compiled graph with inputs that look alike to dynamo's
+        # guards: x not aliasing x0, and zeros that require grad like a real value embedding.
+        x = x0.clone()
+        no_value_embed = torch.zeros_like(x0, requires_grad=True)
         bigram = self.bigram_embed(bigrams).to(self.compute_dtype) if self.bigram_embed is not None else None
         rope = self.rotary.tables()
         skip = None
@@ -972,7 +981,7 @@ class GPT(nn.Module):
             if i == cfg.skip_to:
                 x = x + torch.sigmoid(self.skip_gate).to(x.dtype) * skip
             ve_index = cfg.value_embed_layout[i]
-            value_embed = None if ve_index == "." else value_embeds[int(ve_index)]
+            value_embed = no_value_embed if ve_index == "." else value_embeds[int(ve_index)]
             x = block(x, x0, value_embed, rope, masks.get(cfg.attn_layout[i]), bigram)
             if i == cfg.skip_from:
                 skip = x
@@ -1353,7 +1362,8 @@ def build_optimizers(model: GPT, cfg: Config) -> list[torch.optim.Optimizer]:
     """Adam for embeddings, head and scalars; Muon for the hidden matrices (speedrun 2024-10)."""
     matrices = model.matrix_params()
     muon = Muon([dict(params=matrices["attn"], split=4), dict(params=matrices["mlp"], split=1)],
-                lr=cfg.muon_lr, momentum=cfg.muon_momentum, weight_decay=cfg.muon_weight_decay)
+                lr=cfg.muon_lr, momentum=cfg.muon_momentum, weight_decay=cfg.muon_weight_decay,
+                use_triton=None if cfg.triton_kernels else False)
     embeddings = [model.embed.weight] + [ve.weight for ve in model.value_embeds]
     bigram = [model.bigram_embed.weight] if model.bigram_embed is not None else []
     scalars = [model.skip_gate] + [block.lambdas for block in model.blocks]
@@ -1451,9 +1461,11 @@ def train_step(model: GPT, optimizers, batches: Prefetcher, windows: tuple[int, 
     return total / micro_batches
 
 
-@torch.no_grad()
 def evaluate(model: GPT, cfg: Config, comm: Comm, val_paths: list[str], windows: tuple[int, int],
              device: torch.device) -> float:
+    """Mean loss over the fixed validation tokens. It runs with autograd on, like training, so that it
+    reuses the training graphs instead of compiling no-grad copies of them (a third of the cold
+    compile time); each micro-batch's saved activations are freed as soon as its loss is read."""
     batches = Prefetcher(val_batches_for_rank(val_paths, cfg, comm), cfg.micro_batch_tokens, device,
                          bigram_rows=cfg.bigram_rows)
     count = cfg.val_tokens // cfg.micro_batch_tokens // comm.world_size
@@ -1461,7 +1473,7 @@ def evaluate(model: GPT, cfg: Config, comm: Comm, val_paths: list[str], windows:
     try:
         for _ in range(count):
             batch = batches.next()
-            total += micro_batch_loss(model, batch, windows)
+            total += micro_batch_loss(model, batch, windows).detach()
     finally:
         batches.close()
     if comm.distributed:
@@ -1480,18 +1492,15 @@ def dummy_batches(cfg: Config, seed: int):
 
 
 def warm_up(model: GPT, optimizers, cfg: Config, comm: Comm, schedule: Schedule, device: torch.device):
-    """Run every graph the timed region will need (training and no-grad forward, each window pair,
-    the optimizer step) on random data, then restore the initial weights and empty the optimizer
-    state. Nothing here is timed."""
+    """Run every graph the timed region will need (forward and backward, each window pair, the
+    optimizer step; validation reuses them) on random data, then restore the initial weights and
+    empty the optimizer state. Nothing here is timed."""
     initial = {name: t.detach().clone() for name, t in model.state_dict().items()}
     batches = Prefetcher(dummy_batches(cfg, seed=cfg.seed + 1 + comm.rank), cfg.micro_batch_tokens, device,
                          bigram_rows=cfg.bigram_rows)
     try:
         for windows in schedule.all_windows():
             train_step(model, optimizers, batches, windows, micro_batches=1)
-            with torch.no_grad():
-                batch = batches.next()
-                micro_batch_loss(model, batch, windows)
     finally:
         batches.close()
     model.load_state_dict(initial)
@@ -1531,6 +1540,27 @@ def compile_cache_hits() -> int:
     """Compiled graphs served from a cache (inductor kernels and AOTAutograd graphs) in this process."""
     from torch._dynamo.utils import counters
     return int(counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"])
+
+
+def compile_phase_times() -> str:
+    """Where the compile time went, from torch's own per-phase timers (names vary across versions)."""
+    from torch._dynamo.utils import compile_times
+    names, values = compile_times(repr="csv", aggregate=True)
+    seconds = dict(zip(names, (float(v) for v in values)))
+    phases = [("dynamo+aot+inductor forward", "_compile.compile_inner"), ("python tracing", "bytecode_tracing"),
+              ("joint graph", "aot_trace_joint_graph"), ("inductor", "compile_fx_inner"),
+              ("backward compile", "compile_fx.<locals>.bw_compiler"), ("kernel builds waited", "async_compile.wait")]
+    return ", ".join(f"{label} {seconds[key]:.1f}s" for label, key in phases if key in seconds)
+
+
+def seconds_since_process_start() -> float | None:
+    """Wall time since this process began (Linux /proc), imports included: the whole cold-start cost."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: start time in clock ticks
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
 
 
 class CompileCache:
@@ -1600,13 +1630,20 @@ def train(cfg: Config, comm: Comm, log: RunLog) -> TrainResult:
     cache = CompileCache(cfg.compile_cache, log, comm) if cfg.compile and cfg.compile_cache else None
     if cache is not None:
         cache.load()
-    if cfg.compile:
+    if cfg.compile and cfg.compile_whole_model:
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        model.compile(dynamic=False, fullgraph=True)
+    elif cfg.compile:
         model.compile_regions()
     warm_up(model, optimizers, cfg, comm, schedule, device)
     if device.type == "cuda":
         torch.cuda.synchronize()
     recompiles = RecompileWatch()
-    log(f"compile_time:{time.perf_counter() - start:.1f}s graphs:{recompiles.graphs} cache_hits:{compile_cache_hits()}")
+    since_start = seconds_since_process_start()
+    log(f"compile_time:{time.perf_counter() - start:.1f}s graphs:{recompiles.graphs} cache_hits:{compile_cache_hits()}"
+        + (f" since_process_start:{since_start:.1f}s" if since_start is not None else ""))
+    if cfg.compile:
+        log(f"compile phases: {compile_phase_times()}")
     if cache is not None:
         cache.save()
 

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Cold and warm start of the full default config on the bench stream, one device call (repo root):
+#   OUT=/some/dir bash tests/gpu/startup_bench.sh STEPS SCOPE [RUN_LIMIT_S]
+# SCOPE: regional  -> cold run (empty inductor and Triton caches), warm run (same caches), then a run
+#                     with an empty inductor cache but the --compile_cache file the warm run wrote;
+#        whole     -> one cold run with --compile_whole_model=1;
+#        ab        -> two runs warm-started from .cache/artifacts.bin.part* (what a regional call wrote):
+#                     Triton Newton-Schulz, then plain-torch Newton-Schulz (--triton_kernels=0).
+# Prints each run's compile_time / since_process_start / graphs / step_avg; logs land in $OUT.
+set -uo pipefail
+steps=$1; scope=$2; limit=${3:-450}
+OUT=${OUT:-/tmp/device_out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+
+python3 - <<'PY'
+import lzma, pathlib
+out = pathlib.Path("/tmp/bench"); out.mkdir(exist_ok=True)
+for xz in sorted(pathlib.Path(".bench").glob("*.bin.xz")):
+    target = out / xz.name[:-3]
+    if not target.exists():
+        target.write_bytes(lzma.decompress(xz.read_bytes()))
+PY
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+
+run() {  # run NAME TRAINER INDUCTOR_DIR TRITON_DIR [flags...]
+    local name=$1 trainer=$2; export TORCHINDUCTOR_CACHE_DIR=$3 TRITON_CACHE_DIR=$4; shift 4
+    local start=$(date +%s.%N)
+    timeout "$limit" python3 "$trainer" --train_files='/tmp/bench/docs_train_*.bin' \
+        --val_files=/tmp/bench/docs_val_000000.bin --val_tokens=2097152 --train_repeat=1 --val_loss_every=0 \
+        --num_iterations="$steps" --run_id="$name" "$@" > "$OUT/$name.stdout" 2>&1
+    local rc=$?
+    printf '%s: exit %s after %.0fs | ' "$name" "$rc" "$(echo "$(date +%s.%N) - $start" | bc)"
+    grep -hE "^compile_time|^compile phases|^warning|^error|peak memory" "$OUT/$name.stdout" | tr '\n' ' '
+    grep -E "^step:$steps/$steps val_loss" "$OUT/$name.stdout" || echo "(no final line)"
+    cp "logs/$name.txt" "$OUT/" 2>/dev/null
+}
+
+case "$scope" in
+regional)
+    run cold train_gpt.py /tmp/ind_a /tmp/triton_a --compile_cache=/tmp/artifacts.bin
+    run warm train_gpt.py /tmp/ind_a /tmp/triton_a --compile_cache=/tmp/artifacts.bin
+    run artifacts train_gpt.py /tmp/ind_b /tmp/triton_b --compile_cache=/tmp/artifacts.bin
+    split -b 15m /tmp/artifacts.bin "$OUT/artifacts.bin.part"
+    ;;
+whole)
+    run whole train_gpt.py /tmp/ind_w /tmp/triton_w --compile_whole_model=1
+    ;;
+ab)
+    cat .cache/artifacts.bin.part* > /tmp/artifacts.bin
+    run triton train_gpt.py /tmp/ind_c /tmp/triton_c --compile_cache=/tmp/artifacts.bin
+    run torch_ns train_gpt.py /tmp/ind_c /tmp/triton_c --compile_cache=/tmp/artifacts.bin --triton_kernels=0
+    ;;
+*) echo "unknown scope $scope"; exit 2 ;;
+esac
