@@ -1542,15 +1542,13 @@ def compile_cache_hits() -> int:
     return int(counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"])
 
 
-def compile_phase_times() -> str:
-    """Where the compile time went, from torch's own per-phase timers (names vary across versions)."""
+def compile_phase_times(top: int = 12) -> str:
+    """Where the compile time went: torch's own phase timers (nested, so they do not add up), longest
+    first. The names are torch internals and vary across versions."""
     from torch._dynamo.utils import compile_times
     names, values = compile_times(repr="csv", aggregate=True)
-    seconds = dict(zip(names, (float(v) for v in values)))
-    phases = [("dynamo+aot+inductor forward", "_compile.compile_inner"), ("python tracing", "bytecode_tracing"),
-              ("joint graph", "aot_trace_joint_graph"), ("inductor", "compile_fx_inner"),
-              ("backward compile", "compile_fx.<locals>.bw_compiler"), ("kernel builds waited", "async_compile.wait")]
-    return ", ".join(f"{label} {seconds[key]:.1f}s" for label, key in phases if key in seconds)
+    longest = sorted(zip(names, (float(v) for v in values)), key=lambda item: -item[1])[:top]
+    return ", ".join(f"{name} {seconds:.1f}s" for name, seconds in longest if seconds >= 0.5)
 
 
 def seconds_since_process_start() -> float | None:

@@ -4,8 +4,8 @@
 # SCOPE: regional  -> cold run (empty inductor and Triton caches), warm run (same caches), then a run
 #                     with an empty inductor cache but the --compile_cache file the warm run wrote;
 #        whole     -> one cold run with --compile_whole_model=1;
-#        ab        -> two runs warm-started from .cache/artifacts.bin.part* (what a regional call wrote):
-#                     Triton Newton-Schulz, then plain-torch Newton-Schulz (--triton_kernels=0).
+#        ab        -> cold run, then warm runs with plain-torch Newton-Schulz (--triton_kernels=0) and
+#                     with Triton again: Muon's kernel A/B at equal length on one machine.
 # Prints each run's compile_time / since_process_start / graphs / step_avg; logs land in $OUT.
 set -uo pipefail
 steps=$1; scope=$2; limit=${3:-450}
@@ -25,12 +25,12 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 
 run() {  # run NAME TRAINER INDUCTOR_DIR TRITON_DIR [flags...]
     local name=$1 trainer=$2; export TORCHINDUCTOR_CACHE_DIR=$3 TRITON_CACHE_DIR=$4; shift 4
-    local start=$(date +%s.%N)
+    local start=$SECONDS
     timeout "$limit" python3 "$trainer" --train_files='/tmp/bench/docs_train_*.bin' \
         --val_files=/tmp/bench/docs_val_000000.bin --val_tokens=2097152 --train_repeat=1 --val_loss_every=0 \
         --num_iterations="$steps" --run_id="$name" "$@" > "$OUT/$name.stdout" 2>&1
     local rc=$?
-    printf '%s: exit %s after %.0fs | ' "$name" "$rc" "$(echo "$(date +%s.%N) - $start" | bc)"
+    printf '%s: exit %s after %ss | ' "$name" "$rc" "$((SECONDS - start))"
     grep -hE "^compile_time|^compile phases|^warning|^error|peak memory" "$OUT/$name.stdout" | tr '\n' ' '
     grep -E "^step:$steps/$steps val_loss" "$OUT/$name.stdout" || echo "(no final line)"
     cp "logs/$name.txt" "$OUT/" 2>/dev/null
@@ -47,9 +47,9 @@ whole)
     run whole train_gpt.py /tmp/ind_w /tmp/triton_w --compile_whole_model=1
     ;;
 ab)
-    cat .cache/artifacts.bin.part* > /tmp/artifacts.bin
-    run triton train_gpt.py /tmp/ind_c /tmp/triton_c --compile_cache=/tmp/artifacts.bin
-    run torch_ns train_gpt.py /tmp/ind_c /tmp/triton_c --compile_cache=/tmp/artifacts.bin --triton_kernels=0
+    run cold_ab train_gpt.py /tmp/ind_c /tmp/triton_c
+    run torch_ns train_gpt.py /tmp/ind_c /tmp/triton_c --triton_kernels=0
+    run triton train_gpt.py /tmp/ind_c /tmp/triton_c
     ;;
 *) echo "unknown scope $scope"; exit 2 ;;
 esac

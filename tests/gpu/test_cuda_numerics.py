@@ -80,10 +80,11 @@ def test_gpu_bf16_loss_matches_cpu_fp32():
     gpu_model.compile_regions()
     tokens, *_ = random_attention_inputs(T=1025, seed=3)
     inputs, targets = tokens[:-1], tokens[1:].long()
+    bigrams = torch.from_numpy(tg.bigram_hash(inputs.numpy(), cfg.bigram_rows))
     losses = []
     for model, device in ((cpu_model, "cpu"), (gpu_model, "cuda")):
         x, y = inputs.to(device), targets.to(device)
-        losses.append(model(x, y, model.prepare_masks(x, None, (128, 256))).item())
+        losses.append(model(x, y, model.prepare_masks(x, None, (128, 256)), bigrams.to(device)).item())
     assert abs(losses[1] - losses[0]) / losses[0] < 1e-2, losses
 
 
