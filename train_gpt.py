@@ -784,21 +784,32 @@ class SdpaAttention:
 class FlexAttention:
     """torch FlexAttention with block-sparse masks (the speedrun's 2024-11 switch to long contexts).
 
-    The mask functions are created once and read the document ids and window sizes from tensors
-    that `prepare` overwrites in place, so neither create_block_mask nor the compiled blocks ever see
-    a new function and recompile. Stream order keeps a micro-batch's backward ahead of the next
+    The block masks are built here with a few eager tensor ops on the [blocks, blocks] grid instead of
+    a compiled create_block_mask: at our length that compile put a Triton sort on the cold-start
+    critical path (about 160 of 227 s on an H100; pytorch/pytorch#182060). Document ids are
+    non-decreasing along the packed sequence, so two blocks share a document exactly when the query
+    block's first document is the key block's last one, and that pair of positions is also the
+    pair nearest in distance, which makes the block classification exact (see the test against
+    create_block_mask). The mask functions for the partial blocks are created once and read the
+    document ids and window sizes from tensors that `prepare` overwrites in place, so the compiled
+    blocks never see a new function; stream order keeps a micro-batch's backward ahead of the next
     micro-batch's overwrite.
     """
     name = "flex"
+    block_size = 128  # FlexAttention's default tile
 
-    def __init__(self, seq_len: int, device: torch.device, compiled: bool):
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-        self.flex_attention = flex_attention
-        self.create_block_mask = torch.compile(create_block_mask) if compiled else create_block_mask
+    def __init__(self, seq_len: int, device: torch.device):
+        from torch.nn.attention.flex_attention import BlockMask, flex_attention
+        if seq_len % self.block_size:
+            raise UserError(f"--micro_batch_tokens={seq_len} must be a multiple of {self.block_size} for the "
+                            "flex attention backend")
+        self.flex_attention, self.from_kv_blocks = flex_attention, BlockMask.from_kv_blocks
         self.seq_len = seq_len
         self.doc = torch.zeros(seq_len, dtype=torch.int32, device=device)
         self.window = {kind: torch.zeros((), dtype=torch.int32, device=device) for kind in "SL"}
         self.mask_mods = {kind: self._mask_mod(self.doc, self.window[kind]) for kind in "SL"}
+        blocks = torch.arange(seq_len // self.block_size, device=device)
+        self.block_offset = blocks[:, None] - blocks[None, :]  # query block - key block
 
     @staticmethod
     def _mask_mod(doc: Tensor, window: Tensor):
@@ -806,13 +817,29 @@ class FlexAttention:
             return (kv_idx <= q_idx) & (doc[q_idx] == doc[kv_idx]) & (q_idx - kv_idx < window)
         return mask_mod
 
+    def _block_lists(self, window: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(partial count, partial indices, full count, full indices) per query block, as
+        BlockMask.from_kv_blocks takes them."""
+        size, offset = self.block_size, self.block_offset
+        first, last = self.doc[::size], self.doc[size - 1::size]
+        nearest = (offset * size - (size - 1)).clamp(min=0)  # smallest q_idx - kv_idx over the block pair
+        farthest = offset * size + (size - 1)
+        some = (offset >= 0) & (nearest < window) & (first[:, None] <= last[None, :])
+        full = (offset > 0) & (farthest < window) & (last[:, None] == first[None, :])
+
+        def as_lists(blocks: Tensor) -> tuple[Tensor, Tensor]:
+            counts = blocks.sum(dim=-1, dtype=torch.int32)
+            indices = torch.argsort(blocks.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+            return counts[None, None], indices[None, None]
+        return (*as_lists(some & ~full), *as_lists(full))
+
     def prepare(self, tokens: Tensor, cu_seqlens: Tensor, windows: dict[str, int]) -> dict:
         self.doc.copy_(document_ids(tokens))
         masks = {}
         for kind, w in windows.items():
             self.window[kind].fill_(w)
-            masks[kind] = self.create_block_mask(self.mask_mods[kind], None, None, self.seq_len, self.seq_len,
-                                                 device=tokens.device)
+            masks[kind] = self.from_kv_blocks(*self._block_lists(w), BLOCK_SIZE=self.block_size,
+                                              mask_mod=self.mask_mods[kind], seq_lengths=(self.seq_len, self.seq_len))
         return masks
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask) -> Tensor:
@@ -857,7 +884,7 @@ def make_attention(cfg: Config, device: torch.device):
     if choice == "fa3":
         raise UserError("--attn_backend=fa3 needs --device=cuda")
     if choice == "flex" or (choice == "auto" and device.type == "cuda"):
-        return FlexAttention(cfg.micro_batch_tokens, device, compiled=cfg.compile)
+        return FlexAttention(cfg.micro_batch_tokens, device)
     return SdpaAttention()
 
 
@@ -971,9 +998,10 @@ class GPT(nn.Module):
         x0 = rms_norm(self.embed(tokens)).to(self.compute_dtype)
         value_embeds = [ve(tokens).to(self.compute_dtype) for ve in self.value_embeds]
         # Every attention block should call its compiled graph with inputs that look alike to dynamo's
-        # guards: x not aliasing x0, and zeros that require grad like a real value embedding.
+        # guards: x not aliasing x0, and zeros that require grad like a real value embedding (inside
+        # a whole-model graph there are no such guards, and dynamo cannot create a leaf that does).
         x = x0.clone()
-        no_value_embed = torch.zeros_like(x0, requires_grad=True)
+        no_value_embed = torch.zeros_like(x0, requires_grad=not torch.compiler.is_compiling())
         bigram = self.bigram_embed(bigrams).to(self.compute_dtype) if self.bigram_embed is not None else None
         rope = self.rotary.tables()
         skip = None

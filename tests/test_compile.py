@@ -39,6 +39,16 @@ def test_compiled_runs_match_eager_and_reuse_the_cache_file(tiny_data, tmp_path)
     assert abs(losses[0] - losses[2]) < 1e-3 * losses[2]
 
 
+def test_whole_model_compile_matches_eager(tiny_data, tmp_path):
+    """--compile_whole_model is the baseline regional compilation is measured against: it must run."""
+    train, val = tiny_data
+    whole = run_tiny(tmp_path, train, val, "whole", "--compile=1", "--compile_whole_model=1",
+                     inductor_dir=tmp_path / "inductor")
+    eager = run_tiny(tmp_path, train, val, "eager", "--compile=0")
+    losses = [float(VAL.search(log).group(1)) for log in (whole, eager)]
+    assert abs(losses[0] - losses[1]) < 1e-3 * losses[1]
+
+
 def test_recompile_watch_reports_the_failed_guard():
     import torch
     import train_gpt as tg

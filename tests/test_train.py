@@ -224,12 +224,48 @@ def test_sdpa_path_matches_naive_reference(window):
 
 
 def test_flex_path_matches_sdpa_path():
-    tokens, q, k, v = random_attention_inputs(seed=1)
-    sdpa, flex = tg.SdpaAttention(), tg.FlexAttention(128, torch.device("cpu"), compiled=False)
-    windows = {"S": 16, "L": 64}
+    tokens, q, k, v = random_attention_inputs(T=512, seed=1)
+    sdpa, flex = tg.SdpaAttention(), tg.FlexAttention(512, torch.device("cpu"))
+    windows = {"S": 100, "L": 384}
     sdpa_masks, flex_masks = sdpa.prepare(tokens, None, windows), flex.prepare(tokens, None, windows)
     for kind in windows:
         assert torch.allclose(flex(q, k, v, flex_masks[kind]), sdpa(q, k, v, sdpa_masks[kind]), atol=1e-5)
+
+
+def dense_blocks(counts, indices):
+    """[q_blocks, kv_blocks] booleans from a BlockMask's (count, index) lists."""
+    counts, indices = counts[0, 0], indices[0, 0]
+    dense = torch.zeros(indices.shape, dtype=torch.bool)
+    for row, n in enumerate(counts.tolist()):
+        dense[row, indices[row, :n].long()] = True
+    return dense
+
+
+@pytest.mark.parametrize("window", [1, 127, 128, 129, 255, 383, 1024])
+@pytest.mark.parametrize("documents", [3, 40])
+def test_flex_block_lists_equal_create_block_mask(window, documents):
+    """Our block classification (skip / partial / full) against torch's own, which evaluates every position."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    T = 1024
+    g = torch.Generator().manual_seed(window * documents)
+    tokens = torch.randint(0, 1000, (T,), generator=g, dtype=torch.int32)
+    tokens[torch.randint(0, T, (documents,), generator=g)] = BOS
+    tokens[256:640] = 7  # one document spanning whole blocks, so full blocks appear
+    tokens[256] = BOS
+    flex = tg.FlexAttention(T, torch.device("cpu"))
+    ours = flex.prepare(tokens, None, {"S": window})["S"]
+    reference = create_block_mask(flex.mask_mods["S"], None, None, T, T, device="cpu")
+    assert torch.equal(dense_blocks(ours.kv_num_blocks, ours.kv_indices),
+                       dense_blocks(reference.kv_num_blocks, reference.kv_indices))
+    assert torch.equal(dense_blocks(ours.full_kv_num_blocks, ours.full_kv_indices),
+                       dense_blocks(reference.full_kv_num_blocks, reference.full_kv_indices))
+    assert torch.equal(dense_blocks(ours.q_num_blocks, ours.q_indices),
+                       dense_blocks(reference.q_num_blocks, reference.q_indices))
+
+
+def test_flex_needs_whole_blocks():
+    with pytest.raises(tg.UserError, match="micro_batch_tokens=1000 must be a multiple of 128"):
+        tg.FlexAttention(1000, torch.device("cpu"))
 
 
 def test_fa3_path_passes_documents_and_window():

@@ -4,8 +4,11 @@
 # SCOPE: regional  -> cold run (empty inductor and Triton caches), warm run (same caches), then a run
 #                     with an empty inductor cache but the --compile_cache file the warm run wrote;
 #        whole     -> one cold run with --compile_whole_model=1;
+#        versus    -> cold regional run, then cold whole-model run: step_avg of both on one machine;
 #        ab        -> cold run, then warm runs with plain-torch Newton-Schulz (--triton_kernels=0) and
-#                     with Triton again: Muon's kernel A/B at equal length on one machine.
+#                     with Triton again: Muon's kernel A/B at equal length on one machine;
+#        profile   -> cold run under cProfile (where the compile time goes, $OUT/cold_profile.txt), then a
+#                     cold run with --attn_backend=sdpa (how much of it is FlexAttention's).
 # Prints each run's compile_time / since_process_start / graphs / step_avg; logs land in $OUT.
 set -uo pipefail
 steps=$1; scope=$2; limit=${3:-450}
@@ -26,7 +29,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 run() {  # run NAME TRAINER INDUCTOR_DIR TRITON_DIR [flags...]
     local name=$1 trainer=$2; export TORCHINDUCTOR_CACHE_DIR=$3 TRITON_CACHE_DIR=$4; shift 4
     local start=$SECONDS
-    timeout "$limit" python3 "$trainer" --train_files='/tmp/bench/docs_train_*.bin' \
+    timeout "$limit" python3 $trainer --train_files='/tmp/bench/docs_train_*.bin' \
         --val_files=/tmp/bench/docs_val_000000.bin --val_tokens=2097152 --train_repeat=1 --val_loss_every=0 \
         --num_iterations="$steps" --run_id="$name" "$@" > "$OUT/$name.stdout" 2>&1
     local rc=$?
@@ -43,6 +46,10 @@ regional)
     run artifacts train_gpt.py /tmp/ind_b /tmp/triton_b --compile_cache=/tmp/artifacts.bin
     split -b 15m /tmp/artifacts.bin "$OUT/artifacts.bin.part"
     ;;
+versus)
+    run regional train_gpt.py /tmp/ind_r /tmp/triton_r
+    run whole train_gpt.py /tmp/ind_w /tmp/triton_w --compile_whole_model=1
+    ;;
 whole)
     run whole train_gpt.py /tmp/ind_w /tmp/triton_w --compile_whole_model=1
     ;;
@@ -50,6 +57,16 @@ ab)
     run cold_ab train_gpt.py /tmp/ind_c /tmp/triton_c
     run torch_ns train_gpt.py /tmp/ind_c /tmp/triton_c --triton_kernels=0
     run triton train_gpt.py /tmp/ind_c /tmp/triton_c
+    ;;
+profile)
+    python3 -c "import os, torch._inductor.config as c; print('compile_threads', c.compile_threads, 'cpus', len(os.sched_getaffinity(0)))"
+    run cold_prof "-m cProfile -o /tmp/cold.prof train_gpt.py" /tmp/ind_p /tmp/triton_p
+    python3 -c "
+import pstats, sys
+for key in ('cumulative', 'tottime'):
+    pstats.Stats('/tmp/cold.prof', stream=sys.stdout).sort_stats(key).print_stats(45)
+" > "$OUT/cold_profile.txt" 2>&1
+    run cold_sdpa train_gpt.py /tmp/ind_s /tmp/triton_s --attn_backend=sdpa
     ;;
 *) echo "unknown scope $scope"; exit 2 ;;
 esac

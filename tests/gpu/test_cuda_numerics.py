@@ -20,7 +20,7 @@ def test_compiled_flex_attention_matches_float64(window):
     tokens = torch.randint(0, 1000, (T,), generator=g, dtype=torch.int32)
     tokens[torch.randint(0, T, (12,), generator=g)] = tg.BOS_TOKEN
     q, k, v = (torch.randn(T, H, D, generator=g).div(D ** 0.5).to(torch.bfloat16) for _ in range(3))
-    flex = tg.FlexAttention(T, torch.device("cuda"), compiled=True)
+    flex = tg.FlexAttention(T, torch.device("cuda"))
     attend = torch.compile(lambda q, k, v, mask: flex(q, k, v, mask), fullgraph=True)
     qkv = [t.cuda().requires_grad_() for t in (q, k, v)]
     out = attend(*qkv, flex.prepare(tokens.cuda(), None, {"S": window})["S"])
@@ -75,7 +75,7 @@ def test_gpu_bf16_loss_matches_cpu_fp32():
         for p in cpu_model.parameters():
             if p.ndim == 2:
                 p.normal_(0, 0.02)
-    gpu_model = tg.GPT(cfg, tg.FlexAttention(1024, torch.device("cuda"), compiled=True), torch.bfloat16).cuda()
+    gpu_model = tg.GPT(cfg, tg.FlexAttention(1024, torch.device("cuda")), torch.bfloat16).cuda()
     gpu_model.load_state_dict(cpu_model.state_dict())
     gpu_model.compile_regions()
     tokens, *_ = random_attention_inputs(T=1025, seed=3)
