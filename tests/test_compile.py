@@ -1,4 +1,5 @@
-"""Regional compilation on the CPU: same losses as eager, and --compile_cache reused across fresh runs."""
+"""Compilation on the CPU (whole-model and regional): same losses as eager, and --compile_cache reused across
+fresh runs."""
 import os
 import re
 import subprocess
@@ -31,6 +32,7 @@ def test_compiled_runs_match_eager_and_reuse_the_cache_file(tiny_data, tmp_path)
     eager = run_tiny(tmp_path, train, val, "eager", "--compile=0")
 
     assert re.search(rf"^warning: compile cache {re.escape(str(cache))} ignored", first, re.M)
+    assert "compile scope: whole;" in first  # auto picks one whole-model graph where windows are tensors
     hits = [int(re.search(r"graphs:\d+ cache_hits:(\d+)", log).group(1)) for log in (first, second)]
     graphs = [int(re.search(r"graphs:(\d+)", log).group(1)) for log in (first, second)]
     assert hits[0] == 0 and hits[1] >= graphs[1] > 0  # the second run's graphs all came from the file
@@ -39,13 +41,14 @@ def test_compiled_runs_match_eager_and_reuse_the_cache_file(tiny_data, tmp_path)
     assert abs(losses[0] - losses[2]) < 1e-3 * losses[2]
 
 
-def test_whole_model_compile_matches_eager(tiny_data, tmp_path):
-    """--compile_whole_model is the baseline regional compilation is measured against: it must run."""
+def test_regional_compile_matches_eager(tiny_data, tmp_path):
+    """Each block and the loss head compiled on its own (the scope FA3 runs use) gives eager's losses."""
     train, val = tiny_data
-    whole = run_tiny(tmp_path, train, val, "whole", "--compile=1", "--compile_whole_model=1",
-                     inductor_dir=tmp_path / "inductor")
+    regional = run_tiny(tmp_path, train, val, "regional", "--compile=1", "--compile_scope=regional",
+                        inductor_dir=tmp_path / "inductor")
     eager = run_tiny(tmp_path, train, val, "eager", "--compile=0")
-    losses = [float(VAL.search(log).group(1)) for log in (whole, eager)]
+    assert "compile scope: regional;" in regional
+    losses = [float(VAL.search(log).group(1)) for log in (regional, eager)]
     assert abs(losses[0] - losses[1]) < 1e-3 * losses[1]
 
 

@@ -1,14 +1,12 @@
 #!/usr/bin/env bash
 # Cold and warm start of the full default config on the bench stream, one device call (repo root):
 #   OUT=/some/dir bash tests/gpu/startup_bench.sh STEPS SCOPE [RUN_LIMIT_S]
-# SCOPE: regional  -> cold run (empty inductor and Triton caches), warm run (same caches), then a run
+# SCOPE: startup   -> cold run (empty inductor and Triton caches), warm run (same caches), then a run
 #                     with an empty inductor cache but the --compile_cache file the warm run wrote;
-#        whole     -> one cold run with --compile_whole_model=1;
-#        versus    -> cold regional run, then cold whole-model run: step_avg of both on one machine;
+#        versus    -> cold run with --compile_scope=regional, then one with whole: step_avg of both on one machine;
 #        ab        -> cold run, then warm runs with plain-torch Newton-Schulz (--triton_kernels=0) and
 #                     with Triton again: Muon's kernel A/B at equal length on one machine;
-#        profile   -> cold run under cProfile (where the compile time goes, $OUT/cold_profile.txt), then a
-#                     cold run with --attn_backend=sdpa (how much of it is FlexAttention's).
+#        profile   -> cold run under cProfile: where the compile time goes ($OUT/cold_profile.txt).
 # Prints each run's compile_time / since_process_start / graphs / step_avg; logs land in $OUT.
 set -uo pipefail
 steps=$1; scope=$2; limit=${3:-450}
@@ -34,24 +32,21 @@ run() {  # run NAME TRAINER INDUCTOR_DIR TRITON_DIR [flags...]
         --num_iterations="$steps" --run_id="$name" "$@" > "$OUT/$name.stdout" 2>&1
     local rc=$?
     printf '%s: exit %s after %ss | ' "$name" "$rc" "$((SECONDS - start))"
-    grep -hE "^compile_time|^compile phases|^warning|^error|peak memory" "$OUT/$name.stdout" | tr '\n' ' '
+    grep -hE "^compile_time|^compile scope|^warning|^error|peak memory" "$OUT/$name.stdout" | tr '\n' ' '
     grep -E "^step:$steps/$steps val_loss" "$OUT/$name.stdout" || echo "(no final line)"
     cp "logs/$name.txt" "$OUT/" 2>/dev/null
 }
 
 case "$scope" in
-regional)
+startup)
     run cold train_gpt.py /tmp/ind_a /tmp/triton_a --compile_cache=/tmp/artifacts.bin
     run warm train_gpt.py /tmp/ind_a /tmp/triton_a --compile_cache=/tmp/artifacts.bin
     run artifacts train_gpt.py /tmp/ind_b /tmp/triton_b --compile_cache=/tmp/artifacts.bin
     split -b 15m /tmp/artifacts.bin "$OUT/artifacts.bin.part"
     ;;
 versus)
-    run regional train_gpt.py /tmp/ind_r /tmp/triton_r
-    run whole train_gpt.py /tmp/ind_w /tmp/triton_w --compile_whole_model=1
-    ;;
-whole)
-    run whole train_gpt.py /tmp/ind_w /tmp/triton_w --compile_whole_model=1
+    run regional train_gpt.py /tmp/ind_r /tmp/triton_r --compile_scope=regional
+    run whole train_gpt.py /tmp/ind_w /tmp/triton_w --compile_scope=whole
     ;;
 ab)
     run cold_ab train_gpt.py /tmp/ind_c /tmp/triton_c
@@ -66,7 +61,6 @@ import pstats, sys
 for key in ('cumulative', 'tottime'):
     pstats.Stats('/tmp/cold.prof', stream=sys.stdout).sort_stats(key).print_stats(45)
 " > "$OUT/cold_profile.txt" 2>&1
-    run cold_sdpa train_gpt.py /tmp/ind_s /tmp/triton_s --attn_backend=sdpa
     ;;
 *) echo "unknown scope $scope"; exit 2 ;;
 esac
