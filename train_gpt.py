@@ -11,6 +11,7 @@ speedrun (github.com/KellerJordan/modded-nanogpt); comments credit them where th
 from __future__ import annotations
 
 import dataclasses
+import functools
 import glob
 import hashlib
 import json
@@ -110,6 +111,17 @@ class Config:
     muon_momentum_warmup: int = 300
     muon_momentum_cooldown: int = 50  # and back down over the last steps
     muon_weight_decay: float = 0.0
+    # across nodes: streaming DiLoCo on torchft, imported only with --diloco=1 (README: "Training across nodes")
+    diloco: bool = False
+    diloco_replicas: int = 2  # replica groups in the run; each reads its own share of the data
+    replica: int = 0  # this group's index, 0 .. diloco_replicas-1
+    sync_every: int = 32  # inner steps between two syncs of a fragment; may differ per replica (see README)
+    num_fragments: int = 2  # contiguous groups of blocks, synced in turn
+    fragment_sync_delay: int = 0  # inner steps between launching a fragment's all-reduce and applying it
+    fragment_update_alpha: float = 0.0  # after a sync the fragment is (1 - alpha) * global + alpha * local
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9  # Nesterov
+    min_replicas: int = 1  # a sync commits only with at least this many replicas in the quorum
 
 
 PRESETS = {
@@ -228,6 +240,22 @@ def validate_config(cfg: Config) -> None:
          "so that 1, 2, 4 and 8 processes split it evenly")
     longest = max(max(pair) for pair in windows + [_parse_window_pair(cfg.final_windows)])
     need(longest * cfg.window_block <= cfg.micro_batch_tokens, "attention windows exceed micro_batch_tokens")
+    if cfg.diloco:
+        need(1 <= cfg.num_fragments <= cfg.num_layers,
+             f"--num_fragments={cfg.num_fragments}: use 1 .. num_layers ({cfg.num_layers})")
+        need(cfg.sync_every >= cfg.num_fragments and cfg.sync_every % cfg.num_fragments == 0,
+             f"--sync_every={cfg.sync_every} must be a multiple of --num_fragments={cfg.num_fragments}: "
+             "each fragment syncs once every sync_every steps, one fragment at a time")
+        need(cfg.num_iterations % cfg.sync_every == 0,
+             f"--num_iterations={cfg.num_iterations} must be a multiple of --sync_every={cfg.sync_every}, so that "
+             "replicas do the same number of syncs (a replica twice as fast: twice both values)")
+        need(0 <= cfg.fragment_sync_delay < cfg.sync_every // cfg.num_fragments,
+             f"--fragment_sync_delay={cfg.fragment_sync_delay}: must be below sync_every/num_fragments "
+             f"({cfg.sync_every // cfg.num_fragments})")
+        need(0.0 <= cfg.fragment_update_alpha <= 1.0, "--fragment_update_alpha must be in [0, 1]")
+        need(0 <= cfg.replica < cfg.diloco_replicas,
+             f"--replica={cfg.replica}: use 0 .. diloco_replicas-1 (--diloco_replicas={cfg.diloco_replicas})")
+        need(cfg.min_replicas >= 1, "--min_replicas must be at least 1")
 
 
 def config_help() -> str:
@@ -954,7 +982,9 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg, kind != "-") for kind in cfg.attn_layout)
         for block in self.blocks:
             block.attend = attend
-        self.skip_gate = nn.Parameter(torch.tensor(-1.5))  # sigmoid(-1.5) ~ 0.18 (speedrun 2025-09)
+        # sigmoid(-1.5) ~ 0.18 (speedrun 2025-09). Shape [1], not a 0-d scalar: torchft's DiLoCo cannot
+        # back up 0-d parameters.
+        self.skip_gate = nn.Parameter(torch.tensor([-1.5]))
         self.bigram_embed = nn.Embedding(cfg.bigram_rows, dim) if cfg.bigram_rows else None
         self.lm_head = nn.Linear(dim, vocab, bias=False)  # untied from the embedding (speedrun 2024-11)
         self.rotary = Rotary(cfg.head_dim, cfg.micro_batch_tokens)
@@ -1104,10 +1134,13 @@ def bos_aligned_batches(paths: list[str], length: int, max_doc_len: int, repeat:
 
 def train_batches_for_rank(paths: list[str], cfg: Config, comm: Comm, on_new_pass=None):
     """This rank's share of the global sequence of micro-batches: every world_size-th one, so the same
-    micro-batches (in the same steps) are seen on 1, 2, 4 or 8 processes."""
+    micro-batches (in the same steps) are seen on 1, 2, 4 or 8 processes. DiLoCo replica groups
+    interleave the same way, so no two replicas read the same micro-batch."""
+    replicas, replica = (cfg.diloco_replicas, cfg.replica) if cfg.diloco else (1, 0)
+    stride, offset = replicas * comm.world_size, replica * comm.world_size + comm.rank
     batches = bos_aligned_batches(paths, cfg.micro_batch_tokens + 1, cfg.max_doc_len, cfg.train_repeat, on_new_pass)
     for index, (tokens, spans) in enumerate(batches):
-        if index % comm.world_size == comm.rank:
+        if index % stride == offset:
             yield np.concatenate([tokens[start:end] for start, end in spans])
 
 
@@ -1705,6 +1738,7 @@ def train(cfg: Config, comm: Comm, log: RunLog) -> TrainResult:
     trainer = build_and_warm_up(cfg, comm, log)
     model, optimizers, schedule, device, recompiles = (trainer.model, trainer.optimizers, trainer.schedule,
                                                         trainer.device, trainer.recompiles)
+    diloco = StreamingDiLoCo(cfg, model, optimizers, device, log) if cfg.diloco else None
     watch = LossWatch(comm, device)
 
     def note_new_pass(number: int):  # called from the loader thread; repeated data skews the losses
@@ -1722,10 +1756,13 @@ def train(cfg: Config, comm: Comm, log: RunLog) -> TrainResult:
             torch.cuda.synchronize()
 
     try:
+        if diloco is not None:
+            diloco.__enter__()
         synchronize()
         clock = time.perf_counter()
         N = cfg.num_iterations
-        for step in range(N + 1):
+        step = 0
+        while True:
             last = step == N
             if history != schedule.long_window_history(step):
                 history = schedule.long_window_history(step)
@@ -1747,15 +1784,23 @@ def train(cfg: Config, comm: Comm, log: RunLog) -> TrainResult:
             if last:
                 break
             set_hyperparameters(optimizers, schedule, step)
+            if diloco is not None:
+                diloco.step = step + 1  # what a peer healing from us during this step resumes at
             loss = train_step(model, optimizers, batches, windows, schedule.micro_batches(step) // comm.world_size)
+            if diloco is not None and diloco.step != step + 1:  # healed from a peer inside this step
+                log(f"diloco: recovered weights and optimizer state from a peer; step {step + 1} -> {diloco.step}")
+                step = diloco.step - 1
             watch.push(step, loss)
             elapsed_ms = train_time_ms + 1000 * (time.perf_counter() - clock)
             log(f"step:{step + 1}/{N} train_time:{elapsed_ms:.0f}ms step_avg:{elapsed_ms / (step + 1):.2f}ms")
             for reason in recompiles.new_reasons():
                 log(f"warning: recompiled in the timed region at step {step + 1}: {reason}")
+            step += 1
         watch.flush()
     finally:
         batches.close()
+        if diloco is not None:
+            diloco.close()
 
     for reason in recompiles.new_reasons():  # validation graphs, if any slipped past the warm-up
         log(f"warning: recompiled in the timed region: {reason}")
@@ -1763,6 +1808,166 @@ def train(cfg: Config, comm: Comm, log: RunLog) -> TrainResult:
         log(f"peak memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "
             f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")
     return TrainResult(watch.losses, val_losses, train_time_ms)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Across nodes: streaming DiLoCo on torchft
+LIGHTHOUSE_MISSING = ("--diloco=1 needs TORCHFT_LIGHTHOUSE=http://host:port, the address of a running lighthouse "
+                      "(torchft_lighthouse --min_replicas=1)")
+
+
+def import_torchft():
+    try:
+        import torchft
+        import torchft.local_sgd
+    except ImportError as e:
+        raise UserError(f"--diloco=1 needs torchft, which did not import ({e}): pip install torchft") from None
+    return torchft
+
+
+def diloco_fragments(model: GPT, count: int) -> list[nn.Module]:
+    """`count` contiguous groups of blocks; the input side (token, value and bigram embeddings) syncs
+    with the first, the output side (head, skip gate) with the last. Every parameter is in exactly one."""
+    bounds = [round(i * len(model.blocks) / count) for i in range(count + 1)]
+    fragments = []
+    for lo, hi in zip(bounds, bounds[1:]):
+        fragment = nn.Module()
+        fragment.blocks = nn.ModuleList(model.blocks[lo:hi])
+        fragments.append(fragment)
+    fragments[0].embed, fragments[0].value_embeds = model.embed, model.value_embeds
+    if model.bigram_embed is not None:
+        fragments[0].bigram_embed = model.bigram_embed
+    fragments[-1].lm_head = model.lm_head
+    fragments[-1].register_parameter("skip_gate", model.skip_gate)
+    placed = [id(p) for f in fragments for p in f.parameters()]
+    if sorted(placed) != sorted(id(p) for p in model.parameters()):
+        raise RuntimeError("DiLoCo fragments do not hold each model parameter exactly once")
+    return fragments
+
+
+def detached_copy(tree):
+    """Tensors cloned, containers rebuilt: torchft may serve a checkpoint while training goes on."""
+    if isinstance(tree, Tensor):
+        return tree.detach().clone()
+    if isinstance(tree, dict):
+        return {key: detached_copy(value) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(detached_copy(value) for value in tree)
+    return tree
+
+
+class _InnerOptimizers:
+    """Our two optimizers as the one "inner optimizer" torchft's DiLoCo hooks into: its pre-step hook
+    goes on the first, its post-step hook on the last, so each fires once per training step."""
+
+    def __init__(self, optimizers):
+        self.optimizers = optimizers
+
+    def register_step_pre_hook(self, hook):
+        return self.optimizers[0].register_step_pre_hook(hook)
+
+    def register_step_post_hook(self, hook):
+        return self.optimizers[-1].register_step_post_hook(hook)
+
+
+class StreamingDiLoCo:
+    """Streaming DiLoCo (Douillard et al., 2025) across replica groups, on torchft's Manager and DiLoCo.
+
+    Each replica group is one torchrun job (a node) that trains as usual: its inner optimizers
+    (DistAdam, Muon) communicate only inside the group, every step. Across groups, per fragment f:
+      - every sync_every/num_fragments steps, fragment_sync_delay steps before the sync: a quorum with
+        the lighthouse (a new or restarted replica heals here, downloading model, inner-optimizer state
+        and the loop position from a peer), then an async all-reduce (average over the quorum) of the
+        fragment's pseudogradient, global - local; f = the manager's committed syncs mod num_fragments;
+      - at the sync: wait, reset the fragment to its global weights and, when every replica commits,
+        one Nesterov SGD step of its outer optimizer on the pseudogradient gives the new global
+        weights, mixed in place as (1 - alpha) * global + alpha * local. A failed commit (a replica died
+        mid-all-reduce) keeps the old global weights and retries the fragment at the next quorum.
+    One fragment is in flight at a time; each syncs once every sync_every steps. `manager` is for
+    tests; normally it is built from torchft's environment (TORCHFT_LIGHTHOUSE, torchrun's store).
+    """
+
+    def __init__(self, cfg: Config, model: GPT, optimizers: list, device: torch.device, log, manager=None):
+        torchft = import_torchft()
+        self.model, self.optimizers, self.log = model, optimizers, log
+        self.step = 0  # the loop's position, part of the checkpoint a healing peer receives
+        self.manager = manager or self._manager(torchft, cfg, device)
+        self.fragments = diloco_fragments(model, cfg.num_fragments)
+        outer = [torch.optim.SGD(f.parameters(), lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=True)
+                 for f in self.fragments]
+        for index, opt in enumerate(outer):
+            opt.register_step_post_hook(functools.partial(self._outer_step_hook, index))
+        self.diloco = torchft.local_sgd.DiLoCo(
+            self.manager, self.fragments, _InnerOptimizers(optimizers), outer, sync_every=cfg.sync_every,
+            backup_device=device, fragment_sync_delay=cfg.fragment_sync_delay,
+            fragment_update_alpha=cfg.fragment_update_alpha)
+        self.syncs = self.committed = 0
+        self.sync_seconds = 0.0
+        self.hook_start = self.entered = 0.0
+        self.outer_stepped = None
+        self.handles = []
+
+    def _manager(self, torchft, cfg: Config, device: torch.device):
+        from datetime import timedelta
+        if not os.environ.get("TORCHFT_LIGHTHOUSE"):
+            raise UserError(LIGHTHOUSE_MISSING)
+        pg = torchft.ProcessGroupNCCL() if device.type == "cuda" else torchft.ProcessGroupGloo()
+        return torchft.Manager(pg=pg, load_state_dict=self._load, state_dict=self._save,
+                               min_replica_size=cfg.min_replicas, use_async_quorum=False,
+                               replica_id=f"train_gpt_{cfg.replica}", timeout=timedelta(seconds=60),
+                               quorum_timeout=timedelta(seconds=900))
+
+    def _save(self) -> dict:
+        return detached_copy({"model": self.model.state_dict(), "step": self.step,
+                              "optimizers": [opt.state_dict() for opt in self.optimizers]})
+
+    def _load(self, state: dict):
+        self.model.load_state_dict(state["model"])
+        for opt, opt_state in zip(self.optimizers, state["optimizers"]):
+            opt.load_state_dict(opt_state)
+        self.step = state["step"]
+
+    def __enter__(self):
+        # Ours run just before and just after torchft's hook (hooks run in the order they were added).
+        last = self.optimizers[-1]
+        self.handles.append(last.register_step_post_hook(self._before_sync_hook))
+        self.diloco.__enter__()
+        self.handles.append(last.register_step_post_hook(self._after_sync_hook))
+        self.entered = time.perf_counter()
+        return self
+
+    def _outer_step_hook(self, fragment: int, *_):
+        self.outer_stepped = fragment
+
+    def _before_sync_hook(self, *_):
+        self.hook_start = time.perf_counter()
+        self.outer_stepped = None
+
+    def _after_sync_hook(self, *_):
+        self.sync_seconds += time.perf_counter() - self.hook_start
+        if self.diloco._local_step != 0:  # torchft zeroes its counter when a sync completes
+            return
+        self.syncs += 1
+        # The outer optimizer steps only on a commit; otherwise the manager's step (which picks the
+        # fragment) has not moved.
+        committed = self.outer_stepped is not None
+        fragment = self.outer_stepped if committed else self.manager.current_step() % len(self.fragments)
+        self.committed += committed
+        # The fragment's weights as one number: equal on every replica after a committed sync when alpha = 0.
+        digest = sum(p.detach().double().sum() for p in self.fragments[fragment].parameters()).item()
+        self.log(f"diloco: step {self.step} sync {self.syncs} fragment {fragment} "
+                 f"{'committed' if committed else 'not committed, rolled back'} replicas "
+                 f"{self.manager.num_participants()} digest {digest:.12e}")
+
+    def close(self):
+        for handle in self.handles:
+            handle.remove()
+        self.diloco.__exit__(None, None, None)
+        wall = time.perf_counter() - self.entered
+        self.log(f"diloco: {self.syncs} fragment syncs ({self.committed} committed), {self.sync_seconds:.1f}s "
+                 f"in quorums, all-reduce waits and outer steps ({100 * self.sync_seconds / wall:.1f}% of "
+                 f"the {wall:.1f}s loop)")
+        self.manager.shutdown(wait=False)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1785,7 +1990,9 @@ def init_distributed(cfg: Config) -> Comm:
             raise UserError(f"local rank {local_rank} has no GPU: {torch.cuda.device_count()} visible; "
                             "start at most that many processes per node")
         torch.cuda.set_device(local_rank)
-    if world_size > 1:
+    if world_size > 1 or cfg.diloco:  # torchft's manager joins torchrun's store through the process group
+        if cfg.diloco and not os.environ.get("MASTER_ADDR"):
+            raise UserError("--diloco=1: start each replica group with torchrun (torchft uses its store)")
         if cfg.device == "cuda":
             dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
         else:
@@ -1799,6 +2006,10 @@ def check_inputs(cfg: Config) -> None:
         raise UserError("--device=cuda, but torch sees no CUDA GPU; pass --device=cpu to run on the CPU")
     shard_paths(cfg.train_files, "train_files")
     next(val_batches_for_rank(shard_paths(cfg.val_files, "val_files"), cfg, Comm()))  # enough val tokens?
+    if cfg.diloco:  # before minutes of compiling, not after
+        import_torchft()
+        if not os.environ.get("TORCHFT_LIGHTHOUSE"):
+            raise UserError(LIGHTHOUSE_MISSING)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1828,7 +2039,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:
-        if comm is not None and comm.distributed and dist.is_initialized():
+        if comm is not None and dist.is_initialized():
             dist.destroy_process_group()
 
 

@@ -8,14 +8,7 @@ run_id=$1; budget=$2; shift 2
 OUT=${OUT:-/tmp/device_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_cache
 
-python3 - <<'PY'
-import lzma, pathlib
-out = pathlib.Path("/tmp/bench"); out.mkdir(exist_ok=True)
-for xz in sorted(pathlib.Path(".bench").glob("*.bin.xz")):
-    target = out / xz.name[:-3]
-    if not target.exists():
-        target.write_bytes(lzma.decompress(xz.read_bytes()))
-PY
+python3 tests/gpu/unpack_bench.py
 if ls .cache/inductor.tar.xz.part* >/dev/null 2>&1; then
     mkdir -p "$TORCHINDUCTOR_CACHE_DIR" && cat .cache/inductor.tar.xz.part* | tar -xJf - -C "$TORCHINDUCTOR_CACHE_DIR" \
         && echo "inductor cache restored: $(du -sh $TORCHINDUCTOR_CACHE_DIR | cut -f1)"

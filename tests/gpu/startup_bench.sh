@@ -13,14 +13,7 @@ steps=$1; scope=$2; limit=${3:-450}
 OUT=${OUT:-/tmp/device_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 
-python3 - <<'PY'
-import lzma, pathlib
-out = pathlib.Path("/tmp/bench"); out.mkdir(exist_ok=True)
-for xz in sorted(pathlib.Path(".bench").glob("*.bin.xz")):
-    target = out / xz.name[:-3]
-    if not target.exists():
-        target.write_bytes(lzma.decompress(xz.read_bytes()))
-PY
+python3 tests/gpu/unpack_bench.py
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# One device call on a 2-GPU machine (repo root), results in $OUT:
+#   OUT=/some/dir bash tests/gpu/multi_gpu_bench.sh STEPS [all|diloco]
+# 1. tests/gpu/bench_step.py at world size 2 with sparse bigram comms on, then off (same compile cache);
+# 2. a plain 2-GPU run of STEPS steps on the bench stream, then streaming DiLoCo with 2 replicas of one
+#    GPU each (a lighthouse on this machine, torchft from .whl/), same STEPS: final loss, wall time, syncs.
+# Expects .bench/*.bin.xz (copies of ../shared/bench) and .whl/ (torchft and its dependencies for py3.12).
+set -uo pipefail
+steps=$1; what=${2:-all}
+OUT=${OUT:-/tmp/device_out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/ind TRITON_CACHE_DIR=/tmp/triton
+
+python3 tests/gpu/unpack_bench.py
+python3 -m pip install -q --no-index --find-links .whl torchft 2>&1 | tail -2
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+
+bench() {  # bench NAME [flags...]
+    local name=$1; shift
+    BENCH_SYNC_DEBUG=1 timeout 240 torchrun --nproc_per_node=2 tests/gpu/bench_step.py --bench_steps=8 "$@" \
+        > "$OUT/$name.txt" 2>&1
+    echo "== $name (exit $?)"
+    grep -E "^compile_time|^ +[0-9]+ +[0-9]+ +\(|^graphs|^profile|synchroniz" "$OUT/$name.txt" | grep -v "prototype"
+}
+if [ "$what" = all ]; then
+    bench bench_sparse
+    bench bench_dense --sparse_bigram_comms=0
+fi
+
+data=(--train_files='/tmp/bench/docs_train_*.bin' --val_files=/tmp/bench/docs_val_000000.bin --val_tokens=2097152
+      --train_repeat=1 --val_loss_every=0 --num_iterations="$steps")
+if [ "$what" = all ]; then
+    start=$SECONDS
+    timeout 200 torchrun --nproc_per_node=2 --master_port=29601 train_gpt.py "${data[@]}" --run_id=plain2 \
+        > "$OUT/plain2.stdout" 2>&1
+    echo "== plain 2-GPU run: exit $? after $((SECONDS - start))s"
+    grep -E "^compile_time|val_loss" "$OUT/plain2.stdout"
+fi
+
+python3 -c "
+import time
+from torchft.coordination import LighthouseServer
+lighthouse = LighthouseServer(bind='[::]:29510', min_replicas=2)
+print(lighthouse.address(), flush=True)
+time.sleep(600)
+" > /tmp/lighthouse.txt 2>&1 &
+for _ in $(seq 60); do [ -s /tmp/lighthouse.txt ] && break; sleep 1; done  # importing torch takes a while
+export TORCHFT_LIGHTHOUSE=$(head -1 /tmp/lighthouse.txt)
+echo "lighthouse $TORCHFT_LIGHTHOUSE"
+start=$SECONDS
+for r in 0 1; do
+    CUDA_VISIBLE_DEVICES=$r timeout 300 torchrun --nproc_per_node=1 --master_port=$((29610 + r)) train_gpt.py \
+        "${data[@]}" --diloco=1 --replica=$r --sync_every=16 --num_fragments=2 --run_id=diloco$r \
+        > "$OUT/diloco$r.stdout" 2>&1 &
+done
+wait %2 %3
+echo "== DiLoCo 2 replicas x 1 GPU: done after $((SECONDS - start))s"
+for r in 0 1; do
+    grep -E "^compile_time|val_loss|^diloco: [0-9]+ fragment" "$OUT/diloco$r.stdout"
+    grep -cE "^diloco: step .* committed replicas 2" "$OUT/diloco$r.stdout"
+done
+diff <(grep "^diloco: step" "$OUT/diloco0.stdout" | cut -d" " -f3,7,12) \
+     <(grep "^diloco: step" "$OUT/diloco1.stdout" | cut -d" " -f3,7,12) > /dev/null \
+    && echo "replica digests equal at every sync" || echo "replica digests DIFFER"
+cp logs/plain2.txt logs/diloco0.txt logs/diloco1.txt "$OUT/" 2>/dev/null
+kill %1 2>/dev/null

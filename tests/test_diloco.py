@@ -1,0 +1,175 @@
+"""Streaming DiLoCo on torchft (CPU, gloo): the outer step by hand, two replicas in sync, a replica killed
+and restarted. Skipped when torchft is not installed (it is an optional dependency)."""
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+
+import train_gpt as tg
+from helpers import REPO, free_port
+
+torchft = pytest.importorskip("torchft", reason="torchft is not installed (pip install torchft): DiLoCo untested")
+from torchft.coordination import LighthouseServer  # noqa: E402
+
+SYNC = re.compile(r"^diloco: step (\d+) sync \d+ fragment (\d+) committed replicas (\d+) digest (\S+)$", re.M)
+VAL = re.compile(r"^step:(\d+)/\d+ val_loss:(\S+)", re.M)
+
+
+def tiny_diloco_config(**overrides) -> tg.Config:
+    cfg, _ = tg.parse_cli(["--device=cpu", "--preset=tiny", "--diloco=1", "--sync_every=4",
+                            "--micro_batch_tokens=128"])
+    return tg.dataclasses.replace(cfg, **overrides)
+
+
+def test_outer_step_matches_hand_computation():
+    """One replica, two fragments, sync_every=4: fragment 0 syncs after step 2 and fragment 1 after step 4.
+    Each becomes (1 - a) * (old - lr * (1 + m) * (old - local)) + a * local: Nesterov SGD's first step
+    on the pseudogradient old - local, then the alpha mix; the other fragment keeps its local weights."""
+    lr, momentum, alpha = 0.7, 0.9, 0.25
+    cfg = tiny_diloco_config(sync_every=4, num_fragments=2, fragment_update_alpha=alpha, outer_lr=lr,
+                             outer_momentum=momentum, diloco_replicas=1)
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1)
+    store = torch.distributed.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    manager = torchft.Manager(pg=torchft.ProcessGroupGloo(), load_state_dict=None, state_dict=None,
+                              min_replica_size=1, use_async_quorum=False, replica_id="test_0",
+                              store_addr="localhost", store_port=store.port, rank=0, world_size=1,
+                              lighthouse_addr=lighthouse.address(), timeout=timedelta(seconds=30))
+    try:
+        torch.manual_seed(0)
+        model = tg.GPT(cfg, tg.SdpaAttention(), torch.float32)
+        optimizers = tg.build_optimizers(model, cfg)
+        old = {name: p.detach().clone() for name, p in model.named_parameters()}
+        local = []  # parameters right after each inner step, before DiLoCo's hook (registered earlier)
+        optimizers[-1].register_step_post_hook(
+            lambda *_: local.append({name: p.detach().clone() for name, p in model.named_parameters()}))
+        logged = []
+        run = tg.StreamingDiLoCo(cfg, model, optimizers, torch.device("cpu"), logged.append, manager=manager)
+        names = {id(p): name for name, p in model.named_parameters()}
+        fragment_names = [{names[id(p)] for p in f.parameters()} for f in run.fragments]
+        batches = tg.Prefetcher(tg.dummy_batches(cfg, seed=1), cfg.micro_batch_tokens, torch.device("cpu"),
+                                bigram_rows=cfg.bigram_rows)
+        after = []
+        run.__enter__()
+        try:
+            for _ in range(4):
+                tg.train_step(model, optimizers, batches, (32, 64), micro_batches=1)
+                after.append({name: p.detach().clone() for name, p in model.named_parameters()})
+        finally:
+            batches.close()
+            run.close()
+    finally:
+        lighthouse.shutdown()
+
+    assert len(logged) == 3 and "sync 1 fragment 0 committed" in logged[0] and "sync 2 fragment 1" in logged[1]
+    for step, synced in ((1, 0), (3, 1)):
+        for name in fragment_names[synced]:
+            o, l = old[name].double(), local[step][name].double()
+            expected = (1 - alpha) * (o - lr * (1 + momentum) * (o - l)) + alpha * l
+            torch.testing.assert_close(after[step][name].double(), expected, rtol=1e-5, atol=1e-6, msg=name)
+        for name in fragment_names[1 - synced]:
+            assert torch.equal(after[step][name], local[step][name]), name
+    moved = [n for n in fragment_names[0] if not torch.equal(local[1][n], old[n])]
+    assert moved  # the inner steps did change the weights, so the check above is not vacuous
+
+
+def test_diloco_flags_are_checked():
+    for flags, message in (
+        (["--sync_every=6", "--num_fragments=4"], "--sync_every=6 must be a multiple of --num_fragments=4"),
+        (["--sync_every=8", "--num_iterations=20"], "--num_iterations=20 must be a multiple of --sync_every=8"),
+        (["--sync_every=4", "--replica=2", "--diloco_replicas=2"], "--replica=2: use 0 .. diloco_replicas-1"),
+    ):
+        with pytest.raises(tg.UserError, match=re.escape(message)):
+            tg.parse_cli(["--preset=tiny", "--diloco=1", *flags])
+
+
+def test_missing_lighthouse_is_one_clear_error_before_compiling(tiny_data, monkeypatch, capsys):
+    train, val = tiny_data
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    code = tg.main(["--device=cpu", "--preset=tiny", "--diloco=1", "--sync_every=4", f"--train_files={train}",
+                    f"--val_files={val}"])
+    assert code == 1 and capsys.readouterr().err.strip() == f"error: {tg.LIGHTHOUSE_MISSING}"
+
+
+def test_diloco_fragments_cover_the_model_once():
+    cfg = tiny_diloco_config()
+    model = tg.GPT(cfg, tg.SdpaAttention(), torch.float32)
+    fragments = tg.diloco_fragments(model, 3)
+    ids = [id(p) for f in fragments for p in f.parameters()]
+    assert len(ids) == len(set(ids)) == len(list(model.parameters()))
+    assert any(p is model.embed.weight for p in fragments[0].parameters())
+    assert any(p is model.lm_head.weight for p in fragments[-1].parameters())
+
+
+def start_replica(tmp_path, data, lighthouse, replica: int, run_id: str, *extra) -> subprocess.Popen:
+    train, val = data
+    env = dict(os.environ, TORCHFT_LIGHTHOUSE=lighthouse.address(), OMP_NUM_THREADS="1")
+    args = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={free_port()}",
+            str(REPO / "train_gpt.py"), "--device=cpu", "--preset=tiny", f"--train_files={train}",
+            f"--val_files={val}", "--micro_batch_tokens=128", "--diloco=1", f"--replica={replica}",
+            "--sync_every=4", "--num_fragments=2", f"--run_id={run_id}", *extra]
+    out = open(tmp_path / f"{run_id}.out", "w")
+    return subprocess.Popen(args, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def finish(proc: subprocess.Popen, tmp_path, run_id: str, timeout: float = 400) -> str:
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        rc = "timeout"
+    out = (tmp_path / f"{run_id}.out").read_text()
+    assert rc == 0, f"replica {run_id} ended with {rc}:\n{out[-3000:]}"
+    return (tmp_path / "logs" / f"{run_id}.txt").read_text()
+
+
+def test_two_replicas_stay_in_sync_and_learn(tiny_data, tmp_path):
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
+    try:
+        procs = [start_replica(tmp_path, tiny_data, lighthouse, r, f"replica{r}", "--num_iterations=16",
+                               "--val_loss_every=8") for r in range(2)]
+        logs = [finish(p, tmp_path, f"replica{r}") for r, p in enumerate(procs)]
+    finally:
+        lighthouse.shutdown()
+    syncs = [SYNC.findall(log) for log in logs]
+    assert len(syncs[0]) == 8 and syncs[0] == syncs[1]  # same fragments, same weights after every sync
+    assert all(replicas == "2" for _, _, replicas, _ in syncs[0])
+    for log in logs:
+        losses = {int(step): float(loss) for step, loss in VAL.findall(log)}
+        assert losses[16] < losses[0] - 1.0
+        assert re.search(r"^diloco: 8 fragment syncs \(8 committed\)", log, re.M)
+
+
+def test_killed_replica_rejoins_with_the_weights_of_its_peer(tiny_data, tmp_path):
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=20000, heartbeat_timeout_ms=1000)
+    flags = ("--num_iterations=40", "--val_loss_every=0", "--train_repeat=1")
+    try:
+        survivor = start_replica(tmp_path, tiny_data, lighthouse, 0, "survivor", *flags)
+        doomed = start_replica(tmp_path, tiny_data, lighthouse, 1, "doomed", *flags)
+        doomed_log = tmp_path / "logs" / "doomed.txt"
+        deadline = time.time() + 300
+        while not (doomed_log.exists() and len(SYNC.findall(doomed_log.read_text())) >= 2):
+            assert time.time() < deadline and doomed.poll() is None, "replica 1 never reached its second sync"
+            time.sleep(0.2)
+        # torchrun's worker runs in a process group of its own: kill the agent and the worker.
+        subprocess.run(["pkill", "-KILL", "-f", "--", "--run_id=doomed"], check=False)
+        doomed.wait()
+        restarted = start_replica(tmp_path, tiny_data, lighthouse, 1, "restarted", *flags)
+        logs = {"survivor": finish(survivor, tmp_path, "survivor"), "restarted": finish(restarted, tmp_path, "restarted")}
+    finally:
+        lighthouse.shutdown()
+    assert "step:40/40 val_loss" in logs["survivor"]
+    recovered = re.search(r"^diloco: recovered weights and optimizer state from a peer; step \d+ -> (\d+)$",
+                          logs["restarted"], re.M)
+    assert recovered and int(recovered.group(1)) > 4
+    survivor_syncs = {(step, fragment): digest for step, fragment, _, digest in SYNC.findall(logs["survivor"])}
+    rejoined = [(step, fragment, digest) for step, fragment, replicas, digest in SYNC.findall(logs["restarted"])
+                if replicas == "2"]
+    assert rejoined, "the restarted replica never synced together with the survivor"
+    for step, fragment, digest in rejoined:
+        assert survivor_syncs[(step, fragment)] == digest
