@@ -1912,10 +1912,17 @@ class StreamingDiLoCo:
         if not os.environ.get("TORCHFT_LIGHTHOUSE"):
             raise UserError(LIGHTHOUSE_MISSING)
         pg = torchft.ProcessGroupNCCL() if device.type == "cuda" else torchft.ProcessGroupGloo()
-        return torchft.Manager(pg=pg, load_state_dict=self._load, state_dict=self._save,
-                               min_replica_size=cfg.min_replicas, use_async_quorum=False,
-                               replica_id=f"train_gpt_{cfg.replica}", timeout=timedelta(seconds=60),
-                               quorum_timeout=timedelta(seconds=900))
+        # torchft reads TORCHFT_CONNECT_TIMEOUT_SEC itself, but not for its first lighthouse connection.
+        connect = timedelta(seconds=float(os.environ.get("TORCHFT_CONNECT_TIMEOUT_SEC", 60)))
+        try:
+            return torchft.Manager(pg=pg, load_state_dict=self._load, state_dict=self._save,
+                                   min_replica_size=cfg.min_replicas, use_async_quorum=False,
+                                   replica_id=f"train_gpt_{cfg.replica}", timeout=timedelta(seconds=60),
+                                   quorum_timeout=timedelta(seconds=900), connect_timeout=connect)
+        except RuntimeError as e:
+            address = os.environ["TORCHFT_LIGHTHOUSE"]
+            raise UserError(f"--diloco=1: no torchft lighthouse answered at TORCHFT_LIGHTHOUSE={address} "
+                            f"({str(e).splitlines()[0][:200]}); start torchft_lighthouse there or fix the address") from None
 
     def _save(self) -> dict:
         return detached_copy({"model": self.model.state_dict(), "step": self.step,

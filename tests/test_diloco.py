@@ -96,6 +96,18 @@ def test_missing_lighthouse_is_one_clear_error_before_compiling(tiny_data, monke
     assert code == 1 and capsys.readouterr().err.strip() == f"error: {tg.LIGHTHOUSE_MISSING}"
 
 
+def test_unreachable_lighthouse_is_one_clear_error(monkeypatch):
+    store = torch.distributed.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    for name, value in (("TORCHFT_LIGHTHOUSE", "http://localhost:1"), ("TORCHFT_CONNECT_TIMEOUT_SEC", "2"),
+                        ("MASTER_ADDR", "localhost"), ("MASTER_PORT", str(store.port)), ("RANK", "0"),
+                        ("WORLD_SIZE", "1")):
+        monkeypatch.setenv(name, value)  # nothing listens on port 1
+    cfg = tiny_diloco_config()
+    model = tg.GPT(cfg, tg.SdpaAttention(), torch.float32)
+    with pytest.raises(tg.UserError, match=r"no torchft lighthouse answered at TORCHFT_LIGHTHOUSE=http://localhost:1 "):
+        tg.StreamingDiLoCo(cfg, model, tg.build_optimizers(model, cfg), torch.device("cpu"), print)
+
+
 def test_diloco_fragments_cover_the_model_once():
     cfg = tiny_diloco_config()
     model = tg.GPT(cfg, tg.SdpaAttention(), torch.float32)
