@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call on a 2-GPU machine (repo root), results in $OUT:
 #   OUT=/some/dir bash tests/gpu/multi_gpu_bench.sh STEPS [all|diloco]
-# 1. tests/gpu/bench_step.py at world size 2 with sparse bigram comms on, then off (same compile cache);
+# 1. tests/gpu/bench_step.py at world size 2 with sparse bigram comms on, then off (same compile cache), then
+#    at world size 1 on the same machine;
 # 2. a plain 2-GPU run of STEPS steps on the bench stream, then streaming DiLoCo with 2 replicas of one
 #    GPU each (a lighthouse on this machine, torchft from .whl/), same STEPS: final loss, wall time, syncs.
 # Expects .bench/*.bin.xz (copies of ../shared/bench) and .whl/ (torchft and its dependencies for py3.12).
@@ -14,16 +15,17 @@ python3 tests/gpu/unpack_bench.py
 python3 -m pip install -q --no-index --find-links .whl torchft 2>&1 | tail -2
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 
-bench() {  # bench NAME [flags...]
-    local name=$1; shift
-    BENCH_SYNC_DEBUG=1 timeout 240 torchrun --nproc_per_node=2 tests/gpu/bench_step.py --bench_steps=8 "$@" \
+bench() {  # bench NAME NPROC [flags...]
+    local name=$1 nproc=$2; shift 2
+    BENCH_SYNC_DEBUG=1 timeout 240 torchrun --nproc_per_node="$nproc" tests/gpu/bench_step.py --bench_steps=8 "$@" \
         > "$OUT/$name.txt" 2>&1
     echo "== $name (exit $?)"
     grep -E "^compile_time|^ +[0-9]+ +[0-9]+ +\(|^graphs|^profile|synchroniz" "$OUT/$name.txt" | grep -v "prototype"
 }
 if [ "$what" = all ]; then
-    bench bench_sparse
-    bench bench_dense --sparse_bigram_comms=0
+    bench bench_sparse 2
+    bench bench_dense 2 --sparse_bigram_comms=0
+    bench bench_world1 1  # scaling efficiency: tokens/s at 2 GPUs over twice this
 fi
 
 data=(--train_files='/tmp/bench/docs_train_*.bin' --val_files=/tmp/bench/docs_val_000000.bin --val_tokens=2097152
