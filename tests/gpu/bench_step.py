@@ -90,7 +90,7 @@ def main() -> int:
             "phase split (ms per step)")
         try:
             for stage in range(len(schedule.batches)):
-                step = stage * cfg.num_iterations // len(schedule.batches)
+                step = next(s for s in range(cfg.num_iterations) if schedule.stage(s) == stage)  # its first step
                 windows, micro = schedule.windows(step), schedule.micro_batches(step) // comm.world_size
                 times, splits = [], []
                 for i in range(3 + steps):
