@@ -1891,6 +1891,7 @@ class StreamingDiLoCo:
         torchft = import_torchft()
         self.model, self.optimizers, self.log = model, optimizers, log
         self.step = 0  # the loop's position, part of the checkpoint a healing peer receives
+        self.sync_every = cfg.sync_every
         self.manager = manager or self._manager(torchft, cfg, device)
         self.fragments = diloco_fragments(model, cfg.num_fragments)
         outer = [torch.optim.SGD(f.parameters(), lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=True)
@@ -1925,14 +1926,16 @@ class StreamingDiLoCo:
                             f"({str(e).splitlines()[0][:200]}); start torchft_lighthouse there or fix the address") from None
 
     def _save(self) -> dict:
-        return detached_copy({"model": self.model.state_dict(), "step": self.step,
+        return detached_copy({"model": self.model.state_dict(), "step": self.step, "sync_every": self.sync_every,
                               "optimizers": [opt.state_dict() for opt in self.optimizers]})
 
     def _load(self, state: dict):
         self.model.load_state_dict(state["model"])
         for opt, opt_state in zip(self.optimizers, state["optimizers"]):
             opt.load_state_dict(opt_state)
-        self.step = state["step"]
+        # The same point of training in our own steps: a peer with another sync_every (other hardware)
+        # counts steps at another rate, and num_iterations scales with sync_every.
+        self.step = state["step"] * self.sync_every // state["sync_every"]
 
     def __enter__(self):
         # Ours run just before and just after torchft's hook (hooks run in the order they were added).

@@ -124,7 +124,7 @@ def start_replica(tmp_path, data, lighthouse, replica: int, run_id: str, *extra)
     args = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={free_port()}",
             str(REPO / "train_gpt.py"), "--device=cpu", "--preset=tiny", f"--train_files={train}",
             f"--val_files={val}", "--micro_batch_tokens=128", "--diloco=1", f"--replica={replica}",
-            "--sync_every=4", "--num_fragments=2", f"--run_id={run_id}", *extra]
+            "--sync_every=4", "--num_fragments=2", f"--run_id={run_id}", *extra]  # later flags win
     out = open(tmp_path / f"{run_id}.out", "w")
     return subprocess.Popen(args, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -141,19 +141,25 @@ def finish(proc: subprocess.Popen, tmp_path, run_id: str, timeout: float = 400) 
 
 
 def test_two_replicas_stay_in_sync_and_learn(tiny_data, tmp_path):
+    """Heterogeneous replicas: replica 1 takes twice the inner steps between syncs (a faster machine), so
+    it runs twice the steps; both do 8 fragment syncs, in the same order, with the same weights."""
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
     try:
-        procs = [start_replica(tmp_path, tiny_data, lighthouse, r, f"replica{r}", "--num_iterations=16",
-                               "--val_loss_every=8") for r in range(2)]
+        procs = [start_replica(tmp_path, tiny_data, lighthouse, 0, "replica0", "--num_iterations=16",
+                               "--val_loss_every=8"),
+                 start_replica(tmp_path, tiny_data, lighthouse, 1, "replica1", "--num_iterations=32",
+                               "--val_loss_every=16", "--sync_every=8")]
         logs = [finish(p, tmp_path, f"replica{r}") for r, p in enumerate(procs)]
     finally:
         lighthouse.shutdown()
     syncs = [SYNC.findall(log) for log in logs]
-    assert len(syncs[0]) == 8 and syncs[0] == syncs[1]  # same fragments, same weights after every sync
+    assert len(syncs[0]) == len(syncs[1]) == 8
+    assert [s[1:] for s in syncs[0]] == [s[1:] for s in syncs[1]]  # fragment, replicas, digest at every sync
+    assert [int(s[0]) for s in syncs[1]] == [2 * int(s[0]) for s in syncs[0]]
     assert all(replicas == "2" for _, _, replicas, _ in syncs[0])
-    for log in logs:
+    for log, steps in zip(logs, (16, 32)):
         losses = {int(step): float(loss) for step, loss in VAL.findall(log)}
-        assert losses[16] < losses[0] - 1.0
+        assert losses[steps] < losses[0] - 1.0
         assert re.search(r"^diloco: 8 fragment syncs \(8 committed\)", log, re.M)
 
 
