@@ -1588,8 +1588,11 @@ class RecompileWatch:
     def __init__(self):
         from torch._dynamo.utils import guard_failures
         self.failures = guard_failures
-        self.graphs = compiled_graph_count()
+        self.graphs = self.after_warm_up = compiled_graph_count()
         self.seen = {code: len(reasons) for code, reasons in guard_failures.items()}
+
+    def since_warm_up(self) -> int:
+        return compiled_graph_count() - self.after_warm_up
 
     def new_reasons(self) -> list[str]:
         """Why each graph compiled since the last call was needed ("where: failed guard")."""
@@ -1804,6 +1807,7 @@ def train(cfg: Config, comm: Comm, log: RunLog) -> TrainResult:
 
     for reason in recompiles.new_reasons():  # validation graphs, if any slipped past the warm-up
         log(f"warning: recompiled in the timed region: {reason}")
+    log(f"graphs compiled in the timed region: {recompiles.since_warm_up()}")
     if device.type == "cuda":
         log(f"peak memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "
             f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")

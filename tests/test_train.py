@@ -369,6 +369,7 @@ def test_two_process_gloo_smoke_run(tiny_data, tmp_path):
     assert sorted(val) == [0, 2, 4] and all(math.isfinite(x) for x in val.values())
     assert val[4] < val[0] - 1.0
     assert re.search(r"^compile_time:[\d.]+s graphs:\d+ cache_hits:\d+( since_process_start:[\d.]+s)?$", log, re.M)
+    assert "\ngraphs compiled in the timed region: 0\n" in log
 
 
 def _train_on_rank(rank, world_size, cfg):
