@@ -614,6 +614,7 @@ class _MuonGroup:
         self.params = params
         self.per_rank = -(-len(params) // world_size)
         self.padding = self.per_rank * world_size - len(params)
+        self.ready = 0  # parameters whose gradient is complete in the current backward
         self.pending = None  # (work or None, this rank's averaged gradients [per_rank, rows, cols])
 
 
@@ -628,7 +629,10 @@ class Muon(torch.optim.Optimizer):
 
     Communication schedule of one step, world size W > 1 (W = 1 sends nothing and runs the same math):
       1. for every group of plan_muon_groups (stacked same-shape gradients), launch reduce_scatter_tensor
-         (average): rank r receives the gradients of matrices [r*k, (r+1)*k) of the group;
+         (average): rank r receives the gradients of matrices [r*k, (r+1)*k) of the group. The launch
+         comes from a backward hook as soon as the group's last gradient is accumulated, when the
+         training loop armed the hooks (before_last_backward) for the last micro-batch; otherwise at
+         step();
       2. for each group in order: wait, apply momentum to the owned matrices (momentum buffers exist only
          for those), orthogonalise them (QKVO matrices per projection), launch all_gather_into_tensor of
          the updates;
@@ -646,6 +650,22 @@ class Muon(torch.optim.Optimizer):
         self.group_of = {p: group for group in self.param_groups for p in group["params"]}
         plan = plan_muon_groups([tuple(p.shape) for p in params], self.world_size)
         self.groups = [_MuonGroup([params[i] for i in indices], self.world_size) for indices in plan]
+        self.muon_group_of = {p: group for group in self.groups for p in group.params}
+        self.armed = False
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def before_last_backward(self, sparse_rows: dict | None = None):
+        """Let the coming backward launch each group's reduce-scatter as soon as its gradients are done,
+        overlapping it with the rest of the backward (sparse_rows: DistAdam's; nothing here is sparse)."""
+        self.armed = True
+
+    def _on_grad_ready(self, param: Tensor):
+        if self.armed:
+            group = self.muon_group_of[param]
+            group.ready += 1
+            if group.ready == len(group.params):
+                self._launch_reduce(group)
 
     def _launch_reduce(self, group: _MuonGroup):
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in group.params]
@@ -683,7 +703,10 @@ class Muon(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self):
         for group in self.groups:
-            self._launch_reduce(group)
+            if group.pending is None:  # not launched from the backward
+                self._launch_reduce(group)
+            group.ready = 0
+        self.armed = False
         gathers = []
         for group in self.groups:
             work, grads = group.pending

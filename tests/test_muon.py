@@ -75,7 +75,9 @@ def reference_params(world_size):
     return [p.detach() for p in params]
 
 
-def muon_params(rank, world_size):
+def muon_params(rank, world_size, from_backward=False):
+    """from_backward: gradients come from a backward with the hooks armed, so the reduce-scatters are
+    launched inside the backward instead of in step()."""
     attn, mlp, other = make_params()
     params = attn + mlp + other
     opt = tg.Muon([dict(params=attn, split=4), dict(params=mlp + other)], lr=LR, momentum=MOMENTUM, weight_decay=WD)
@@ -89,9 +91,18 @@ def muon_params(rank, world_size):
                 return _original(*args, **kwargs)
             setattr(dist, name, counted)
     for step in range(STEPS):
-        for p, g in zip(params, rank_grads(rank, step, params)):
-            p.grad = g
+        if from_backward:
+            opt.before_last_backward()
+            sum((p * g).sum() for p, g in zip(params, rank_grads(rank, step, params))).backward()
+            launched_early = all(group.pending is not None for group in opt.groups)
+        else:
+            for p, g in zip(params, rank_grads(rank, step, params)):
+                p.grad = g
+            launched_early = False
         opt.step()
+        for p in params:
+            p.grad = None
+        assert launched_early == from_backward
     buffers = sum(s["momentum_buffer"].numel() for s in opt.state.values())
     return [p.detach() for p in params], buffers, calls, len(opt.groups)
 
@@ -107,8 +118,9 @@ def test_single_process_matches_reference():
     assert sum(calls.values()) == 0
 
 
-def test_two_ranks_match_single_process_on_the_full_gradient():
-    results = run_on_ranks(muon_params, 2)
+@pytest.mark.parametrize("from_backward", [False, True])
+def test_two_ranks_match_single_process_on_the_full_gradient(from_backward):
+    results = run_on_ranks(muon_params, 2, from_backward)
     want = reference_params(2)
     total = (ATTN + MLP) * 32 * 8 + OTHER * 12 * 20
     for params, buffers, calls, groups in results:
