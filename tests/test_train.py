@@ -3,7 +3,6 @@ one process and on two gloo processes."""
 import dataclasses
 import hashlib
 import math
-import os
 import re
 import subprocess
 import sys
