@@ -191,3 +191,13 @@ def test_killed_replica_rejoins_with_the_weights_of_its_peer(tiny_data, tmp_path
     assert rejoined, "the restarted replica never synced together with the survivor"
     for step, fragment, digest in rejoined:
         assert survivor_syncs[(step, fragment)] == digest
+
+
+def test_torchft_is_not_imported_without_diloco(tiny_data, tmp_path):
+    train, val = tiny_data
+    code = (f"import sys, train_gpt; code = train_gpt.main(['--device=cpu', '--preset=tiny', '--num_iterations=1', "
+            f"'--val_loss_every=0', '--train_files={train}', '--val_files={val}', '--log_dir={tmp_path}']); "
+            "assert code == 0; print('torchft' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "False"
