@@ -62,7 +62,7 @@ class Config:
     run_id: str = ""  # empty: a fresh uuid
     log_dir: str = "logs"
     device: str = "cuda"  # cuda | cpu
-    compile: bool = True  # torch.compile each block and the loss head (regional compilation)
+    compile: bool = True  # torch.compile the model, over --compile_scope
     compile_scope: str = "auto"  # whole | regional (each block and the loss head) | auto: see build_and_warm_up
     compile_cache: str = ""  # file for torch's compile artifacts: loaded before the warm-up, saved after it
     attn_backend: str = "auto"  # auto | fa3 | flex | sdpa
@@ -356,6 +356,32 @@ def current_rank_and_world() -> tuple[int, int]:
 # step); each step() does its own gradient communication, so a sharded optimizer drops in unchanged.
 
 
+class _LaunchWhenGradsReady:
+    """The backward hooks DistAdam and Muon share. While armed (the training loop arms them for the last
+    micro-batch's backward), `launch(unit)` runs as soon as every parameter of a unit (an Adam bucket,
+    a Muon group: anything with .params) has its gradient accumulated, so the unit's reduce-scatter
+    overlaps the rest of the backward."""
+
+    def __init__(self, units: list, launch):
+        self.unit_of = {p: unit for unit in units for p in unit.params}
+        self.launch = launch
+        self.armed = False
+        self.ready: dict = {}  # unit -> parameters whose gradient is complete in this backward
+        for p in self.unit_of:
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def _on_grad_ready(self, param: Tensor):
+        if self.armed:
+            unit = self.unit_of[param]
+            self.ready[unit] = self.ready.get(unit, 0) + 1
+            if self.ready[unit] == len(unit.params):
+                self.launch(unit)
+
+    def disarm(self):
+        self.armed = False
+        self.ready.clear()
+
+
 class _AdamBucket:
     """Parameters of one param group whose gradients travel in one reduce-scatter. A bucket is one
     tensor, or several small ones packed together; `shard` elements of its flat form belong to each rank."""
@@ -368,7 +394,6 @@ class _AdamBucket:
         # One parameter of a size that divides evenly is used in place; anything else goes through a
         # zero-padded flat copy.
         self.in_place = len(params) == 1 and self.padded == self.numel
-        self.ready = 0  # parameters whose gradient is complete in the current backward
         self.pending = None  # waits for the communication; returns this rank's averaged gradient shard
 
     def flat(self, tensors: list[Tensor]) -> Tensor:
@@ -467,26 +492,16 @@ class DistAdam(torch.optim.Optimizer):
             self.buckets += [_AdamBucket([p], group, self.world_size) for p in group["params"] if p.numel() >= self.SMALL]
             if small:
                 self.buckets.append(_AdamBucket(small, group, self.world_size))
-        self.bucket_of = {p: b for b in self.buckets for p in b.params}
         self.launched: list[_AdamBucket] = []
-        self.armed = False
-        for p in self.bucket_of:
-            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        self.grad_hooks = _LaunchWhenGradsReady(self.buckets, self._launch_reduce)
 
     def before_last_backward(self, sparse_rows: dict | None = None):
         """Let the coming backward launch each bucket's reduce-scatter as soon as its gradients are done.
         sparse_rows: {sparse parameter: rows touched on this rank this step}; starts their counts exchange."""
-        self.armed = True
+        self.grad_hooks.armed = True
         for p, rows in (sparse_rows or {}).items():
             if p in self.sparse_params:
                 self.row_exchanges[p] = _RowExchange(p, rows, self.rank, self.world_size, self.cpu_group)
-
-    def _on_grad_ready(self, param: Tensor):
-        if self.armed:
-            bucket = self.bucket_of[param]
-            bucket.ready += 1
-            if bucket.ready == len(bucket.params):
-                self._launch_reduce(bucket)
 
     def _launch_reduce(self, bucket: _AdamBucket):
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
@@ -526,10 +541,10 @@ class DistAdam(torch.optim.Optimizer):
                     p.copy_(flat[offset: offset + p.numel()].view_as(p))
                     offset += p.numel()
         for bucket in self.buckets:
-            bucket.ready, bucket.pending = 0, None
+            bucket.pending = None
         self.launched = []
         self.row_exchanges = {}
-        self.armed = False
+        self.grad_hooks.disarm()
 
     def _update(self, bucket: _AdamBucket, owned: Tensor, grad_shard: Tensor):
         state = self.state[bucket.params[0]]
@@ -614,7 +629,6 @@ class _MuonGroup:
         self.params = params
         self.per_rank = -(-len(params) // world_size)
         self.padding = self.per_rank * world_size - len(params)
-        self.ready = 0  # parameters whose gradient is complete in the current backward
         self.pending = None  # (work or None, this rank's averaged gradients [per_rank, rows, cols])
 
 
@@ -650,22 +664,12 @@ class Muon(torch.optim.Optimizer):
         self.group_of = {p: group for group in self.param_groups for p in group["params"]}
         plan = plan_muon_groups([tuple(p.shape) for p in params], self.world_size)
         self.groups = [_MuonGroup([params[i] for i in indices], self.world_size) for indices in plan]
-        self.muon_group_of = {p: group for group in self.groups for p in group.params}
-        self.armed = False
-        for p in params:
-            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        self.grad_hooks = _LaunchWhenGradsReady(self.groups, self._launch_reduce)
 
     def before_last_backward(self, sparse_rows: dict | None = None):
         """Let the coming backward launch each group's reduce-scatter as soon as its gradients are done,
         overlapping it with the rest of the backward (sparse_rows: DistAdam's; nothing here is sparse)."""
-        self.armed = True
-
-    def _on_grad_ready(self, param: Tensor):
-        if self.armed:
-            group = self.muon_group_of[param]
-            group.ready += 1
-            if group.ready == len(group.params):
-                self._launch_reduce(group)
+        self.grad_hooks.armed = True
 
     def _launch_reduce(self, group: _MuonGroup):
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in group.params]
@@ -705,8 +709,7 @@ class Muon(torch.optim.Optimizer):
         for group in self.groups:
             if group.pending is None:  # not launched from the backward
                 self._launch_reduce(group)
-            group.ready = 0
-        self.armed = False
+        self.grad_hooks.disarm()
         gathers = []
         for group in self.groups:
             work, grads = group.pending
