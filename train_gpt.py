@@ -546,6 +546,14 @@ class DistAdam(torch.optim.Optimizer):
         self.row_exchanges = {}
         self.grad_hooks.disarm()
 
+    def load_state_dict(self, state_dict: dict):
+        super().load_state_dict(state_dict)
+        # torch leaves a loaded "step" on the device it was saved from (the CPU, after torchft's
+        # checkpoint transfer); the fused kernel needs it beside the moments.
+        for state in self.state.values():
+            if "step" in state:
+                state["step"] = state["step"].to(state["exp_avg"].device)
+
     def _update(self, bucket: _AdamBucket, owned: Tensor, grad_shard: Tensor):
         state = self.state[bucket.params[0]]
         if not state:

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call on a 2-GPU machine (repo root), results in $OUT:
-#   OUT=/some/dir bash tests/gpu/multi_gpu_bench.sh STEPS [all|diloco]
-# 1. tests/gpu/bench_step.py at world size 2 with sparse bigram comms on, then off (same compile cache), then
-#    at world size 1 on the same machine;
+#   OUT=/some/dir [BENCHES="sparse dense world1"] bash tests/gpu/multi_gpu_bench.sh STEPS [all|diloco]
+# 1. tests/gpu/bench_step.py at world size 2 with sparse bigram comms on (sparse), then off (dense), then
+#    at world size 1 on the same machine (world1); BENCHES picks which;
 # 2. a plain 2-GPU run of STEPS steps on the bench stream, then streaming DiLoCo with 2 replicas of one
 #    GPU each (a lighthouse on this machine, torchft from .whl/), same STEPS: final loss, wall time, syncs.
 # Expects .bench/*.bin.xz (copies of ../shared/bench) and .whl/ (torchft and its dependencies for py3.12).
@@ -23,9 +23,13 @@ bench() {  # bench NAME NPROC [flags...]
     grep -E "^compile_time|^ +[0-9]+ +[0-9]+ +\(|^graphs|^profile|synchroniz" "$OUT/$name.txt" | grep -v "prototype"
 }
 if [ "$what" = all ]; then
-    bench bench_sparse 2
-    bench bench_dense 2 --sparse_bigram_comms=0
-    bench bench_world1 1  # scaling efficiency: tokens/s at 2 GPUs over twice this
+    for b in ${BENCHES:-sparse dense world1}; do
+        case $b in
+        sparse) bench bench_sparse 2 ;;
+        dense) bench bench_dense 2 --sparse_bigram_comms=0 ;;
+        world1) bench bench_world1 1 ;;  # scaling efficiency: tokens/s at 2 GPUs over twice this
+        esac
+    done
 fi
 
 data=(--train_files='/tmp/bench/docs_train_*.bin' --val_files=/tmp/bench/docs_val_000000.bin --val_tokens=2097152

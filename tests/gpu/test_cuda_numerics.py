@@ -108,3 +108,28 @@ def test_symmetric_matmul_kernel_matches_float64(shape):
     A64 = A.double().cpu()
     assert not B.isnan().any()
     assert relative_error(B.cpu(), 0.7 * A64 - 2.3 * A64 @ A64) < 1e-2
+
+
+def test_dist_adam_resumes_from_a_state_dict_saved_on_the_cpu():
+    """torchft hands a healing replica its peer's optimizer state as CPU tensors."""
+    def make():
+        torch.manual_seed(0)
+        weight = torch.nn.Parameter(torch.randn(64, 32, device="cuda"))
+        return weight, tg.DistAdam([dict(params=[weight])], lr=1e-2, betas=(0.9, 0.95), eps=1e-10, weight_decay=0.0)
+
+    def adam_step(weight, opt, seed):
+        weight.grad = torch.randn(weight.shape, generator=torch.Generator().manual_seed(seed)).cuda()
+        opt.step()
+
+    weight, opt = make()
+    adam_step(weight, opt, 1)
+    saved = torch.utils._pytree.tree_map(lambda t: t.detach().cpu() if isinstance(t, torch.Tensor) else t,
+                                         {"weight": weight, "opt": opt.state_dict()})
+    adam_step(weight, opt, 2)
+
+    resumed, resumed_opt = make()
+    with torch.no_grad():
+        resumed.copy_(saved["weight"])
+    resumed_opt.load_state_dict(saved["opt"])
+    adam_step(resumed, resumed_opt, 2)
+    assert torch.equal(resumed, weight)
