@@ -66,7 +66,7 @@ class Config:
     compile_scope: str = "auto"  # whole | regional (each block and the loss head) | auto: see build_and_warm_up
     compile_cache: str = ""  # file for torch's compile artifacts: loaded before the warm-up, saved after it
     attn_backend: str = "auto"  # auto | fa3 | flex | sdpa
-    triton_kernels: bool = True  # 0: plain-torch Newton-Schulz even where Triton is present (A/B, debugging)
+    triton_kernels: bool = True  # 0: plain torch for Newton-Schulz and the loss even where Triton is present (A/B)
     # model
     vocab_size: int = 50257  # padded to a multiple of 128 inside the model
     num_layers: int = 11
@@ -320,6 +320,85 @@ def symmetric_matmul(X: Tensor, out: Tensor, alpha: float = 1.0, beta: float = 0
     _symmetric_matmul_kernel[tiles](X, Yt, out, M, K, *X.stride(), *Yt.stride(), *out.stride(), alpha, beta,
                                     HAS_Y=Y is not None)
     return out
+
+
+if triton is not None:
+    @triton.jit
+    def _softcapped_ce_forward_kernel(Logits, Targets, Loss, Lse, V, stride, cap: tl.constexpr, BLOCK: tl.constexpr):
+        """One row per program: loss = logsumexp(z) - z[target], z = cap * sigmoid(4 * logit / cap)."""
+        row = tl.program_id(0).to(tl.int64)
+        Logits += row * stride
+        cols = tl.arange(0, BLOCK)
+        # z lies in (0, cap), so exp(z - cap) <= 1 and the sum cannot overflow: no running max is needed.
+        total = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, V, BLOCK):
+            inside = start + cols < V
+            z = cap * tl.sigmoid(tl.load(Logits + start + cols, mask=inside, other=0.0).to(tl.float32) * (4.0 / cap))
+            total += tl.where(inside, tl.exp(z - cap), 0.0)
+        lse = cap + tl.log(tl.sum(total, axis=0))
+        target = tl.load(Targets + row)
+        z_target = cap * tl.sigmoid(tl.load(Logits + target).to(tl.float32) * (4.0 / cap))
+        tl.store(Loss + row, lse - z_target)
+        tl.store(Lse + row, lse)
+
+    @triton.jit
+    def _softcapped_ce_backward_kernel(Logits, Targets, Lse, GradLoss, GradLogits, V, stride, grad_stride,
+                                       cap: tl.constexpr, BLOCK: tl.constexpr):
+        """d loss / d logit = grad * (softmax(z) - onehot) * dz/dlogit, with dz/dlogit = 4 s (1 - s)."""
+        row = tl.program_id(0).to(tl.int64)
+        Logits += row * stride
+        GradLogits += row * grad_stride
+        lse, grad, target = tl.load(Lse + row), tl.load(GradLoss + row), tl.load(Targets + row)
+        cols = tl.arange(0, BLOCK)
+        for start in range(0, V, BLOCK):
+            inside = start + cols < V
+            s = tl.sigmoid(tl.load(Logits + start + cols, mask=inside, other=0.0).to(tl.float32) * (4.0 / cap))
+            d = tl.exp(cap * s - lse) - tl.where(start + cols == target, 1.0, 0.0)
+            tl.store(GradLogits + start + cols, (grad * d * 4.0 * s * (1.0 - s)).to(GradLogits.dtype.element_ty),
+                     mask=inside)
+
+CE_BLOCK, CE_WARPS = 1024, 4  # the loss kernels' launch shape (tests/gpu/bench_loss.py sweeps it)
+
+
+class _SoftcappedCrossEntropy(torch.autograd.Function):
+    """Per-row loss of softcapped logits with the two kernels above: the forward reads the bf16 logits
+    once and keeps only each row's logsumexp; the backward reads them once more and writes the bf16
+    gradient, so no fp32 copy of the [tokens, vocab] logits is ever made."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, targets: Tensor, cap: float) -> Tensor:
+        rows, vocab = logits.shape
+        loss = logits.new_empty(rows, dtype=torch.float32)
+        lse = torch.empty_like(loss)
+        _softcapped_ce_forward_kernel[(rows,)](logits, targets, loss, lse, vocab, logits.stride(0), cap,
+                                               BLOCK=CE_BLOCK, num_warps=CE_WARPS)
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.cap = cap
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: Tensor):
+        logits, targets, lse = ctx.saved_tensors
+        rows, vocab = logits.shape
+        grad = torch.empty_like(logits)
+        _softcapped_ce_backward_kernel[(rows,)](logits, targets, lse, grad_loss.contiguous(), grad, vocab,
+                                                logits.stride(0), grad.stride(0), ctx.cap,
+                                                BLOCK=CE_BLOCK, num_warps=CE_WARPS)
+        return grad, None, None
+
+
+def softcapped_cross_entropy(logits: Tensor, targets: Tensor, cap: float, use_triton: bool | None = None) -> Tensor:
+    """Mean cross-entropy of z = cap * sigmoid(4 * logits / cap), a [rows, vocab] input.
+
+    The soft cap squeezes logits into (0, cap): the speedrun's 30*sigmoid(z/7.5) form of Gemma 2's tanh
+    cap, which keeps logits from growing without bound early in training. On CUDA with Triton the fused
+    kernels compute it; otherwise plain torch.
+    """
+    if use_triton is None:
+        use_triton = logits.is_cuda and triton is not None
+    if use_triton:
+        return _SoftcappedCrossEntropy.apply(logits, targets, cap).mean()
+    return F.cross_entropy(cap * torch.sigmoid(logits.float() / (cap / 4)), targets)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1083,11 +1162,8 @@ class GPT(nn.Module):
 
     def loss_head(self, x: Tensor, targets: Tensor) -> Tensor:
         logits = rms_norm(x) @ self.lm_head.weight.to(x.dtype).T
-        # Soft-cap the logits into (0, cap) with a sigmoid: the speedrun's 30*sigmoid(z/7.5) form of
-        # Gemma 2's tanh cap, which keeps logits from growing without bound early in training.
-        cap = self.cfg.logit_softcap
-        logits = cap * torch.sigmoid(logits.float() / (cap / 4))
-        return F.cross_entropy(logits, targets)
+        use_triton = None if self.cfg.triton_kernels else False
+        return softcapped_cross_entropy(logits, targets, self.cfg.logit_softcap, use_triton)
 
 
 # ----------------------------------------------------------------------------------------------------

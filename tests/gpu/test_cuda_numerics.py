@@ -133,3 +133,24 @@ def test_dist_adam_resumes_from_a_state_dict_saved_on_the_cpu():
     resumed_opt.load_state_dict(saved["opt"])
     adam_step(resumed, resumed_opt, 2)
     assert torch.equal(resumed, weight)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("rows,vocab", [(4096, 50304), (333, 1001)])
+def test_softcapped_cross_entropy_kernel_matches_float64(rows, vocab, compiled):
+    g = torch.Generator().manual_seed(rows)
+    logits = (torch.randn(rows, vocab, generator=g) * 8).to(torch.bfloat16)  # beyond the cap's linear range
+    targets = torch.randint(0, vocab, (rows,), generator=g)
+    loss_fn = tg.softcapped_cross_entropy
+    if compiled:
+        loss_fn = torch.compile(loss_fn, fullgraph=True, dynamic=False)
+    x = logits.cuda().requires_grad_()
+    loss = loss_fn(x, targets.cuda(), 30.0)
+    (2.5 * loss).backward()
+
+    ref_x = logits.double().requires_grad_()
+    ref = torch.nn.functional.cross_entropy(30.0 * torch.sigmoid(ref_x / 7.5), targets)
+    (2.5 * ref).backward()
+    assert abs(loss.item() - ref.item()) / ref.item() < 1e-5
+    assert x.grad.dtype == torch.bfloat16
+    assert relative_error(x.grad.cpu(), ref_x.grad) < 1e-2
