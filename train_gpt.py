@@ -85,6 +85,10 @@ class Config:
     # 0 turns it off. Its gradient rows travel sparsely between ranks unless sparse_bigram_comms=0.
     bigram_rows: int = 5 * 50304
     sparse_bigram_comms: bool = True
+    # Embedding tables (token, value, bigram) take only the rows a micro-batch touched, as sparse gradients
+    # added into a kept dense .grad, instead of a dense [rows, dim] gradient per micro-batch plus a dense
+    # accumulation; the lookups then run outside the compiled graph. For the A/B on the GPU.
+    row_embedding_grads: bool = False
     # batch: every forward/backward sees micro_batch_tokens tokens, so there is one compiled shape;
     # the batch-size schedule only changes how many micro-batches make a step.
     micro_batch_tokens: int = 16 * 1024
@@ -1137,17 +1141,39 @@ class GPT(nn.Module):
     def prepare_masks(self, tokens: Tensor, cu_seqlens: Tensor, windows: tuple[int, int]) -> dict:
         return self.attend.prepare(tokens, cu_seqlens, {"S": windows[0], "L": windows[1]})
 
+    def embedding_tables(self) -> list[nn.Parameter]:
+        tables = [self.embed.weight] + [ve.weight for ve in self.value_embeds]
+        return tables + ([self.bigram_embed.weight] if self.bigram_embed is not None else [])
+
+    def prepare_grads(self):
+        """Before a step's first backward: with row_embedding_grads each table gets a zeroed dense .grad
+        for its sparse gradients to be added into (autograd would make the first one itself the .grad)."""
+        if self.cfg.row_embedding_grads:
+            for p in self.embedding_tables():
+                p.grad = torch.zeros_like(p)
+
     def forward(self, tokens: Tensor, targets: Tensor, masks: dict, bigrams: Tensor | None = None) -> Tensor:
         """Mean cross-entropy over one packed micro-batch: tokens, targets and bigram rows are [T]."""
+        sparse = self.cfg.row_embedding_grads
+        token_rows = F.embedding(tokens, self.embed.weight, sparse=sparse)
+        value_rows = [F.embedding(tokens, ve.weight, sparse=sparse) for ve in self.value_embeds]
+        bigram_rows = None
+        if self.bigram_embed is not None:
+            bigram_rows = F.embedding(bigrams, self.bigram_embed.weight, sparse=sparse)
+        return self.trunk(token_rows, value_rows, bigram_rows, targets, masks)
+
+    def trunk(self, token_rows: Tensor, value_rows: list[Tensor], bigram_rows: Tensor | None, targets: Tensor,
+              masks: dict) -> Tensor:
+        """Everything after the embedding lookups."""
         cfg = self.cfg
-        x0 = rms_norm(self.embed(tokens)).to(self.compute_dtype)
-        value_embeds = [ve(tokens).to(self.compute_dtype) for ve in self.value_embeds]
+        x0 = rms_norm(token_rows).to(self.compute_dtype)
+        value_embeds = [rows.to(self.compute_dtype) for rows in value_rows]
         # Every attention block should call its compiled graph with inputs that look alike to dynamo's
         # guards: x not aliasing x0, and zeros that require grad like a real value embedding (inside
         # a whole-model graph there are no such guards, and dynamo cannot create a leaf that does).
         x = x0.clone()
         no_value_embed = torch.zeros_like(x0, requires_grad=not torch.compiler.is_compiling())
-        bigram = self.bigram_embed(bigrams).to(self.compute_dtype) if self.bigram_embed is not None else None
+        bigram = bigram_rows.to(self.compute_dtype) if bigram_rows is not None else None
         rope = self.rotary.tables()
         skip = None
         for i, block in enumerate(self.blocks):
@@ -1617,6 +1643,7 @@ def train_step(model: GPT, optimizers, batches: Prefetcher, windows: tuple[int, 
     phase (forward, backward, each optimizer by class name) ends: the benchmark's CUDA-event timer.
     """
     mark = mark or (lambda phase: None)
+    model.prepare_grads()
     total = None
     bigram_rows_used = []
     for index in range(micro_batches):
@@ -1828,7 +1855,10 @@ def build_and_warm_up(cfg: Config, comm: Comm, log: RunLog) -> Trainer:
         scope = "regional" if attend.name == "fa3" else "whole"
     if cfg.compile and scope == "whole":
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        model.compile(dynamic=False, fullgraph=True)
+        if cfg.row_embedding_grads:  # inductor cannot produce sparse gradients: lookups stay eager
+            model.trunk = torch.compile(model.trunk, dynamic=False, fullgraph=True)
+        else:
+            model.compile(dynamic=False, fullgraph=True)
     elif cfg.compile:
         model.compile_regions()
     warm_up(model, optimizers, cfg, comm, schedule, device)

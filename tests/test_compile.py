@@ -69,3 +69,14 @@ def test_recompile_watch_reports_the_failed_guard():
     reasons = watch.new_reasons()
     assert len(reasons) == 1 and reasons[0].startswith("scale (test_compile.py:") and "n == 2" in reasons[0]
     assert watch.new_reasons() == []
+
+
+def test_row_embedding_grads_compile_the_trunk_and_match_eager(tiny_data, tmp_path):
+    """--row_embedding_grads=1 keeps the lookups eager and compiles the rest as one graph."""
+    train, val = tiny_data
+    rows = run_tiny(tmp_path, train, val, "rows", "--compile=1", "--row_embedding_grads=1",
+                    inductor_dir=tmp_path / "inductor")
+    eager = run_tiny(tmp_path, train, val, "eager", "--compile=0")
+    assert "compile scope: whole;" in rows and "\ngraphs compiled in the timed region: 0\n" in rows
+    losses = [float(VAL.search(log).group(1)) for log in (rows, eager)]
+    assert abs(losses[0] - losses[1]) < 1e-3 * losses[1]

@@ -386,6 +386,37 @@ def test_world_size_1_and_2_give_the_same_losses(tiny_data, tmp_path):
     np.testing.assert_allclose(two[0], single, rtol=1e-5)
 
 
+def test_row_embedding_grads_equal_dense_ones(tiny_data, tmp_path):
+    """--row_embedding_grads=1 (sparse rows added into a kept dense .grad) against the default dense
+    gradients: the same table gradients after two micro-batches, and the same losses over three steps
+    at world size 2."""
+    cfg = tiny_config(*tiny_data, num_iterations=3, val_loss_every=0, log_dir=str(tmp_path), micro_batch_tokens=128)
+    grads, losses = {}, {}
+    for rows in (False, True):
+        run_cfg = dataclasses.replace(cfg, row_embedding_grads=rows, run_id=f"rows{int(rows)}")
+        torch.manual_seed(0)
+        model = tg.GPT(run_cfg, tg.SdpaAttention(), torch.float32)
+        with torch.no_grad():  # leave the zero init, so that gradients reach the tables
+            for p in model.parameters():
+                if p.ndim == 2:
+                    p.normal_(0, 0.02)
+        batches = tg.Prefetcher(tg.dummy_batches(run_cfg, seed=1), run_cfg.micro_batch_tokens, torch.device("cpu"),
+                                bigram_rows=run_cfg.bigram_rows)
+        model.prepare_grads()
+        try:
+            for _ in range(2):
+                tg.micro_batch_loss(model, batches.next(), (32, 64)).backward()
+        finally:
+            batches.close()
+        assert all(not p.grad.is_sparse for p in model.embedding_tables())
+        grads[rows] = [p.grad.clone() for p in model.embedding_tables()]
+        losses[rows] = run_on_ranks(_train_on_rank, 2, run_cfg)[0]
+    assert any(g.abs().sum() > 0 for g in grads[False])
+    for dense, sparse in zip(grads[False], grads[True]):
+        torch.testing.assert_close(sparse, dense, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(losses[True], losses[False], rtol=1e-5)
+
+
 def test_check_and_help_flags(tiny_data, tmp_path):
     train, val = tiny_data
     ok = run_cli(["--device=cpu", "--preset=tiny", f"--train_files={train}", f"--val_files={val}", "--check"], cwd=tmp_path)
