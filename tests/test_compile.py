@@ -42,15 +42,20 @@ def test_compiled_runs_match_eager_and_reuse_the_cache_file(tiny_data, tmp_path)
     assert abs(losses[0] - losses[2]) < 1e-3 * losses[2]
 
 
-def test_regional_compile_matches_eager(tiny_data, tmp_path):
-    """Each block and the loss head compiled on its own (the scope FA3 runs use) gives eager's losses."""
+def test_regional_compile_and_row_embedding_grads_match_eager(tiny_data, tmp_path):
+    """Each block and the loss head compiled on its own (the scope FA3 runs use), and --row_embedding_grads=1
+    (eager lookups, the rest one graph), give eager's losses."""
     train, val = tiny_data
     regional = run_tiny(tmp_path, train, val, "regional", "--compile=1", "--compile_scope=regional",
                         inductor_dir=tmp_path / "inductor")
+    rows = run_tiny(tmp_path, train, val, "rows", "--compile=1", "--row_embedding_grads=1",
+                    inductor_dir=tmp_path / "inductor")
     eager = run_tiny(tmp_path, train, val, "eager", "--compile=0")
     assert "compile scope: regional;" in regional
-    losses = [float(VAL.search(log).group(1)) for log in (regional, eager)]
-    assert abs(losses[0] - losses[1]) < 1e-3 * losses[1]
+    assert "compile scope: whole;" in rows and "\ngraphs compiled in the timed region: 0\n" in rows
+    losses = [float(VAL.search(log).group(1)) for log in (regional, rows, eager)]
+    assert abs(losses[0] - losses[2]) < 1e-3 * losses[2]
+    assert abs(losses[1] - losses[2]) < 1e-3 * losses[2]
 
 
 def test_recompile_watch_reports_the_failed_guard():
@@ -70,13 +75,3 @@ def test_recompile_watch_reports_the_failed_guard():
     assert len(reasons) == 1 and reasons[0].startswith("scale (test_compile.py:") and "n == 2" in reasons[0]
     assert watch.new_reasons() == []
 
-
-def test_row_embedding_grads_compile_the_trunk_and_match_eager(tiny_data, tmp_path):
-    """--row_embedding_grads=1 keeps the lookups eager and compiles the rest as one graph."""
-    train, val = tiny_data
-    rows = run_tiny(tmp_path, train, val, "rows", "--compile=1", "--row_embedding_grads=1",
-                    inductor_dir=tmp_path / "inductor")
-    eager = run_tiny(tmp_path, train, val, "eager", "--compile=0")
-    assert "compile scope: whole;" in rows and "\ngraphs compiled in the timed region: 0\n" in rows
-    losses = [float(VAL.search(log).group(1)) for log in (rows, eager)]
-    assert abs(losses[0] - losses[1]) < 1e-3 * losses[1]
