@@ -74,4 +74,3 @@ def test_recompile_watch_reports_the_failed_guard():
     reasons = watch.new_reasons()
     assert len(reasons) == 1 and reasons[0].startswith("scale (test_compile.py:") and "n == 2" in reasons[0]
     assert watch.new_reasons() == []
-
