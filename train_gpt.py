@@ -124,7 +124,7 @@ class Config:
     fragment_sync_delay: int = 0  # inner steps between launching a fragment's all-reduce and applying it
     fragment_update_alpha: float = 0.0  # after a sync the fragment is (1 - alpha) * global + alpha * local
     outer_lr: float = 0.7
-    outer_momentum: float = 0.9  # Nesterov
+    outer_momentum: float = 0.9  # Nesterov; 0 with outer_lr=1 is plain averaging of the replicas
     min_replicas: int = 1  # a sync commits only with at least this many replicas in the quorum
 
 
@@ -257,6 +257,8 @@ def validate_config(cfg: Config) -> None:
              f"--fragment_sync_delay={cfg.fragment_sync_delay}: must be below sync_every/num_fragments "
              f"({cfg.sync_every // cfg.num_fragments})")
         need(0.0 <= cfg.fragment_update_alpha <= 1.0, "--fragment_update_alpha must be in [0, 1]")
+        need(cfg.outer_lr > 0, f"--outer_lr={cfg.outer_lr} must be positive")
+        need(0.0 <= cfg.outer_momentum < 1.0, f"--outer_momentum={cfg.outer_momentum} must be in [0, 1)")
         need(0 <= cfg.replica < cfg.diloco_replicas,
              f"--replica={cfg.replica}: use 0 .. diloco_replicas-1 (--diloco_replicas={cfg.diloco_replicas})")
         need(cfg.min_replicas >= 1, "--min_replicas must be at least 1")
@@ -2038,8 +2040,8 @@ class StreamingDiLoCo:
         self.sync_every = cfg.sync_every
         self.manager = manager or self._manager(torchft, cfg, device)
         self.fragments = diloco_fragments(model, cfg.num_fragments)
-        outer = [torch.optim.SGD(f.parameters(), lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=True)
-                 for f in self.fragments]
+        outer = [torch.optim.SGD(f.parameters(), lr=cfg.outer_lr, momentum=cfg.outer_momentum,
+                                 nesterov=cfg.outer_momentum > 0) for f in self.fragments]
         for index, opt in enumerate(outer):
             opt.register_step_post_hook(functools.partial(self._outer_step_hook, index))
         self.diloco = torchft.local_sgd.DiLoCo(

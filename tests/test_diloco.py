@@ -27,11 +27,13 @@ def tiny_diloco_config(**overrides) -> tg.Config:
     return tg.dataclasses.replace(cfg, **overrides)
 
 
-def test_outer_step_matches_hand_computation():
+@pytest.mark.parametrize("lr,momentum", [(0.7, 0.9), (1.0, 0.0)])
+def test_outer_step_matches_hand_computation(lr, momentum):
     """One replica, two fragments, sync_every=4: fragment 0 syncs after step 2 and fragment 1 after step 4.
     Each becomes (1 - a) * (old - lr * (1 + m) * (old - local)) + a * local: Nesterov SGD's first step
-    on the pseudogradient old - local, then the alpha mix; the other fragment keeps its local weights."""
-    lr, momentum, alpha = 0.7, 0.9, 0.25
+    on the pseudogradient old - local (plain SGD when m = 0), then the alpha mix; the other fragment keeps
+    its local weights."""
+    alpha = 0.25
     cfg = tiny_diloco_config(sync_every=4, num_fragments=2, fragment_update_alpha=alpha, outer_lr=lr,
                              outer_momentum=momentum, diloco_replicas=1)
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1)
@@ -83,6 +85,8 @@ def test_diloco_flags_are_checked():
         (["--sync_every=6", "--num_fragments=4"], "--sync_every=6 must be a multiple of --num_fragments=4"),
         (["--sync_every=8", "--num_iterations=20"], "--num_iterations=20 must be a multiple of --sync_every=8"),
         (["--sync_every=4", "--replica=2", "--diloco_replicas=2"], "--replica=2: use 0 .. diloco_replicas-1"),
+        (["--sync_every=4", "--outer_momentum=1"], "--outer_momentum=1.0 must be in [0, 1)"),
+        (["--sync_every=4", "--outer_lr=0"], "--outer_lr=0.0 must be positive"),
     ):
         with pytest.raises(tg.UserError, match=re.escape(message)):
             tg.parse_cli(["--preset=tiny", "--diloco=1", *flags])
