@@ -6,7 +6,7 @@ gradient once).
 
     python tests/gpu/bench_loss.py
 """
-import statistics
+import functools
 import sys
 from pathlib import Path
 
@@ -14,20 +14,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import train_gpt as tg  # noqa: E402
+from bench_optimizers import median_ms as _median_ms  # noqa: E402  (tests/gpu is the script's directory)
 
-
-def median_ms(fn, repeats=30, warmup=5):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+median_ms = functools.partial(_median_ms, repeats=30, warmup=5)
 
 
 def main():
