@@ -5,18 +5,36 @@
 # per quoted flag set, in order, on one machine with one inductor cache, and prints each run's compile time and
 # per-stage line (median ms, slowest/median, tokens/s, MFU, phases) and profile summary. Example, the A/B of the
 # Triton kernels: bash tests/gpu/ab_step.sh "--triton_kernels=1" "--triton_kernels=0"
+# With .bench/ carried (copies of ../shared/bench) the steps read the bench stream, else random tokens. The
+# inductor cache comes from .cache/inductor.tar.xz.part* when carried and goes back under $OUT/cache.
 set -uo pipefail
 OUT=${OUT:-/tmp/device_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/inductor_cache}
 nvidia-smi --query-gpu=name --format=csv,noheader
+data=()
+if ls .bench/*.bin.xz >/dev/null 2>&1; then
+    python3 tests/gpu/unpack_bench.py && data=(--train_files='/tmp/bench/docs_train_*.bin')
+fi
+if ls .cache/inductor.tar.xz.part* >/dev/null 2>&1; then
+    mkdir -p "$TORCHINDUCTOR_CACHE_DIR" && cat .cache/inductor.tar.xz.part* | tar -xJf - -C "$TORCHINDUCTOR_CACHE_DIR" \
+        && echo "inductor cache restored: $(du -sh "$TORCHINDUCTOR_CACHE_DIR" | cut -f1)"
+fi
 if [ "${TESTS:-}" != skip ]; then
-    timeout 200 python3 -m pytest -q tests/gpu ${TESTS:-} 2>&1 | tail -4 | tee "$OUT/gpu_tests.txt"
+    # shellcheck disable=SC2086  # TESTS is a list of pytest arguments
+    timeout "${TESTS_LIMIT_S:-200}" python3 -m pytest -q tests/gpu ${TESTS:-} 2>&1 | tail -6 | tee "$OUT/gpu_tests.txt"
 fi
 n=0
 for flags in "$@"; do
     n=$((n + 1))
     # shellcheck disable=SC2086  # each argument is a list of flags
-    timeout "${RUN_LIMIT_S:-170}" python3 tests/gpu/bench_step.py --bench_steps="${STEPS:-6}" $flags > "$OUT/ab_$n.txt" 2>&1
+    timeout "${RUN_LIMIT_S:-170}" python3 tests/gpu/bench_step.py --bench_steps="${STEPS:-6}" "${data[@]}" $flags \
+        > "$OUT/ab_$n.txt" 2>&1
     echo "== [$n] $flags (exit $?)"
-    grep -E "^compile_time|^ +[0-9]+ +[0-9]+ +\(|^graphs|^profile" "$OUT/ab_$n.txt"
+    grep -E "^compile_time|^data|^ +[0-9]+ +[0-9]+ +\(|^graphs|Error|error:" "$OUT/ab_$n.txt"
+    sed -n '/^profile/,$p' "$OUT/ab_$n.txt" | grep -E "^profile|GPU span|^ +[0-9.]+ +[0-9.]+%" | head -"${PROFILE_LINES:-30}"
 done
+if [ "${PACK_CACHE:-1}" = 1 ]; then
+    mkdir -p "$OUT/cache"
+    tar -cJf - -C "$TORCHINDUCTOR_CACHE_DIR" . 2>/dev/null | split -b 15m - "$OUT/cache/inductor.tar.xz.part"
+    ls -la "$OUT/cache" | tail -n +2
+fi

@@ -8,14 +8,20 @@ attention windows), a few untimed steps and then N timed ones, and prints per st
 tokens/s, MFU, the slowest step against the median, the per-phase split from CUDA events (forward,
 backward, each optimizer; comm waits sit inside the optimizers), and graphs compiled in the timed
 region. BENCH_SYNC_DEBUG=1 turns on torch's sync debug mode there: a warning at every host sync.
-Then a torch.profiler window of 3 steps of the last stage: GPU busy time against wall time and the
-kernels that take the most time.
+Then two torch.profiler windows over the last stage (GPU only, then host and GPU): GPU time by kind of
+kernel, idle gaps split into host-late and not, the host ops the GPU waited on, the longest kernels.
+Real text from --train_files when it matches, else random tokens.
 
 MFU counts 6 FLOPs per parameter per token for the matrices the tokens pass through (blocks and the
 head; embedding lookups excluded) plus the attention scores as if every key in the window were
 attended (12 * layers * window * dim per token): an upper bound on useful attention work.
 """
+import bisect
+import dataclasses
+import glob
+import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -41,6 +47,103 @@ def peak_flops(device: torch.device) -> float | None:
         return None
     name = torch.cuda.get_device_name(device)
     return next((tflops * 1e12 for key, tflops in BF16_PEAK_TFLOPS.items() if key in name), None)
+
+
+# Kernel name patterns, first match wins: what each kind of GPU time is spent on.
+KERNEL_KINDS = [
+    ("matmul (cuBLAS)", r"gemm|nvjet|cutlass|xmma|sm90_|cublas"),
+    ("attention (flex)", r"flex_attention|triton_tem_fused_flex"),
+    ("loss (Triton CE)", r"_softcapped_ce"),
+    ("fused MLP (Triton)", r"_mlp_"),
+    ("Newton-Schulz (Triton)", r"_symmetric_matmul"),
+    ("Adam", r"adam"),
+    ("communication", r"nccl"),
+    ("inductor fused", r"^triton_"),
+    ("index/scatter/gather", r"index|scatter|gather|embedding"),
+    ("eager elementwise/reduce", r"elementwise|vectorized|reduce_kernel|CatArray|fill|copy|unrolled"),
+    ("memcpy/memset", r"[Mm]emcpy|[Mm]emset"),
+]
+
+
+def kernel_kind(name: str) -> str:
+    return next((kind for kind, pattern in KERNEL_KINDS if re.search(pattern, name)), "other")
+
+
+def trace_summary(trace: dict, steps: int) -> list[str]:
+    """Read a torch.profiler chrome trace: GPU time per kind of kernel, and the idle time between kernels,
+    split into gaps where the next kernel was launched only after the GPU had gone idle (the host was late;
+    attributed to the host op that launched it, inside its outermost op) and gaps the GPU left on its own."""
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    gpu = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    ops_by_thread: dict = {}
+    for e in events:
+        if e.get("cat") in ("cpu_op", "user_annotation"):
+            ops_by_thread.setdefault(e.get("tid"), []).append(e)
+    parents: dict = {}  # thread -> index of each op's enclosing op (-1 at the top)
+    for tid, ops in ops_by_thread.items():
+        ops.sort(key=lambda e: (e["ts"], -e["dur"]))
+        stack, parents[tid] = [], []
+        for i, e in enumerate(ops):
+            while stack and ops[stack[-1]]["ts"] + ops[stack[-1]]["dur"] < e["ts"]:
+                stack.pop()
+            parents[tid].append(stack[-1] if stack else -1)
+            stack.append(i)
+    starts = {tid: [e["ts"] for e in ops] for tid, ops in ops_by_thread.items()}
+
+    def host_context(launch: dict) -> str:
+        """'outermost op > innermost op' around a launch on its thread."""
+        tid, t = launch.get("tid"), launch["ts"]
+        ops = ops_by_thread.get(tid, [])
+        i = bisect.bisect_right(starts.get(tid, []), t) - 1
+        while i >= 0 and ops[i]["ts"] + ops[i]["dur"] < t:
+            i = parents[tid][i]
+        if i < 0:
+            return "(no host op)"
+        inner = i
+        while parents[tid][i] >= 0:
+            i = parents[tid][i]
+        return f"{ops[i]['name'][:60]} > {ops[inner]['name'][:60]}"
+
+    by_kind: dict = {}
+    for e in gpu:
+        by_kind[kernel_kind(e["name"])] = by_kind.get(kernel_kind(e["name"]), 0.0) + e["dur"]
+    begin, end = gpu[0]["ts"], max(e["ts"] + e["dur"] for e in gpu)
+    busy_until, idle_late, idle_gpu, late_by_context = begin, 0.0, 0.0, {}
+    gaps = 0
+    for e in gpu:
+        gap = e["ts"] - busy_until
+        if gap > 0:
+            gaps += 1
+            launch = launches.get(e.get("args", {}).get("correlation"))
+            if launch is not None and launch["ts"] + launch["dur"] > busy_until:
+                idle_late += gap
+                context = host_context(launch)
+                late_by_context[context] = late_by_context.get(context, 0.0) + gap
+            else:
+                idle_gpu += gap
+        busy_until = max(busy_until, e["ts"] + e["dur"])
+    span = end - begin
+    per_step = lambda us: us / 1000 / steps
+    lines = [f"GPU span {per_step(span):.1f} ms per step: busy {per_step(span - idle_late - idle_gpu):.1f}, "
+             f"idle {per_step(idle_late + idle_gpu):.1f} ({100 * (idle_late + idle_gpu) / span:.1f}%) in "
+             f"{gaps // steps} gaps per step: {per_step(idle_late):.1f} ms waiting for the host to launch, "
+             f"{per_step(idle_gpu):.1f} ms with the next kernel already launched; {len(gpu) // steps} kernels per step"]
+    lines.append("GPU time by kind of kernel (ms per step; overlapping streams count twice):")
+    for kind, us in sorted(by_kind.items(), key=lambda item: -item[1]):
+        lines.append(f"  {per_step(us):8.2f}  {100 * us / span:5.1f}%  {kind}")
+    lines.append("host ops the GPU waited on (ms idle per step):")
+    for context, us in sorted(late_by_context.items(), key=lambda item: -item[1])[:12]:
+        lines.append(f"  {per_step(us):8.2f}  {context}")
+    kernels: dict = {}
+    for e in gpu:
+        total, count = kernels.get(e["name"], (0.0, 0))
+        kernels[e["name"]] = (total + e["dur"], count + 1)
+    lines.append("longest kernels (ms per step, launches per step):")
+    for name, (us, count) in sorted(kernels.items(), key=lambda item: -item[1][0])[:15]:
+        lines.append(f"  {per_step(us):8.2f} {count // steps:6d}x  {name[:100]}")
+    return lines
 
 
 class EventMarks:
@@ -78,8 +181,15 @@ def main() -> int:
     try:
         trainer = tg.build_and_warm_up(cfg, comm, say)
         model, optimizers, schedule, device = trainer.model, trainer.optimizers, trainer.schedule, trainer.device
-        batches = tg.Prefetcher(tg.dummy_batches(cfg, seed=cfg.seed + 100 + comm.rank), cfg.micro_batch_tokens,
-                                device, bigram_rows=cfg.bigram_rows)
+        # Real text when --train_files matches (document lengths shape the attention masks' sparsity and
+        # the bigram rows touched); random tokens with ~500-token documents otherwise.
+        if glob.glob(cfg.train_files):
+            source, data = cfg.train_files, tg.train_batches_for_rank(tg.shard_paths(cfg.train_files, "train_files"),
+                                                                      dataclasses.replace(cfg, train_repeat=True), comm)
+        else:
+            source, data = "random tokens (no --train_files found)", tg.dummy_batches(cfg, seed=cfg.seed + 100 + comm.rank)
+        say(f"data: {source}")
+        batches = tg.Prefetcher(data, cfg.micro_batch_tokens, device, bigram_rows=cfg.bigram_rows)
         peak = peak_flops(device)
         cuda = device.type == "cuda"  # the CPU runs it too, as a smoke test of this script
         synchronize = torch.cuda.synchronize if cuda else (lambda: None)
@@ -116,19 +226,24 @@ def main() -> int:
                 return 0
 
             from torch.profiler import ProfilerActivity, profile
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                torch.cuda.synchronize()
-                clock = time.perf_counter()
-                for _ in range(3):
-                    tg.train_step(model, optimizers, batches, windows, micro)
-                torch.cuda.synchronize()
-                wall_ms = 1000 * (time.perf_counter() - clock)
-            kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-            busy_ms = sum(e.self_device_time_total for e in kernels) / 1000
-            say(f"profile, 3 steps of the last stage: wall {wall_ms:.0f} ms, GPU kernels {busy_ms:.0f} ms "
-                f"({100 * busy_ms / wall_ms:.0f}% busy, kernels on overlapping streams count twice)")
-            for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:15]:
-                say(f"  {e.self_device_time_total / 1000:8.1f} ms {e.count:6d}x  {e.key[:110]}")
+            # Twice: GPU activity only (little host overhead, so the idle time is close to the real one), then
+            # with host ops too, to name the host work the GPU waited on (the profiler slows the host down).
+            for activities, profiled_steps in (([ProfilerActivity.CUDA], 2), ([ProfilerActivity.CPU, ProfilerActivity.CUDA], 1)):
+                with profile(activities=activities) as prof:
+                    torch.cuda.synchronize()
+                    clock = time.perf_counter()
+                    for _ in range(profiled_steps):
+                        tg.train_step(model, optimizers, batches, windows, micro)
+                    torch.cuda.synchronize()
+                    wall_ms = 1000 * (time.perf_counter() - clock)
+                what = "GPU only" if len(activities) == 1 else "host and GPU"
+                say(f"profile ({what}), {profiled_steps} steps of the last stage, wall {wall_ms / profiled_steps:.0f} ms "
+                    "per step with the profiler on:")
+                trace = Path(os.environ.get("BENCH_TRACE_DIR", "/tmp")) / f"bench_trace_{comm.rank}.json"
+                prof.export_chrome_trace(str(trace))
+                if comm.is_main:
+                    for line in trace_summary(json.loads(trace.read_text()), profiled_steps):
+                        print("  " + line, flush=True)
         finally:
             batches.close()
         return 0
