@@ -65,6 +65,11 @@ class Config:
     compile: bool = True  # torch.compile the model, over --compile_scope
     compile_scope: str = "auto"  # whole | regional (each block and the loss head) | auto: see build_and_warm_up
     compile_cache: str = ""  # file for torch's compile artifacts: loaded before the warm-up, saved after it
+    # torch.compile mode: default | max-autotune-no-cudagraphs (inductor benchmarks Triton GEMM templates against
+    # cuBLAS and fuses pointwise epilogues into the winners; a much longer cold compile) | reduce-overhead (the
+    # compiled forward and backward replay as CUDA graphs: no per-kernel launch cost on the host; for now the
+    # first timed steps and the first step after each validation still record graphs) | max-autotune
+    compile_mode: str = "default"
     attn_backend: str = "auto"  # auto | fa3 | flex | sdpa
     triton_kernels: bool = True  # 0: plain torch for Newton-Schulz and the loss even where Triton is present (A/B)
     # model
@@ -140,6 +145,8 @@ PRESETS = {
 }
 
 CLI_ONLY_FLAGS = ("preset", "check", "help")
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "max-autotune", "reduce-overhead")
+CUDA_GRAPH_MODES = ("max-autotune", "reduce-overhead")  # inductor replays CUDA graphs in these
 
 
 def _parse_value(kind, text: str):
@@ -217,6 +224,7 @@ def validate_config(cfg: Config) -> None:
     need(cfg.attn_backend in ("auto", "fa3", "flex", "sdpa"), f"--attn_backend={cfg.attn_backend}: use auto, fa3, flex or sdpa")
     need(cfg.compile_scope in ("auto", "whole", "regional"),
          f"--compile_scope={cfg.compile_scope}: use auto, whole or regional")
+    need(cfg.compile_mode in COMPILE_MODES, f"--compile_mode={cfg.compile_mode}: use {', '.join(COMPILE_MODES)}")
     need(len(cfg.attn_layout) == cfg.num_layers and set(cfg.attn_layout) <= set("SL-"),
          f"--attn_layout={cfg.attn_layout!r}: needs one of S/L/- per layer ({cfg.num_layers} layers)")
     need(len(cfg.value_embed_layout) == cfg.num_layers and all(c == "." or c.isdigit() for c in cfg.value_embed_layout),
@@ -1130,15 +1138,15 @@ class GPT(nn.Module):
             "mlp": [w for b in self.blocks for w in (b.mlp.fc_w, b.mlp.proj_w)],
         }
 
-    def compile_regions(self):
+    def compile_regions(self, mode: str | None):
         """Compile each block and the loss head separately: one small graph per distinct block type
         (attention or not) instead of one whole-model graph, which compiles several times faster."""
         # Block variants each take a cache entry of the one Block.forward; the default limit of 8
         # would silently fall back to eager if a configuration ever made more.
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         for block in self.blocks:
-            block.compile(dynamic=False, fullgraph=True)
-        self.loss_head = torch.compile(self.loss_head, dynamic=False, fullgraph=True)
+            block.compile(dynamic=False, fullgraph=True, mode=mode)
+        self.loss_head = torch.compile(self.loss_head, dynamic=False, fullgraph=True, mode=mode)
 
     def prepare_masks(self, tokens: Tensor, cu_seqlens: Tensor, windows: tuple[int, int]) -> dict:
         return self.attend.prepare(tokens, cu_seqlens, {"S": windows[0], "L": windows[1]})
@@ -1148,14 +1156,22 @@ class GPT(nn.Module):
         return tables + ([self.bigram_embed.weight] if self.bigram_embed is not None else [])
 
     def prepare_grads(self):
-        """Before a step's first backward: with row_embedding_grads each table gets a zeroed dense .grad
-        for its sparse gradients to be added into (autograd would make the first one itself the .grad)."""
-        if self.cfg.row_embedding_grads:
-            for p in self.embedding_tables():
-                p.grad = torch.zeros_like(p)
+        """Before a step's first backward. With row_embedding_grads each table gets a zeroed dense .grad for
+        its sparse gradients to be added into (autograd would make the first one itself the .grad). Under CUDA
+        graphs every parameter does: a first gradient kept as .grad would live in the graph's memory, which
+        the next micro-batch's replay overwrites."""
+        if self.cfg.compile and self.cfg.compile_mode in CUDA_GRAPH_MODES:
+            params = list(self.parameters())
+        elif self.cfg.row_embedding_grads:
+            params = self.embedding_tables()
+        else:
+            return
+        for p in params:
+            p.grad = torch.zeros_like(p)
 
     def forward(self, tokens: Tensor, targets: Tensor, masks: dict, bigrams: Tensor | None = None) -> Tensor:
-        """Mean cross-entropy over one packed micro-batch: tokens, targets and bigram rows are [T]."""
+        """Mean cross-entropy over one packed micro-batch: tokens, targets and bigram rows are [T]. Call
+        prepare_grads() before a step's first backward."""
         sparse = self.cfg.row_embedding_grads
         token_rows = F.embedding(tokens, self.embed.weight, sparse=sparse)
         value_rows = [F.embedding(tokens, ve.weight, sparse=sparse) for ve in self.value_embeds]
@@ -1632,6 +1648,9 @@ class LossWatch:
 
 
 def micro_batch_loss(model: GPT, batch: MicroBatch, windows: tuple[int, int]) -> Tensor:
+    # Under CUDA graphs: everything the previous micro-batch returned has been used, so the graphs may
+    # reuse its memory (a no-op otherwise).
+    torch.compiler.cudagraph_mark_step_begin()
     return model(batch.inputs, batch.targets, model.prepare_masks(batch.inputs, batch.cu_seqlens, windows), batch.bigrams)
 
 
@@ -1661,7 +1680,8 @@ def train_step(model: GPT, optimizers, batches: Prefetcher, windows: tuple[int, 
         mark("forward")
         (loss / micro_batches).backward()
         mark("backward")
-        total = loss.detach() if total is None else total + loss.detach()
+        # a copy: under --compile_mode=reduce-overhead the next replay of the CUDA graph reuses loss's memory
+        total = loss.detach().clone() if total is None else total + loss.detach()
     for opt in optimizers:
         opt.step()
         mark(type(opt).__name__)
@@ -1855,14 +1875,15 @@ def build_and_warm_up(cfg: Config, comm: Comm, log: RunLog) -> Trainer:
         # whole-model graph measured ~10% faster per step on an H100 (fewer launches from the host,
         # fusion across blocks) for a cold compile of ~50 s against ~35 s.
         scope = "regional" if attend.name == "fa3" else "whole"
+    mode = None if cfg.compile_mode == "default" else cfg.compile_mode
     if cfg.compile and scope == "whole":
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         if cfg.row_embedding_grads:  # inductor cannot produce sparse gradients: lookups stay eager
-            model.trunk = torch.compile(model.trunk, dynamic=False, fullgraph=True)
+            model.trunk = torch.compile(model.trunk, dynamic=False, fullgraph=True, mode=mode)
         else:
-            model.compile(dynamic=False, fullgraph=True)
+            model.compile(dynamic=False, fullgraph=True, mode=mode)
     elif cfg.compile:
-        model.compile_regions()
+        model.compile_regions(mode)
     warm_up(model, optimizers, cfg, comm, schedule, device)
     if device.type == "cuda":
         torch.cuda.synchronize()

@@ -442,3 +442,16 @@ def test_run_sh_checks_before_launching(tmp_path):
     bad = subprocess.run(["bash", str(REPO / "run.sh"), "--device=cpu", "--preset=tiny",
                           f"--train_files={tmp_path / '*.bin'}"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and "notes.bin: not a token shard" in bad.stderr  # rejected before any launch
+
+
+def test_cuda_graph_modes_give_every_parameter_a_kept_gradient(tiny_data):
+    """Under CUDA graphs (compile_mode reduce-overhead or max-autotune) a first micro-batch's gradient must not
+    become .grad itself (the next replay would overwrite it): every parameter starts the step with zeros."""
+    for mode, expected in (("reduce-overhead", "all"), ("max-autotune", "all"), ("default", "tables")):
+        cfg = tiny_config(*tiny_data, compile=1, compile_mode=mode, row_embedding_grads=1)
+        model = tg.GPT(cfg, tg.SdpaAttention(), torch.float32)
+        model.prepare_grads()
+        tables = {id(p) for p in model.embedding_tables()}
+        for p in model.parameters():
+            has_zeros = p.grad is not None and not p.grad.any()
+            assert has_zeros == (expected == "all" or id(p) in tables), (mode, p.shape)

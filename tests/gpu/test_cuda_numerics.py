@@ -77,7 +77,7 @@ def test_gpu_bf16_loss_matches_cpu_fp32():
                 p.normal_(0, 0.02)
     gpu_model = tg.GPT(cfg, tg.FlexAttention(1024, torch.device("cuda")), torch.bfloat16).cuda()
     gpu_model.load_state_dict(cpu_model.state_dict())
-    gpu_model.compile_regions()
+    gpu_model.compile_regions(None)
     tokens, *_ = random_attention_inputs(T=1025, seed=3)
     inputs, targets = tokens[:-1], tokens[1:].long()
     bigrams = torch.from_numpy(tg.bigram_hash(inputs.numpy(), cfg.bigram_rows))
@@ -169,7 +169,7 @@ def test_row_embedding_grads_match_dense_ones_on_the_gpu():
             for p in model.parameters():
                 if p.ndim == 2:
                     p.normal_(0, 0.02)
-        model.compile_regions()
+        model.compile_regions(None)
         model.prepare_grads()
         for seed in (3, 4):
             tokens, *_ = random_attention_inputs(T=1025, seed=seed)
