@@ -92,8 +92,8 @@ class Config:
     sparse_bigram_comms: bool = True
     # Embedding tables (token, value, bigram) take only the rows a micro-batch touched, as sparse gradients
     # added into a kept dense .grad, instead of a dense [rows, dim] gradient per micro-batch plus a dense
-    # accumulation; the lookups then run outside the compiled graph. For the A/B on the GPU.
-    row_embedding_grads: bool = False
+    # accumulation; the lookups then run outside the compiled graph (1xH100: 2-3% faster steps).
+    row_embedding_grads: bool = True
     # batch: every forward/backward sees micro_batch_tokens tokens, so there is one compiled shape;
     # the batch-size schedule only changes how many micro-batches make a step.
     micro_batch_tokens: int = 16 * 1024
