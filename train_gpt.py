@@ -72,6 +72,10 @@ class Config:
     compile_mode: str = "default"
     attn_backend: str = "auto"  # auto | fa3 | flex | sdpa
     triton_kernels: bool = True  # 0: plain torch for Newton-Schulz and the loss even where Triton is present (A/B)
+    # The lm_head's three matmuls in FP8 (e4m3 activations and weights, e5m2 logit gradients, scaled per
+    # tensor; speedrun 2024-12 idea, scales ours): Hopper runs them at about twice the bf16 rate. Off until
+    # a full-length run checks the loss (validation goes through the same FP8 forward).
+    fp8_head: bool = False
     # model
     vocab_size: int = 50257  # padded to a multiple of 128 inside the model
     num_layers: int = 11
@@ -413,6 +417,104 @@ def softcapped_cross_entropy(logits: Tensor, targets: Tensor, cap: float, use_tr
     if use_triton:
         return _SoftcappedCrossEntropy.apply(logits, targets, cap).mean()
     return F.cross_entropy(cap * torch.sigmoid(logits.float() / (cap / 4)), targets)
+
+
+if triton is not None:
+    @triton.jit
+    def _softcapped_ce_backward_fp8_kernel(Logits, Targets, Lse, GradLoss, GradScale, GradQ, GradQT, T, V, stride,
+                                           cap: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr):
+        """The backward above for a [BLOCK_T, BLOCK_V] tile, written as e5m2 divided by GradScale twice: in
+        [T, V] layout (for the input gradient's matmul) and in [V, T] layout (for the weight gradient's: FP8
+        matmuls on Hopper take both operands contiguous along the reduced dimension)."""
+        rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+        row_ok, col_ok = rows < T, cols < V
+        inside = row_ok[:, None] & col_ok[None, :]
+        s = tl.sigmoid(tl.load(Logits + rows[:, None].to(tl.int64) * stride + cols[None, :], mask=inside,
+                               other=0.0).to(tl.float32) * (4.0 / cap))
+        lse = tl.load(Lse + rows, mask=row_ok, other=0.0)
+        target = tl.load(Targets + rows, mask=row_ok, other=-1)
+        grad = tl.load(GradLoss + rows, mask=row_ok, other=0.0) / tl.load(GradScale)
+        d = tl.exp(cap * s - lse[:, None]) - tl.where(cols[None, :] == target[:, None], 1.0, 0.0)
+        value = grad[:, None] * d * 4.0 * s * (1.0 - s)
+        tl.store(GradQ + rows[:, None].to(tl.int64) * V + cols[None, :], value.to(tl.float8e5), mask=inside)
+        tl.store(GradQT + cols[:, None].to(tl.int64) * T + rows[None, :], tl.trans(value).to(tl.float8e5),
+                 mask=tl.trans(inside))
+
+# The FP8 gradient kernel's tile: tests/gpu/bench_loss.py sweeps it (1xH100, whole head forward + backward:
+# 7.5 ms at 128x64, 4 warps, up to 11.1 ms for the other tiles tried).
+CE_FP8_BLOCK_T, CE_FP8_BLOCK_V, CE_FP8_WARPS = 128, 64, 4
+E4M3_MAX = 448.0
+GRAD_E5M2_MAX = 2.0 ** 15  # the largest |gradient| lands here, under e5m2's 57344: no overflow, 2**31 of range
+
+
+class _Fp8SoftcappedHead(torch.autograd.Function):
+    """Per-row softcapped cross-entropy of x @ weight.T with the three matmuls in FP8, scaled per tensor.
+
+    Forward: x (rms-normed, so |x| <= sqrt(dim)) and weight (scaled by its absolute max) as e4m3, bf16
+    logits. Backward: the logit gradient as e5m2 scaled so that its largest value is GRAD_E5M2_MAX, then
+    grad_x = g @ w and grad_w = g^T @ x, the latter straight into float32. `fast`: torch._scaled_mm and
+    the Triton kernels; otherwise the same quantised arithmetic in plain torch (CPUs, tests)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, targets: Tensor, cap: float, fast: bool) -> Tensor:
+        x_scale = x.new_full((), x.size(1) ** 0.5 / E4M3_MAX, dtype=torch.float32)
+        w_scale = (weight.detach().abs().amax().float() / E4M3_MAX).clamp(min=1e-30)
+        x_q = (x.float() / x_scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+        w_q = (weight.detach().float() / w_scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+        if fast:
+            logits = torch._scaled_mm(x_q, w_q.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=torch.bfloat16,
+                                      use_fast_accum=True)
+            rows, vocab = logits.shape
+            loss = logits.new_empty(rows, dtype=torch.float32)
+            lse = torch.empty_like(loss)
+            _softcapped_ce_forward_kernel[(rows,)](logits, targets, loss, lse, vocab, logits.stride(0), cap,
+                                                   BLOCK=CE_BLOCK, num_warps=CE_WARPS)
+        else:
+            logits = (x_q.float() * x_scale) @ (w_q.float() * w_scale).t()
+            z = cap * torch.sigmoid(logits * (4.0 / cap))
+            lse = torch.logsumexp(z, dim=1)
+            loss = lse - z.gather(1, targets[:, None].long())[:, 0]
+        ctx.save_for_backward(x_q, w_q, x_scale, w_scale, logits, targets, lse)
+        ctx.cap, ctx.fast, ctx.x_dtype, ctx.w_dtype = cap, fast, x.dtype, weight.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: Tensor):
+        x_q, w_q, x_scale, w_scale, logits, targets, lse = ctx.saved_tensors
+        grad_loss = grad_loss.float().contiguous()
+        grad_scale = (grad_loss.abs().amax() / GRAD_E5M2_MAX).clamp(min=1e-30)
+        rows, vocab = logits.shape
+        if ctx.fast:
+            grad_q = logits.new_empty(rows, vocab, dtype=torch.float8_e5m2)
+            grad_qt = logits.new_empty(vocab, rows, dtype=torch.float8_e5m2)
+            grid = (triton.cdiv(rows, CE_FP8_BLOCK_T), triton.cdiv(vocab, CE_FP8_BLOCK_V))
+            _softcapped_ce_backward_fp8_kernel[grid](logits, targets, lse, grad_loss, grad_scale, grad_q, grad_qt,
+                                                     rows, vocab, logits.stride(0), ctx.cap, BLOCK_T=CE_FP8_BLOCK_T,
+                                                     BLOCK_V=CE_FP8_BLOCK_V, num_warps=CE_FP8_WARPS)
+            # _scaled_mm wants its second operand column-major: the transposed copies are small.
+            grad_x = torch._scaled_mm(grad_q, w_q.t().contiguous().t(), scale_a=grad_scale, scale_b=w_scale,
+                                      out_dtype=ctx.x_dtype)
+            grad_w = torch._scaled_mm(grad_qt, x_q.t().contiguous().t(), scale_a=grad_scale, scale_b=x_scale,
+                                      out_dtype=torch.float32)
+        else:
+            cap = ctx.cap
+            s = torch.sigmoid(logits.float() * (4.0 / cap))
+            d = torch.exp(cap * s - lse[:, None])
+            d[torch.arange(rows, device=d.device), targets.long()] -= 1.0
+            grad_q = ((grad_loss / grad_scale)[:, None] * d * 4.0 * s * (1.0 - s)).to(torch.float8_e5m2)
+            grad = grad_q.float() * grad_scale
+            grad_x = (grad @ (w_q.float() * w_scale)).to(ctx.x_dtype)
+            grad_w = grad.t() @ (x_q.float() * x_scale)
+        return grad_x, grad_w.to(ctx.w_dtype), None, None, None
+
+
+def fp8_softcapped_head(x: Tensor, weight: Tensor, targets: Tensor, cap: float, use_triton: bool | None = None) -> Tensor:
+    """Mean softcapped cross-entropy of x @ weight.T (x: [rows, dim] rms-normed, weight: [vocab, dim]) with
+    FP8 matmuls: _Fp8SoftcappedHead. On CUDA with Triton the fast kernels, otherwise plain torch."""
+    if use_triton is None:
+        use_triton = x.is_cuda and triton is not None
+    return _Fp8SoftcappedHead.apply(x, weight, targets, cap, use_triton).mean()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1205,8 +1307,10 @@ class GPT(nn.Module):
         return self.loss_head(x, targets)
 
     def loss_head(self, x: Tensor, targets: Tensor) -> Tensor:
-        logits = rms_norm(x) @ self.lm_head.weight.to(x.dtype).T
         use_triton = None if self.cfg.triton_kernels else False
+        if self.cfg.fp8_head:
+            return fp8_softcapped_head(rms_norm(x), self.lm_head.weight, targets, self.cfg.logit_softcap, use_triton)
+        logits = rms_norm(x) @ self.lm_head.weight.to(x.dtype).T
         return softcapped_cross_entropy(logits, targets, self.cfg.logit_softcap, use_triton)
 
 
@@ -1854,6 +1958,9 @@ def build_and_warm_up(cfg: Config, comm: Comm, log: RunLog) -> Trainer:
     schedule = Schedule(cfg)
     attend = make_attention(cfg, device)
     compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if cfg.fp8_head and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise UserError(f"--fp8_head=1 needs FP8 matmuls (compute capability 8.9 or newer: Ada, Hopper); "
+                        f"{torch.cuda.get_device_name(device)} has none: use --fp8_head=0")
     model = GPT(cfg, attend, compute_dtype).to(device)
     if comm.distributed:  # same seed gives the same init, but make certain
         for t in model.state_dict().values():

@@ -81,3 +81,22 @@ def load_script(relative_path: str):
     sys.modules[spec.name] = module  # dataclasses look their module up while it executes
     spec.loader.exec_module(module)
     return module
+
+
+def fp8_head_reference(x, weight, targets, cap: float, grad_loss):
+    """The FP8 lm_head's arithmetic (train_gpt._Fp8SoftcappedHead) in float64 on the CPU, with autograd for
+    the softcapped cross-entropy: (per-row losses, grad_x, grad_w) for the upstream gradient grad_loss."""
+    import torch
+    e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
+    x, weight, targets, grad_loss = (t.detach().cpu() for t in (x, weight, targets, grad_loss))
+    x_scale = torch.tensor(x.size(1) ** 0.5 / 448, dtype=torch.float32)
+    w_scale = (weight.float().abs().max() / 448).clamp(min=1e-30)
+    x_q = (x.float() / x_scale).clamp(-448, 448).to(e4m3).double() * x_scale.double()
+    w_q = (weight.float() / w_scale).clamp(-448, 448).to(e4m3).double() * w_scale.double()
+    logits = (x_q @ w_q.T).requires_grad_()
+    z = cap * torch.sigmoid(logits * (4.0 / cap))
+    losses = torch.logsumexp(z, dim=1) - z.gather(1, targets[:, None].long())[:, 0]
+    losses.backward(grad_loss.double())
+    grad_scale = (grad_loss.float().abs().max() / 2 ** 15).clamp(min=1e-30)
+    grad = (logits.grad / grad_scale.double()).to(e5m2).double() * grad_scale.double()
+    return losses.detach(), grad @ w_q, grad.T @ x_q

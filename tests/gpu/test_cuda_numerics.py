@@ -180,3 +180,32 @@ def test_row_embedding_grads_match_dense_ones_on_the_gpu():
     for dense, sparse in zip(grads[False], grads[True]):
         assert dense.abs().sum() > 0
         assert relative_error(sparse, dense) < 1e-5
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_fp8_head_matches_float64(compiled):
+    """--fp8_head's CUDA path (_scaled_mm and the tiled e5m2 gradient kernel) against the same quantised
+    arithmetic in float64 (tests/helpers.py), and against the unquantised head."""
+    from helpers import fp8_head_reference
+    rows, dim, vocab = 1024, 768, 50304
+    g = torch.Generator().manual_seed(7)
+    x = tg.rms_norm(torch.randn(rows, dim, generator=g)).to(torch.bfloat16)
+    weight = torch.randn(vocab, dim, generator=g) * 0.05
+    targets = torch.randint(0, vocab, (rows,), generator=g)
+    head = lambda x, w, y: tg._Fp8SoftcappedHead.apply(x, w, y, 30.0, True)  # noqa: E731
+    if compiled:
+        head = torch.compile(head, fullgraph=True, dynamic=False)
+    xc, wc = x.cuda().requires_grad_(), weight.cuda().requires_grad_()
+    losses = head(xc, wc, targets.cuda())
+    losses.mean().backward()
+    assert xc.grad.dtype == torch.bfloat16 and wc.grad.dtype == torch.float32
+    assert all(torch.isfinite(t).all() for t in (losses, xc.grad, wc.grad))
+
+    ref_losses, ref_x, ref_w = fp8_head_reference(x, weight, targets, 30.0, torch.full((rows,), 1 / rows))
+    assert relative_error(losses.detach().cpu(), ref_losses) < 2e-3  # the logits are bf16 here
+    assert relative_error(xc.grad.cpu(), ref_x) < 5e-2  # bf16 logits move a few e5m2 roundings
+    assert relative_error(wc.grad.cpu(), ref_w) < 5e-2
+    exact_x, exact_w = x.double().requires_grad_(), weight.double().requires_grad_()
+    z = 30.0 * torch.sigmoid(exact_x @ exact_w.T / 7.5)
+    torch.nn.functional.cross_entropy(z, targets).backward()
+    assert relative_error(xc.grad.cpu(), exact_x.grad) < 0.15 and relative_error(wc.grad.cpu(), exact_w.grad) < 0.15

@@ -1,0 +1,72 @@
+"""--fp8_head: the lm_head's matmuls in FP8. On the CPU, the plain-torch path (the same quantised arithmetic
+as the CUDA kernels) against a float64 reference whose softcapped cross-entropy gradient comes from autograd,
+and a tiny model trained with it at world sizes 1 and 2. tests/gpu checks the CUDA kernels."""
+import dataclasses
+
+import numpy as np
+import torch
+
+import train_gpt as tg
+from helpers import fp8_head_reference, run_on_ranks
+from test_train import _train_on_rank, tiny_config
+
+
+def head_inputs(rows=96, dim=64, vocab=1000, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = tg.rms_norm(torch.randn(rows, dim, generator=g))
+    weight = torch.randn(vocab, dim, generator=g) * 0.3
+    targets = torch.randint(0, vocab, (rows,), generator=g)
+    grad_loss = torch.rand(rows, generator=g) / rows  # per-row upstream gradients, not all equal
+    return x, weight, targets, grad_loss
+
+
+def run_head(x, weight, targets, grad_loss, cap=30.0):
+    x, weight = x.clone().requires_grad_(), weight.clone().requires_grad_()
+    losses = tg._Fp8SoftcappedHead.apply(x, weight, targets, cap, False)
+    losses.backward(grad_loss)
+    return losses.detach(), x.grad, weight.grad
+
+
+def relative_error(got, want):
+    return ((got.double() - want).norm() / want.norm()).item()
+
+
+def test_plain_fp8_head_matches_the_float64_reference():
+    x, weight, targets, grad_loss = head_inputs()
+    losses, grad_x, grad_w = run_head(x, weight, targets, grad_loss)
+    ref_losses, ref_x, ref_w = fp8_head_reference(x, weight, targets, 30.0, grad_loss)
+    torch.testing.assert_close(losses.double(), ref_losses, rtol=1e-5, atol=1e-5)
+    assert relative_error(grad_x, ref_x) < 1e-3  # a few e5m2 roundings may land on the other side
+    assert relative_error(grad_w, ref_w) < 1e-3
+    # and FP8 stays close to the unquantised head: a wrong scale anywhere would be far off
+    exact_x, exact_w = x.double().requires_grad_(), weight.double().requires_grad_()
+    z = 30.0 * torch.sigmoid(exact_x @ exact_w.T / 7.5)
+    exact = torch.logsumexp(z, dim=1) - z.gather(1, targets[:, None])[:, 0]
+    exact.backward(grad_loss.double())
+    assert relative_error(losses, exact.detach()) < 2e-2
+    assert relative_error(grad_x, exact_x.grad) < 0.15 and relative_error(grad_w, exact_w.grad) < 0.15
+
+
+def test_fp8_head_gradient_scale_follows_the_upstream_gradient():
+    """The e5m2 gradient is scaled by the largest upstream gradient, so tiny and huge loss scales give the
+    same quantised values (up to the rounding of the scale): gradients proportional, none flushed to zero,
+    none infinite."""
+    x, weight, targets, _ = head_inputs(seed=1)
+    grads = {}
+    for scale in (1e-12, 1.0, 1e6):
+        _, grad_x, grad_w = run_head(x, weight, targets, torch.full((x.size(0),), scale))
+        assert torch.isfinite(grad_x).all() and torch.isfinite(grad_w).all()
+        assert (grad_w != 0).float().mean() > 0.99
+        grads[scale] = (grad_x / scale, grad_w / scale)
+    for scale in (1e-12, 1e6):
+        for got, want in zip(grads[scale], grads[1.0]):
+            assert relative_error(got, want.double()) < 1e-3
+
+
+def test_tiny_model_trains_with_the_fp8_head_on_one_and_two_processes(tiny_data, tmp_path):
+    cfg = tiny_config(*tiny_data, num_iterations=3, val_loss_every=0, log_dir=str(tmp_path), run_id="fp8w1",
+                      micro_batch_tokens=128, fp8_head=True)
+    single = tg.train(cfg, tg.Comm(), tg.RunLog(cfg, tg.Comm())).train_losses
+    two = run_on_ranks(_train_on_rank, 2, dataclasses.replace(cfg, run_id="fp8w2"))
+    assert single[0] > single[-1]
+    np.testing.assert_allclose(two[0], single, rtol=1e-5)
