@@ -378,6 +378,16 @@ if triton is not None:
 CE_BLOCK, CE_WARPS = 1024, 4  # the loss kernels' launch shape (tests/gpu/bench_loss.py sweeps it)
 
 
+def _softcapped_ce_rows(logits: Tensor, targets: Tensor, cap: float) -> tuple[Tensor, Tensor]:
+    """Per-row loss and logsumexp of the softcapped logits, with the forward kernel."""
+    rows, vocab = logits.shape
+    loss = logits.new_empty(rows, dtype=torch.float32)
+    lse = torch.empty_like(loss)
+    _softcapped_ce_forward_kernel[(rows,)](logits, targets, loss, lse, vocab, logits.stride(0), cap,
+                                           BLOCK=CE_BLOCK, num_warps=CE_WARPS)
+    return loss, lse
+
+
 class _SoftcappedCrossEntropy(torch.autograd.Function):
     """Per-row loss of softcapped logits with the two kernels above: the forward reads the bf16 logits
     once and keeps only each row's logsumexp; the backward reads them once more and writes the bf16
@@ -385,11 +395,7 @@ class _SoftcappedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: Tensor, targets: Tensor, cap: float) -> Tensor:
-        rows, vocab = logits.shape
-        loss = logits.new_empty(rows, dtype=torch.float32)
-        lse = torch.empty_like(loss)
-        _softcapped_ce_forward_kernel[(rows,)](logits, targets, loss, lse, vocab, logits.stride(0), cap,
-                                               BLOCK=CE_BLOCK, num_warps=CE_WARPS)
+        loss, lse = _softcapped_ce_rows(logits, targets, cap)
         ctx.save_for_backward(logits, targets, lse)
         ctx.cap = cap
         return loss
@@ -465,11 +471,7 @@ class _Fp8SoftcappedHead(torch.autograd.Function):
         if fast:
             logits = torch._scaled_mm(x_q, w_q.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=torch.bfloat16,
                                       use_fast_accum=True)
-            rows, vocab = logits.shape
-            loss = logits.new_empty(rows, dtype=torch.float32)
-            lse = torch.empty_like(loss)
-            _softcapped_ce_forward_kernel[(rows,)](logits, targets, loss, lse, vocab, logits.stride(0), cap,
-                                                   BLOCK=CE_BLOCK, num_warps=CE_WARPS)
+            loss, lse = _softcapped_ce_rows(logits, targets, cap)
         else:
             logits = (x_q.float() * x_scale) @ (w_q.float() * w_scale).t()
             z = cap * torch.sigmoid(logits * (4.0 / cap))
@@ -1308,9 +1310,10 @@ class GPT(nn.Module):
 
     def loss_head(self, x: Tensor, targets: Tensor) -> Tensor:
         use_triton = None if self.cfg.triton_kernels else False
+        x = rms_norm(x)
         if self.cfg.fp8_head:
-            return fp8_softcapped_head(rms_norm(x), self.lm_head.weight, targets, self.cfg.logit_softcap, use_triton)
-        logits = rms_norm(x) @ self.lm_head.weight.to(x.dtype).T
+            return fp8_softcapped_head(x, self.lm_head.weight, targets, self.cfg.logit_softcap, use_triton)
+        logits = x @ self.lm_head.weight.to(x.dtype).T
         return softcapped_cross_entropy(logits, targets, self.cfg.logit_softcap, use_triton)
 
 

@@ -100,3 +100,13 @@ def fp8_head_reference(x, weight, targets, cap: float, grad_loss):
     grad_scale = (grad_loss.float().abs().max() / 2 ** 15).clamp(min=1e-30)
     grad = (logits.grad / grad_scale.double()).to(e5m2).double() * grad_scale.double()
     return losses.detach(), grad @ w_q, grad.T @ x_q
+
+
+def unquantised_head_reference(x, weight, targets, cap: float, grad_loss):
+    """The head without FP8, in float64 on the CPU: (per-row losses, grad_x, grad_w) for grad_loss."""
+    import torch
+    x, weight = (t.detach().cpu().double().requires_grad_() for t in (x, weight))
+    z = cap * torch.sigmoid(x @ weight.T * (4.0 / cap))
+    losses = torch.logsumexp(z, dim=1) - z.gather(1, targets.cpu()[:, None].long())[:, 0]
+    losses.backward(grad_loss.cpu().double())
+    return losses.detach(), x.grad, weight.grad
