@@ -10,15 +10,13 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/device_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/inductor_cache}
+source tests/gpu/inductor_cache.sh
 nvidia-smi --query-gpu=name --format=csv,noheader
 data=()
 if ls .bench/*.bin.xz >/dev/null 2>&1; then
     python3 tests/gpu/unpack_bench.py && data=(--train_files='/tmp/bench/docs_train_*.bin')
 fi
-if ls .cache/inductor.tar.xz.part* >/dev/null 2>&1; then
-    mkdir -p "$TORCHINDUCTOR_CACHE_DIR" && cat .cache/inductor.tar.xz.part* | tar -xJf - -C "$TORCHINDUCTOR_CACHE_DIR" \
-        && echo "inductor cache restored: $(du -sh "$TORCHINDUCTOR_CACHE_DIR" | cut -f1)"
-fi
+restore_inductor_cache
 if [ "${TESTS:-}" != skip ]; then
     # shellcheck disable=SC2086  # TESTS is a list of pytest arguments
     timeout "${TESTS_LIMIT_S:-200}" python3 -m pytest -q tests/gpu ${TESTS:-} 2>&1 | tail -6 | tee "$OUT/gpu_tests.txt"
@@ -34,7 +32,5 @@ for flags in "$@"; do
     sed -n '/^profile/,$p' "$OUT/ab_$n.txt" | grep -E "^profile|GPU span|^ +[0-9.]+ +[0-9.]+%" | head -"${PROFILE_LINES:-30}"
 done
 if [ "${PACK_CACHE:-1}" = 1 ]; then
-    mkdir -p "$OUT/cache"
-    tar -cJf - -C "$TORCHINDUCTOR_CACHE_DIR" . 2>/dev/null | split -b 15m - "$OUT/cache/inductor.tar.xz.part"
-    ls -la "$OUT/cache" | tail -n +2
+    pack_inductor_cache
 fi

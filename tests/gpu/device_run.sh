@@ -9,11 +9,10 @@ run_id=$1; budget=$2; shift 2
 OUT=${OUT:-/tmp/device_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_cache
 
+source tests/gpu/inductor_cache.sh
+
 python3 tests/gpu/unpack_bench.py
-if ls .cache/inductor.tar.xz.part* >/dev/null 2>&1; then
-    mkdir -p "$TORCHINDUCTOR_CACHE_DIR" && cat .cache/inductor.tar.xz.part* | tar -xJf - -C "$TORCHINDUCTOR_CACHE_DIR" \
-        && echo "inductor cache restored: $(du -sh $TORCHINDUCTOR_CACHE_DIR | cut -f1)"
-fi
+restore_inductor_cache
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 
@@ -36,6 +35,4 @@ grep -v "train_time" "$OUT/train_stdout.txt" | tail -20
 grep "train_time" "$OUT/train_stdout.txt" | awk 'NR % 25 == 0' | tail -20
 cp "logs/$run_id.txt" "$OUT/" 2>/dev/null
 
-mkdir -p "$OUT/cache"
-tar -cJf - -C "$TORCHINDUCTOR_CACHE_DIR" . 2>/dev/null | split -b 15m - "$OUT/cache/inductor.tar.xz.part"
-ls -la "$OUT/cache"
+pack_inductor_cache
