@@ -427,11 +427,12 @@ def softcapped_cross_entropy(logits: Tensor, targets: Tensor, cap: float, use_tr
 
 if triton is not None:
     @triton.jit
-    def _softcapped_ce_backward_fp8_kernel(Logits, Targets, Lse, GradLoss, GradScale, GradQ, GradQT, T, V, stride,
-                                           cap: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr):
-        """The backward above for a [BLOCK_T, BLOCK_V] tile, written as e5m2 divided by GradScale twice: in
-        [T, V] layout (for the input gradient's matmul) and in [V, T] layout (for the weight gradient's: FP8
-        matmuls on Hopper take both operands contiguous along the reduced dimension)."""
+    def _softcapped_ce_backward_fp8_kernel(Logits, Targets, Lse, GradLoss, GradScale, Out, T, V, stride,
+                                           cap: tl.constexpr, TRANSPOSED: tl.constexpr, BLOCK_T: tl.constexpr,
+                                           BLOCK_V: tl.constexpr):
+        """The backward above for a [BLOCK_T, BLOCK_V] tile, written as e5m2 divided by GradScale, in [T, V]
+        layout (for the input gradient's matmul) or, TRANSPOSED, in [V, T] layout (for the weight gradient's:
+        FP8 matmuls on Hopper take both operands contiguous along the reduced dimension)."""
         rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
         row_ok, col_ok = rows < T, cols < V
@@ -443,13 +444,16 @@ if triton is not None:
         grad = tl.load(GradLoss + rows, mask=row_ok, other=0.0) / tl.load(GradScale)
         d = tl.exp(cap * s - lse[:, None]) - tl.where(cols[None, :] == target[:, None], 1.0, 0.0)
         value = grad[:, None] * d * 4.0 * s * (1.0 - s)
-        tl.store(GradQ + rows[:, None].to(tl.int64) * V + cols[None, :], value.to(tl.float8e5), mask=inside)
-        tl.store(GradQT + cols[:, None].to(tl.int64) * T + rows[None, :], tl.trans(value).to(tl.float8e5),
-                 mask=tl.trans(inside))
+        if TRANSPOSED:
+            tl.store(Out + cols[:, None].to(tl.int64) * T + rows[None, :], tl.trans(value).to(tl.float8e5),
+                     mask=tl.trans(inside))
+        else:
+            tl.store(Out + rows[:, None].to(tl.int64) * V + cols[None, :], value.to(tl.float8e5), mask=inside)
 
-# The FP8 gradient kernel's tile: tests/gpu/bench_loss.py sweeps it (1xH100, whole head forward + backward:
-# 7.5 ms at 128x64, 4 warps, up to 11.1 ms for the other tiles tried).
-CE_FP8_BLOCK_T, CE_FP8_BLOCK_V, CE_FP8_WARPS = 128, 64, 4
+# The FP8 gradient kernel's tiles per layout (tests/gpu/bench_loss.py fp8_grad; 1xH100, [16384, 50304] logits): two
+# launches, each recomputing the gradient from the logits, took 1.13 ms ([T, V], 128x64) + 1.11 ms ([V, T],
+# 64x128) where one launch writing both layouts took 2.91 ms.
+CE_FP8_TILES = {False: (128, 64), True: (64, 128)}  # TRANSPOSED -> (BLOCK_T, BLOCK_V), 4 warps each
 E4M3_MAX = 448.0
 GRAD_E5M2_MAX = 2.0 ** 15  # the largest |gradient| lands here, under e5m2's 57344: no overflow, 2**31 of range
 
@@ -490,10 +494,11 @@ class _Fp8SoftcappedHead(torch.autograd.Function):
         if ctx.fast:
             grad_q = logits.new_empty(rows, vocab, dtype=torch.float8_e5m2)
             grad_qt = logits.new_empty(vocab, rows, dtype=torch.float8_e5m2)
-            grid = (triton.cdiv(rows, CE_FP8_BLOCK_T), triton.cdiv(vocab, CE_FP8_BLOCK_V))
-            _softcapped_ce_backward_fp8_kernel[grid](logits, targets, lse, grad_loss, grad_scale, grad_q, grad_qt,
-                                                     rows, vocab, logits.stride(0), ctx.cap, BLOCK_T=CE_FP8_BLOCK_T,
-                                                     BLOCK_V=CE_FP8_BLOCK_V, num_warps=CE_FP8_WARPS)
+            for transposed, out in ((False, grad_q), (True, grad_qt)):
+                block_t, block_v = CE_FP8_TILES[transposed]
+                _softcapped_ce_backward_fp8_kernel[(triton.cdiv(rows, block_t), triton.cdiv(vocab, block_v))](
+                    logits, targets, lse, grad_loss, grad_scale, out, rows, vocab, logits.stride(0), ctx.cap,
+                    TRANSPOSED=transposed, BLOCK_T=block_t, BLOCK_V=block_v, num_warps=4)
             # _scaled_mm wants its second operand column-major: the transposed copies are small.
             grad_x = torch._scaled_mm(grad_q, w_q.t().contiguous().t(), scale_a=grad_scale, scale_b=w_scale,
                                       out_dtype=ctx.x_dtype)

@@ -1,19 +1,20 @@
 """Device benchmark of the loss head's cross-entropy (not part of the tests): the fused Triton kernels vs
 the plain-torch expression compiled by inductor, forward + backward on [16384, 50304] bf16 logits, plus a
 sweep of the kernels' block size and warp count (eager); then the whole head (matmul + loss, gradients for
-the activations and the weight) in bf16 against --fp8_head's FP8 version, with a sweep of its gradient kernel's
-tile. Prints median milliseconds (CUDA events, warm-up excluded)
-and the effective memory bandwidth of the fused version (it reads the logits twice and writes their
-gradient once).
+the activations and the weight) in bf16 against --fp8_head's FP8 version; then the FP8 head's gradient kernel
+alone, per output layout and tile. Prints median milliseconds (CUDA events, warm-up excluded) and effective
+memory bandwidths.
 
-    python tests/gpu/bench_loss.py          # the loss kernels
-    python tests/gpu/bench_loss.py head     # bf16 head against the FP8 head
+    python tests/gpu/bench_loss.py            # the loss kernels
+    python tests/gpu/bench_loss.py head       # bf16 head against the FP8 head
+    python tests/gpu/bench_loss.py fp8_grad   # the FP8 gradient kernel's tiles
 """
 import functools
 import sys
 from pathlib import Path
 
 import torch
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import train_gpt as tg  # noqa: E402
@@ -76,11 +77,34 @@ def head():
     print(f"head bf16, compiled: {bf16:.3f} ms ({flops / bf16 / 1e9:.0f} TFLOP/s of matmul work)")
     fp8 = median_ms(step(fp8_head))
     print(f"head fp8, compiled: {fp8:.3f} ms ({flops / fp8 / 1e9:.0f} TFLOP/s, {bf16 / fp8:.2f}x)")
-    for block_t, block_v, warps in ((128, 64, 4), (128, 128, 4), (128, 128, 8), (256, 64, 8), (64, 128, 4),
-                                    (256, 32, 4)):
-        tg.CE_FP8_BLOCK_T, tg.CE_FP8_BLOCK_V, tg.CE_FP8_WARPS = block_t, block_v, warps
-        print(f"head fp8 eager, gradient tile {block_t}x{block_v} warps={warps}: {median_ms(step(fp8_head, False)):.3f} ms")
+
+
+def fp8_grad():
+    rows, vocab, cap = 16384, 50304, 30.0
+    logits = (torch.randn(rows, vocab, device="cuda") * 4).to(torch.bfloat16)
+    targets = torch.randint(0, vocab, (rows,), device="cuda")
+    grad_loss = torch.full((rows,), 1.0 / rows, device="cuda")
+    _, lse = tg._softcapped_ce_rows(logits, targets, cap)
+    grad_scale = grad_loss.abs().amax() / tg.GRAD_E5M2_MAX
+    copy = torch.empty_like(logits)
+    ms = median_ms(lambda: copy.copy_(logits))
+    print(f"yardstick, a copy of the bf16 logits: {ms:.3f} ms ({4 * logits.numel() / ms / 1e6:.0f} GB/s)")
+    grad = torch.empty_like(logits)
+    ms = median_ms(lambda: tg._softcapped_ce_backward_kernel[(rows,)](
+        logits, targets, lse, grad_loss, grad, vocab, logits.stride(0), grad.stride(0), cap, BLOCK=tg.CE_BLOCK,
+        num_warps=tg.CE_WARPS))
+    print(f"yardstick, the bf16 gradient kernel: {ms:.3f} ms ({4 * logits.numel() / ms / 1e6:.0f} GB/s)")
+    for transposed in (False, True):
+        out = torch.empty(*((vocab, rows) if transposed else (rows, vocab)), device="cuda", dtype=torch.float8_e5m2)
+        for block_t, block_v in ((128, 64), (64, 128), (64, 64), (128, 128)):
+            ms = median_ms(lambda: tg._softcapped_ce_backward_fp8_kernel[
+                (triton.cdiv(rows, block_t), triton.cdiv(vocab, block_v))](
+                logits, targets, lse, grad_loss, grad_scale, out, rows, vocab, logits.stride(0), cap,
+                TRANSPOSED=transposed, BLOCK_T=block_t, BLOCK_V=block_v, num_warps=4))
+            chosen = " (the trainer's)" if tg.CE_FP8_TILES[transposed] == (block_t, block_v) else ""
+            print(f"fp8 gradient {'[V, T]' if transposed else '[T, V]'} tile {block_t}x{block_v}: {ms:.3f} ms "
+                  f"({3 * logits.numel() / ms / 1e6:.0f} GB/s){chosen}")
 
 
 if __name__ == "__main__":
-    head() if sys.argv[1:] == ["head"] else main()
+    {"head": head, "fp8_grad": fp8_grad}.get(sys.argv[1] if sys.argv[1:] else "", main)()
