@@ -67,8 +67,8 @@ class Config:
     compile_cache: str = ""  # file for torch's compile artifacts: loaded before the warm-up, saved after it
     # torch.compile mode: default | max-autotune-no-cudagraphs (inductor benchmarks Triton GEMM templates against
     # cuBLAS and fuses pointwise epilogues into the winners; a much longer cold compile) | reduce-overhead (the
-    # compiled forward and backward replay as CUDA graphs: no per-kernel launch cost on the host; for now the
-    # first timed steps and the first step after each validation still record graphs) | max-autotune
+    # compiled forward and backward replay as CUDA graphs: no per-kernel launch cost on the host; every graph
+    # recorded after the warm-up is logged as a warning) | max-autotune
     compile_mode: str = "default"
     attn_backend: str = "auto"  # auto | fa3 | flex | sdpa
     triton_kernels: bool = True  # 0: plain torch for Newton-Schulz and the loss even where Triton is present (A/B)
@@ -1059,7 +1059,10 @@ class FlexAttention:
     create_block_mask). The mask functions for the partial blocks are created once and read the
     document ids and window sizes from tensors that `prepare` overwrites in place, so the compiled
     blocks never see a new function; stream order keeps a micro-batch's backward ahead of the next
-    micro-batch's overwrite.
+    micro-batch's overwrite. The block masks are overwritten in place too: under CUDA graphs, torch
+    takes the forward's inputs that the backward keeps for fixed addresses, so masks made afresh for
+    each micro-batch had the backward graph recorded again and again (1xH100, torch 2.11: 21 recordings
+    in 6 steps, found with tests/gpu/why_rerecord.py).
     """
     name = "flex"
     block_size = 128  # FlexAttention's default tile
@@ -1076,6 +1079,13 @@ class FlexAttention:
         self.mask_mods = {kind: self._mask_mod(self.doc, self.window[kind]) for kind in "SL"}
         blocks = torch.arange(seq_len // self.block_size, device=device)
         self.block_offset = blocks[:, None] - blocks[None, :]  # query block - key block
+        self.masks = {}  # kind -> the BlockMask whose tensors prepare() overwrites
+
+    @staticmethod
+    def _mask_tensors(mask) -> list[Tensor]:
+        """The block lists of a BlockMask, in both directions (the backward walks them by key block)."""
+        return [mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices,
+                mask.q_num_blocks, mask.q_indices, mask.full_q_num_blocks, mask.full_q_indices]
 
     @staticmethod
     def _mask_mod(doc: Tensor, window: Tensor):
@@ -1101,12 +1111,15 @@ class FlexAttention:
 
     def prepare(self, tokens: Tensor, cu_seqlens: Tensor, windows: dict[str, int]) -> dict:
         self.doc.copy_(document_ids(tokens))
-        masks = {}
         for kind, w in windows.items():
             self.window[kind].fill_(w)
-            masks[kind] = self.from_kv_blocks(*self._block_lists(w), BLOCK_SIZE=self.block_size,
-                                              mask_mod=self.mask_mods[kind], seq_lengths=(self.seq_len, self.seq_len))
-        return masks
+            mask = self.from_kv_blocks(*self._block_lists(w), BLOCK_SIZE=self.block_size,
+                                       mask_mod=self.mask_mods[kind], seq_lengths=(self.seq_len, self.seq_len))
+            if kind in self.masks:
+                torch._foreach_copy_(self._mask_tensors(self.masks[kind]), self._mask_tensors(mask))
+            else:
+                self.masks[kind] = mask
+        return {kind: self.masks[kind] for kind in windows}
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask) -> Tensor:
         y = self.flex_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
@@ -1854,29 +1867,49 @@ def compiled_graph_count() -> int:
 
 
 class RecompileWatch:
-    """Reports graphs compiled after the warm-up (there should be none), with dynamo's reasons."""
+    """Reports what compiled after the warm-up (there should be nothing): new dynamo graphs with the guard
+    that failed, backward graphs compiled lazily at their first backward, and CUDA graphs recorded under
+    --compile_mode=reduce-overhead (a recording costs a warm-up run, a capture and two synchronizations)."""
 
     def __init__(self):
+        from torch._dynamo.callback import CallbackTrigger, callback_handler
         from torch._dynamo.utils import guard_failures
         self.failures = guard_failures
         self.graphs = self.after_warm_up = compiled_graph_count()
         self.seen = {code: len(reasons) for code, reasons in guard_failures.items()}
+        # torch announces runtime compiles and recordings to registered callbacks, with the graph's compile id
+        self.runtime_triggers = {CallbackTrigger.LAZY_BACKWARD: "backward compiled lazily",
+                                 CallbackTrigger.CUDAGRAPH_RECORDING: "CUDA graph recorded"}
+        self.runtime_events: list[str] = []
+        self.reported_events = 0
+        self.handler = callback_handler
+        self.handler.register_start_callback(self._on_runtime_compile)
+
+    def _on_runtime_compile(self, args):
+        what = self.runtime_triggers.get(args.callback_trigger)
+        if what is not None:
+            self.runtime_events.append(f"{what} for compiled graph {args.compile_id}")
+
+    def close(self):
+        self.handler.remove_start_callback(self._on_runtime_compile)
 
     def since_warm_up(self) -> int:
-        return compiled_graph_count() - self.after_warm_up
+        return compiled_graph_count() - self.after_warm_up + len(self.runtime_events)
 
     def new_reasons(self) -> list[str]:
-        """Why each graph compiled since the last call was needed ("where: failed guard")."""
+        """What compiled since the last call and why ("where: failed guard", "CUDA graph recorded for ...")."""
+        reasons = self.runtime_events[self.reported_events:]
+        self.reported_events = len(self.runtime_events)
         if compiled_graph_count() == self.graphs:
-            return []
+            return reasons
         self.graphs = compiled_graph_count()
-        reasons = []
+        guards = []
         for code, failures in list(self.failures.items()):
             for failure in failures[self.seen.get(code, 0):]:
                 where = f"{code.co_name} ({Path(code.co_filename).name}:{code.co_firstlineno})"
-                reasons.append(f"{where}: {failure.splitlines()[0].strip()}")
+                guards.append(f"{where}: {failure.splitlines()[0].strip()}")
             self.seen[code] = len(failures)
-        return reasons or ["a new graph (no guard failed: first call of a new function)"]
+        return (guards or ["a new graph (no guard failed: first call of a new function)"]) + reasons
 
 
 def compile_cache_hits() -> int:
@@ -2080,6 +2113,7 @@ def train(cfg: Config, comm: Comm, log: RunLog) -> TrainResult:
         watch.flush()
     finally:
         batches.close()
+        recompiles.close()
         if diloco is not None:
             diloco.close()
 

@@ -74,3 +74,26 @@ def test_recompile_watch_reports_the_failed_guard():
     reasons = watch.new_reasons()
     assert len(reasons) == 1 and reasons[0].startswith("scale (test_compile.py:") and "n == 2" in reasons[0]
     assert watch.new_reasons() == []
+
+
+def test_recompile_watch_reports_a_backward_compiled_at_its_first_call():
+    import torch
+    import train_gpt as tg
+
+    def loss(x):
+        return (x.sin() * 2).sum()
+
+    compiled = torch.compile(loss, dynamic=False)
+    x = torch.randn(8, requires_grad=True)
+    with torch._inductor.config.patch(force_disable_caches=True):  # a cached graph brings its backward along
+        y = compiled(x)  # AOTAutograd compiles the forward here and the backward at its first call
+        watch = tg.RecompileWatch()
+        try:
+            y.backward()
+            first = watch.new_reasons()
+            compiled(x).backward()
+            second = watch.new_reasons()
+        finally:
+            watch.close()
+    assert len(first) == 1 and first[0].startswith("backward compiled lazily for compiled graph "), first
+    assert second == [] and watch.since_warm_up() == 1

@@ -262,6 +262,23 @@ def test_flex_block_lists_equal_create_block_mask(window, documents):
                        dense_blocks(reference.q_num_blocks, reference.q_indices))
 
 
+def test_flex_masks_keep_their_tensors_across_micro_batches():
+    """Each micro-batch's masks are written into the first one's tensors (fixed addresses for CUDA graphs)
+    and hold what masks made afresh would."""
+    T = 1024
+    flex = tg.FlexAttention(T, torch.device("cpu"))
+    first = flex.prepare(random_attention_inputs(T=T, seed=2)[0], None, {"S": 100, "L": 300})
+    addresses = {kind: [t.data_ptr() for t in flex._mask_tensors(mask)] for kind, mask in first.items()}
+    tokens = random_attention_inputs(T=T, seed=3)[0]
+    windows = {"S": 200, "L": 640}
+    second = flex.prepare(tokens, None, windows)
+    fresh = tg.FlexAttention(T, torch.device("cpu")).prepare(tokens, None, windows)
+    for kind in windows:
+        assert [t.data_ptr() for t in flex._mask_tensors(second[kind])] == addresses[kind]
+        for ours, reference in zip(flex._mask_tensors(second[kind]), flex._mask_tensors(fresh[kind])):
+            assert torch.equal(ours, reference)
+
+
 def test_flex_needs_whole_blocks():
     with pytest.raises(tg.UserError, match="micro_batch_tokens=1000 must be a multiple of 128"):
         tg.FlexAttention(1000, torch.device("cpu"))
