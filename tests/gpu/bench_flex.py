@@ -37,17 +37,13 @@ OPTION_SETS = [
 
 
 def micro_batch_tokens(cfg: tg.Config) -> torch.Tensor:
+    """The first training micro-batch the trainer would read from /tmp/bench, else its warm-up's random one."""
     files = sorted(glob.glob("/tmp/bench/docs_train_*.bin"))
     if files:
-        batches = tg.bos_aligned_batches(files, cfg.micro_batch_tokens + 1, cfg.max_doc_len, repeat=False)
-        tokens, spans = next(batches)
-        window = np.concatenate([tokens[start:end] for start, end in spans])
+        window = next(tg.train_batches_for_rank(files, cfg, tg.Comm()))
         print(f"documents from {files[0]}")
     else:
-        rng = np.random.default_rng(0)
-        window = rng.integers(0, tg.BOS_TOKEN, cfg.micro_batch_tokens + 1).astype(np.uint16)
-        window[0] = tg.BOS_TOKEN
-        window[rng.integers(1, cfg.micro_batch_tokens, cfg.micro_batch_tokens // 512 + 1)] = tg.BOS_TOKEN
+        window = next(tg.dummy_batches(cfg, seed=0))
         print("random documents")
     return torch.from_numpy(window[:-1].astype(np.int64)).cuda()
 
