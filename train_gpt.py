@@ -65,17 +65,19 @@ class Config:
     compile: bool = True  # torch.compile the model, over --compile_scope
     compile_scope: str = "auto"  # whole | regional (each block and the loss head) | auto: see build_and_warm_up
     compile_cache: str = ""  # file for torch's compile artifacts: loaded before the warm-up, saved after it
-    # torch.compile mode: default | max-autotune-no-cudagraphs (inductor benchmarks Triton GEMM templates against
-    # cuBLAS and fuses pointwise epilogues into the winners; a much longer cold compile) | reduce-overhead (the
-    # compiled forward and backward replay as CUDA graphs: no per-kernel launch cost on the host; every graph
-    # recorded after the warm-up is logged as a warning) | max-autotune
-    compile_mode: str = "default"
+    # torch.compile mode: auto (reduce-overhead on one GPU, default elsewhere: see resolve_compile_mode) |
+    # default | max-autotune-no-cudagraphs (inductor benchmarks Triton GEMM templates against cuBLAS and fuses
+    # pointwise epilogues into the winners; a much longer cold compile) | reduce-overhead (the compiled forward
+    # and backward replay as CUDA graphs: no per-kernel launch cost on the host; every graph recorded after the
+    # warm-up is logged as a warning) | max-autotune
+    compile_mode: str = "auto"
     attn_backend: str = "auto"  # auto | fa3 | flex | sdpa
     triton_kernels: bool = True  # 0: plain torch for Newton-Schulz and the loss even where Triton is present (A/B)
     # The lm_head's three matmuls in FP8 (e4m3 activations and weights, e5m2 logit gradients, scaled per
-    # tensor; speedrun 2024-12 idea, scales ours): Hopper runs them at about twice the bf16 rate. Off until
-    # a full-length run checks the loss (validation goes through the same FP8 forward).
-    fp8_head: bool = False
+    # tensor; speedrun 2024-12 idea, scales ours): Hopper runs them at about twice the bf16 rate, and
+    # validation goes through the same FP8 forward. GPUs older than Ada/Hopper need --fp8_head=0; CPUs run
+    # the same quantised arithmetic in plain torch.
+    fp8_head: bool = True
     # model
     vocab_size: int = 50257  # padded to a multiple of 128 inside the model
     num_layers: int = 11
@@ -149,7 +151,7 @@ PRESETS = {
 }
 
 CLI_ONLY_FLAGS = ("preset", "check", "help")
-COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "max-autotune", "reduce-overhead")
+COMPILE_MODES = ("auto", "default", "max-autotune-no-cudagraphs", "max-autotune", "reduce-overhead")
 CUDA_GRAPH_MODES = ("max-autotune", "reduce-overhead")  # inductor replays CUDA graphs in these
 
 
@@ -1237,6 +1239,7 @@ class GPT(nn.Module):
         self.bigram_embed = nn.Embedding(cfg.bigram_rows, dim) if cfg.bigram_rows else None
         self.lm_head = nn.Linear(dim, vocab, bias=False)  # untied from the embedding (speedrun 2024-11)
         self.rotary = Rotary(cfg.head_dim, cfg.micro_batch_tokens)
+        self.replays_cuda_graphs = False  # set when compiled in a CUDA_GRAPH_MODES mode
         self.reset_parameters()
 
     @torch.no_grad()
@@ -1282,7 +1285,7 @@ class GPT(nn.Module):
         its sparse gradients to be added into (autograd would make the first one itself the .grad). Under CUDA
         graphs every parameter does: a first gradient kept as .grad would live in the graph's memory, which
         the next micro-batch's replay overwrites."""
-        if self.cfg.compile and self.cfg.compile_mode in CUDA_GRAPH_MODES:
+        if self.replays_cuda_graphs:
             params = list(self.parameters())
         elif self.cfg.row_embedding_grads:
             params = self.embedding_tables()
@@ -1992,6 +1995,22 @@ class Trainer:
     recompiles: RecompileWatch
 
 
+def resolve_compile_mode(cfg: Config, comm: Comm, device: torch.device) -> str:
+    """--compile_mode=auto: reduce-overhead (CUDA graphs) on a single GPU, where it measured 4-6% faster
+    steps than default (README, Speed); default on several GPUs, where the optimizers' backward-hook
+    collectives have not yet run under CUDA graphs on hardware, and on CPUs, which have no graphs."""
+    if cfg.compile_mode != "auto":
+        return cfg.compile_mode
+    single_gpu = device.type == "cuda" and comm.world_size == 1 and not cfg.diloco
+    return "reduce-overhead" if single_gpu else "default"
+
+
+def check_fp8_support(cfg: Config, device: torch.device) -> None:
+    if cfg.fp8_head and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise UserError(f"the FP8 head (--fp8_head, on by default) needs FP8 matmuls (compute capability 8.9 or "
+                        f"newer: Ada, Hopper); {torch.cuda.get_device_name(device)} has none: pass --fp8_head=0")
+
+
 def build_and_warm_up(cfg: Config, comm: Comm, log: RunLog) -> Trainer:
     """Model, optimizers and every compiled graph, with the compile time logged; nothing here is timed."""
     device = torch.device("cuda", comm.local_rank) if cfg.device == "cuda" else torch.device("cpu")
@@ -1999,9 +2018,7 @@ def build_and_warm_up(cfg: Config, comm: Comm, log: RunLog) -> Trainer:
     schedule = Schedule(cfg)
     attend = make_attention(cfg, device)
     compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    if cfg.fp8_head and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-        raise UserError(f"--fp8_head=1 needs FP8 matmuls (compute capability 8.9 or newer: Ada, Hopper); "
-                        f"{torch.cuda.get_device_name(device)} has none: use --fp8_head=0")
+    check_fp8_support(cfg, device)
     model = GPT(cfg, attend, compute_dtype).to(device)
     if comm.distributed:  # same seed gives the same init, but make certain
         for t in model.state_dict().values():
@@ -2023,7 +2040,9 @@ def build_and_warm_up(cfg: Config, comm: Comm, log: RunLog) -> Trainer:
         # whole-model graph measured ~10% faster per step on an H100 (fewer launches from the host,
         # fusion across blocks) for a cold compile of ~50 s against ~35 s.
         scope = "regional" if attend.name == "fa3" else "whole"
-    mode = None if cfg.compile_mode == "default" else cfg.compile_mode
+    compile_mode = resolve_compile_mode(cfg, comm, device)
+    mode = None if compile_mode == "default" else compile_mode
+    model.replays_cuda_graphs = cfg.compile and compile_mode in CUDA_GRAPH_MODES
     if cfg.compile and scope == "whole":
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         if cfg.row_embedding_grads:  # inductor cannot produce sparse gradients: lookups stay eager
@@ -2040,7 +2059,8 @@ def build_and_warm_up(cfg: Config, comm: Comm, log: RunLog) -> Trainer:
     log(f"compile_time:{time.perf_counter() - start:.1f}s graphs:{recompiles.graphs} cache_hits:{compile_cache_hits()}"
         + (f" since_process_start:{since_start:.1f}s" if since_start is not None else ""))
     if cfg.compile:
-        log(f"compile scope: {scope}; phases: {compile_phase_times()}")
+        log(f"compile scope: {scope}, mode: {compile_mode}" + (" (auto)" if cfg.compile_mode == "auto" else "")
+            + f"; phases: {compile_phase_times()}")
     if cache is not None:
         cache.save()
     return Trainer(model, optimizers, schedule, device, recompiles)
@@ -2330,6 +2350,8 @@ def check_inputs(cfg: Config) -> None:
     """What --check verifies before a launch: the config, the device and every data file."""
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device=cuda, but torch sees no CUDA GPU; pass --device=cpu to run on the CPU")
+    if cfg.device == "cuda":
+        check_fp8_support(cfg, torch.device("cuda", 0))
     shard_paths(cfg.train_files, "train_files")
     next(val_batches_for_rank(shard_paths(cfg.val_files, "val_files"), cfg, Comm()))  # enough val tokens?
     if cfg.diloco:  # before minutes of compiling, not after

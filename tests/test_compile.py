@@ -32,7 +32,8 @@ def test_compiled_runs_match_eager_and_reuse_the_cache_file(tiny_data, tmp_path)
     eager = run_tiny(tmp_path, train, val, "eager", "--compile=0")
 
     assert re.search(rf"^warning: compile cache {re.escape(str(cache))} ignored", first, re.M)
-    assert "compile scope: whole;" in first  # auto picks one whole-model graph where windows are tensors
+    # auto picks one whole-model graph where windows are tensors, and no CUDA graphs on a CPU
+    assert "compile scope: whole, mode: default (auto);" in first
     hits = [int(re.search(r"graphs:\d+ cache_hits:(\d+)", log).group(1)) for log in (first, second)]
     graphs = [int(re.search(r"graphs:(\d+)", log).group(1)) for log in (first, second)]
     assert hits[0] == 0 and hits[1] >= graphs[1] > 0  # the second run's graphs all came from the file
@@ -43,16 +44,17 @@ def test_compiled_runs_match_eager_and_reuse_the_cache_file(tiny_data, tmp_path)
 
 
 def test_regional_compile_and_dense_embedding_grads_match_eager(tiny_data, tmp_path):
-    """Each block and the loss head compiled on its own (the scope FA3 runs use), and --row_embedding_grads=0
-    (the lookups and their dense gradients inside the one graph), give eager's losses."""
+    """Each block and the loss head compiled on its own (the scope FA3 runs use; here in the CUDA-graph mode,
+    which zeroes every .grad before a step), and --row_embedding_grads=0 (the lookups and their dense
+    gradients inside the one graph), give eager's losses."""
     train, val = tiny_data
     regional = run_tiny(tmp_path, train, val, "regional", "--compile=1", "--compile_scope=regional",
-                        inductor_dir=tmp_path / "inductor")
+                        "--compile_mode=reduce-overhead", inductor_dir=tmp_path / "inductor")
     rows = run_tiny(tmp_path, train, val, "rows", "--compile=1", "--row_embedding_grads=0",
                     inductor_dir=tmp_path / "inductor")
     eager = run_tiny(tmp_path, train, val, "eager", "--compile=0")
-    assert "compile scope: regional;" in regional
-    assert "compile scope: whole;" in rows and "\ngraphs compiled in the timed region: 0\n" in rows
+    assert "compile scope: regional, mode: reduce-overhead;" in regional  # no graphs on a CPU, same losses
+    assert "compile scope: whole, mode: default (auto);" in rows and "\ngraphs compiled in the timed region: 0\n" in rows
     losses = [float(VAL.search(log).group(1)) for log in (regional, rows, eager)]
     assert abs(losses[0] - losses[2]) < 1e-3 * losses[2]
     assert abs(losses[1] - losses[2]) < 1e-3 * losses[2]

@@ -4,6 +4,7 @@ and a tiny model trained with it at world sizes 1 and 2. tests/gpu checks the CU
 import dataclasses
 
 import numpy as np
+import pytest
 import torch
 
 import train_gpt as tg
@@ -67,3 +68,17 @@ def test_tiny_model_trains_with_the_fp8_head_on_one_and_two_processes(tiny_data,
     two = run_on_ranks(_train_on_rank, 2, dataclasses.replace(cfg, run_id="fp8w2"))
     assert single[0] > single[-1]
     np.testing.assert_allclose(two[0], single, rtol=1e-5)
+
+
+def test_gpus_without_fp8_matmuls_are_told_to_turn_the_head_off(monkeypatch):
+    """The FP8 head is on by default; on a GPU older than Ada/Hopper the check before a launch names the GPU
+    and the flag, instead of _scaled_mm failing deep inside the first forward."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    cfg = tg.Config()
+    assert cfg.fp8_head
+    with pytest.raises(tg.UserError, match=r"A100.*pass --fp8_head=0"):
+        tg.check_fp8_support(cfg, torch.device("cuda", 0))
+    tg.check_fp8_support(dataclasses.replace(cfg, fp8_head=False), torch.device("cuda", 0))  # bf16 head: fine
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    tg.check_fp8_support(cfg, torch.device("cuda", 0))

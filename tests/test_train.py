@@ -464,11 +464,24 @@ def test_run_sh_checks_before_launching(tmp_path):
 def test_cuda_graph_modes_give_every_parameter_a_kept_gradient(tiny_data):
     """Under CUDA graphs (compile_mode reduce-overhead or max-autotune) a first micro-batch's gradient must not
     become .grad itself (the next replay would overwrite it): every parameter starts the step with zeros."""
-    for mode, expected in (("reduce-overhead", "all"), ("max-autotune", "all"), ("default", "tables")):
-        cfg = tiny_config(*tiny_data, compile=1, compile_mode=mode, row_embedding_grads=1)
+    cfg = tiny_config(*tiny_data, row_embedding_grads=1)
+    for replays, expected in ((True, "all"), (False, "tables")):
         model = tg.GPT(cfg, tg.SdpaAttention(), torch.float32)
+        model.replays_cuda_graphs = replays
         model.prepare_grads()
         tables = {id(p) for p in model.embedding_tables()}
         for p in model.parameters():
             has_zeros = p.grad is not None and not p.grad.any()
-            assert has_zeros == (expected == "all" or id(p) in tables), (mode, p.shape)
+            assert has_zeros == (expected == "all" or id(p) in tables), (replays, p.shape)
+
+
+def test_auto_compile_mode_uses_cuda_graphs_on_one_gpu_only(tiny_data):
+    cfg = tiny_config(*tiny_data)
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert cfg.compile_mode == "auto"
+    assert tg.resolve_compile_mode(cfg, tg.Comm(0, 1, 0), cuda) == "reduce-overhead"
+    assert tg.resolve_compile_mode(cfg, tg.Comm(0, 8, 0), cuda) == "default"
+    assert tg.resolve_compile_mode(cfg, tg.Comm(0, 1, 0), cpu) == "default"
+    assert tg.resolve_compile_mode(dataclasses.replace(cfg, diloco=True), tg.Comm(0, 1, 0), cuda) == "default"
+    explicit = dataclasses.replace(cfg, compile_mode="max-autotune-no-cudagraphs")
+    assert tg.resolve_compile_mode(explicit, tg.Comm(0, 8, 0), cuda) == "max-autotune-no-cudagraphs"

@@ -141,7 +141,7 @@ def trace_summary(trace: dict, steps: int) -> list[str]:
         total, count = kernels.get(e["name"], (0.0, 0))
         kernels[e["name"]] = (total + e["dur"], count + 1)
     lines.append("longest kernels (ms per step, launches per step):")
-    for name, (us, count) in sorted(kernels.items(), key=lambda item: -item[1][0])[:15]:
+    for name, (us, count) in sorted(kernels.items(), key=lambda item: -item[1][0])[:40]:
         lines.append(f"  {per_step(us):8.2f} {count // steps:6d}x  {name[:100]}")
     return lines
 
