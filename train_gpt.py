@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import glob
 import hashlib
 import json
@@ -147,6 +148,7 @@ PRESETS = {
         batch_schedule="8,8,16", window_schedule="1:2,2:4,3:6", final_windows="4:8",
         num_iterations=24, val_loss_every=8, val_tokens=2048, compile=False,
         muon_momentum_warmup=8, muon_momentum_cooldown=4, bigram_rows=4096,
+        fp8_head=False,  # a CPU only emulates FP8, at about twice the test time; tests turn it on where needed
     ),
 }
 
@@ -1915,6 +1917,52 @@ class RecompileWatch:
         return (guards or ["a new graph (no guard failed: first call of a new function)"]) + reasons
 
 
+class StepTimes:
+    """Each timed step's wall time, summarised per stage of the schedule at the end of the log (the target: no
+    step slower than 1.2x its stage's median), and the Python garbage collections that ran after the warm-up
+    (validation included) with their pauses, since a pause of the host shows up as a slow step."""
+
+    SLOW = 1.2  # a step this many times its stage's median is flagged in the summary
+
+    def __init__(self, schedule: Schedule):
+        self.schedule = schedule
+        self.by_stage: dict[int, list[tuple[float, int]]] = {}  # stage -> [(ms, step)]
+        self.step = 0
+        self.collections: list[tuple[float, int, int]] = []  # (ms, generation, step)
+        self._gc_started = 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict):
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        else:
+            self.collections.append((1000 * (time.perf_counter() - self._gc_started), info["generation"], self.step))
+
+    def add(self, step: int, ms: float):
+        """Step `step` (1-based, as logged) took `ms`."""
+        self.by_stage.setdefault(self.schedule.stage(step - 1), []).append((ms, step))
+        self.step = step + 1
+
+    def close(self):
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
+
+    def summary(self) -> list[str]:
+        lines = []
+        for stage, times in sorted(self.by_stage.items()):
+            median = float(np.median([ms for ms, _ in times]))
+            slowest, at = max(times)
+            slow = sum(ms > self.SLOW * median for ms, _ in times)
+            lines.append(f"step times, stage {stage}: {len(times)} steps, median {median:.1f} ms, slowest {slowest:.1f} "
+                         f"ms at step {at} ({slowest / median:.2f}x); {slow} over {self.SLOW}x the median")
+        if self.collections:
+            longest, generation, step = max(self.collections)
+            lines.append(f"garbage collections after the warm-up: {len(self.collections)}, "
+                         f"{sum(ms for ms, _, _ in self.collections):.0f} ms in all; longest {longest:.1f} ms "
+                         f"(generation {generation}, step {step})")
+        return lines
+
+
 def compile_cache_hits() -> int:
     """Compiled graphs served from a cache (inductor kernels and AOTAutograd graphs) in this process."""
     from torch._dynamo.utils import counters
@@ -2074,6 +2122,12 @@ def train(cfg: Config, comm: Comm, log: RunLog) -> TrainResult:
                                                         trainer.device, trainer.recompiles)
     diloco = StreamingDiLoCo(cfg, model, optimizers, device, log) if cfg.diloco else None
     watch = LossWatch(comm, device)
+    # Compiling leaves millions of long-lived Python objects, and a full collection walks them all: freezing
+    # them keeps the collections during training to what training allocates. (A suspect for the single steps
+    # of about 1.5x the median seen in 400-step runs on 1xH100; the log's garbage-collection line tells.)
+    gc.collect()
+    gc.freeze()
+    step_times = StepTimes(schedule)
 
     def note_new_pass(number: int):  # called from the loader thread; repeated data skews the losses
         log(f"note: the training data starts over (pass {number}); later losses are on repeated data")
@@ -2083,7 +2137,7 @@ def train(cfg: Config, comm: Comm, log: RunLog) -> TrainResult:
     val_losses = []
     reported = 0
     history = None
-    train_time_ms = 0.0
+    train_time_ms = previous_ms = 0.0  # timed training so far, and at the end of the previous step
 
     def synchronize():
         if device.type == "cuda":
@@ -2126,6 +2180,8 @@ def train(cfg: Config, comm: Comm, log: RunLog) -> TrainResult:
                 step = diloco.step - 1
             watch.push(step, loss)
             elapsed_ms = train_time_ms + 1000 * (time.perf_counter() - clock)
+            step_times.add(step + 1, elapsed_ms - previous_ms)
+            previous_ms = elapsed_ms
             log(f"step:{step + 1}/{N} train_time:{elapsed_ms:.0f}ms step_avg:{elapsed_ms / (step + 1):.2f}ms")
             for reason in recompiles.new_reasons():
                 log(f"warning: recompiled in the timed region at step {step + 1}: {reason}")
@@ -2134,12 +2190,16 @@ def train(cfg: Config, comm: Comm, log: RunLog) -> TrainResult:
     finally:
         batches.close()
         recompiles.close()
+        step_times.close()
+        gc.unfreeze()
         if diloco is not None:
             diloco.close()
 
     for reason in recompiles.new_reasons():  # validation graphs, if any slipped past the warm-up
         log(f"warning: recompiled in the timed region: {reason}")
     log(f"graphs compiled in the timed region: {recompiles.since_warm_up()}")
+    for line in step_times.summary():
+        log(line)
     if device.type == "cuda":
         log(f"peak memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "
             f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")

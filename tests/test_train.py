@@ -1,6 +1,7 @@
 """Tests of train_gpt.py on the CPU: config, data loading, attention, schedule, and whole tiny runs on
 one process and on two gloo processes."""
 import dataclasses
+import gc
 import hashlib
 import math
 import re
@@ -386,6 +387,30 @@ def test_two_process_gloo_smoke_run(tiny_data, tmp_path):
     assert val[4] < val[0] - 1.0
     assert re.search(r"^compile_time:[\d.]+s graphs:\d+ cache_hits:\d+( since_process_start:[\d.]+s)?$", log, re.M)
     assert "\ngraphs compiled in the timed region: 0\n" in log
+    # 4 steps over the tiny preset's 3 stages: steps 1-2, 3 and 4
+    counts = re.findall(r"^step times, stage (\d): (\d) steps, median [\d.]+ ms, slowest [\d.]+ ms at step \d", log, re.M)
+    assert counts == [("0", "2"), ("1", "1"), ("2", "1")]
+
+
+def test_step_times_flag_slow_steps_per_stage_and_time_garbage_collections():
+    cfg = tg.Config(num_iterations=30, batch_schedule="8,16,24")  # stages: steps 1-10, 11-20, 21-30
+    times = tg.StepTimes(tg.Schedule(cfg))
+    try:
+        for step in range(1, 31):
+            stage = (step - 1) // 10
+            times.add(step, 100.0 * (stage + 1) + (50.0 * (stage + 1) if step in (7, 25) else 0.0))
+        gc.collect()
+        gc.collect(0)
+    finally:
+        times.close()
+    gc.collect()  # after close(): not counted
+    lines = times.summary()
+    assert lines[0] == "step times, stage 0: 10 steps, median 100.0 ms, slowest 150.0 ms at step 7 (1.50x); 1 over 1.2x the median"
+    assert lines[1] == "step times, stage 1: 10 steps, median 200.0 ms, slowest 200.0 ms at step 20 (1.00x); 0 over 1.2x the median"
+    assert lines[2] == "step times, stage 2: 10 steps, median 300.0 ms, slowest 450.0 ms at step 25 (1.50x); 1 over 1.2x the median"
+    collections = re.fullmatch(r"garbage collections after the warm-up: (\d+), [\d.]+ ms in all; longest [\d.]+ ms "
+                               r"\(generation [012], step 31\)", lines[3])
+    assert collections and int(collections.group(1)) >= 2, lines[3]  # two explicit ones, maybe automatic ones
 
 
 def _train_on_rank(rank, world_size, cfg):
