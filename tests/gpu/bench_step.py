@@ -18,6 +18,7 @@ attended (12 * layers * window * dim per token): an upper bound on useful attent
 """
 import bisect
 import dataclasses
+import gc
 import glob
 import json
 import os
@@ -181,6 +182,8 @@ def main() -> int:
     try:
         trainer = tg.build_and_warm_up(cfg, comm, say)
         model, optimizers, schedule, device = trainer.model, trainer.optimizers, trainer.schedule, trainer.device
+        gc.collect()
+        gc.freeze()  # as train() does for its loop: collections then skip the compiled process's objects
         # Real text when --train_files matches (document lengths shape the attention masks' sparsity and
         # the bigram rows touched); random tokens with ~500-token documents otherwise.
         if glob.glob(cfg.train_files):
@@ -246,6 +249,7 @@ def main() -> int:
                         print("  " + line, flush=True)
         finally:
             batches.close()
+            gc.unfreeze()
         return 0
     except tg.UserError as e:
         print(f"error: {e}", file=sys.stderr)

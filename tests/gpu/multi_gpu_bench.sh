@@ -2,7 +2,8 @@
 # One device call on a 2-GPU machine (repo root), results in $OUT:
 #   OUT=/some/dir [BENCHES="sparse dense world1"] bash tests/gpu/multi_gpu_bench.sh STEPS [all|diloco]
 # 1. tests/gpu/bench_step.py at world size 2 with sparse bigram comms on (sparse), then off (dense), then
-#    at world size 1 on the same machine (world1); BENCHES picks which;
+#    at world size 1 on the same machine (world1); BENCHES picks which, and may add "graphs" (world size 2
+#    under CUDA graphs, which --compile_mode=auto leaves off there until this has run);
 # 2. a plain 2-GPU run of STEPS steps on the bench stream, then streaming DiLoCo with 2 replicas of one
 #    GPU each (a lighthouse on this machine, torchft from .whl/), same STEPS: final loss, wall time, syncs.
 # Expects .bench/*.bin.xz (copies of ../shared/bench) and .whl/ (torchft and its dependencies for py3.12).
@@ -27,6 +28,7 @@ if [ "$what" = all ]; then
         case $b in
         sparse) bench bench_sparse 2 ;;
         dense) bench bench_dense 2 --sparse_bigram_comms=0 ;;
+        graphs) bench bench_graphs 2 --compile_mode=reduce-overhead ;;  # CUDA graphs (auto: only at world size 1)
         world1) bench bench_world1 1 ;;  # scaling efficiency: tokens/s at 2 GPUs over twice this
         esac
     done
