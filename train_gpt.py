@@ -2122,13 +2122,6 @@ def train(cfg: Config, comm: Comm, log: RunLog) -> TrainResult:
                                                         trainer.device, trainer.recompiles)
     diloco = StreamingDiLoCo(cfg, model, optimizers, device, log) if cfg.diloco else None
     watch = LossWatch(comm, device)
-    # Compiling leaves hundreds of thousands of long-lived Python objects, and a full collection walks them all
-    # (the tiny preset compiled on a CPU: 408K objects, 359 ms per full collection; frozen, 0.003 ms). The
-    # likely cause of the single steps 300-430 ms over the median in 400-step runs on 1xH100; the log's
-    # garbage-collection line tells.
-    gc.collect()
-    gc.freeze()
-    step_times = StepTimes(schedule)
 
     def note_new_pass(number: int):  # called from the loader thread; repeated data skews the losses
         log(f"note: the training data starts over (pass {number}); later losses are on repeated data")
@@ -2144,6 +2137,13 @@ def train(cfg: Config, comm: Comm, log: RunLog) -> TrainResult:
         if device.type == "cuda":
             torch.cuda.synchronize()
 
+    # Compiling leaves hundreds of thousands of long-lived Python objects, and a full collection walks them all
+    # (the tiny preset compiled on a CPU: 408K objects, 359 ms per full collection; frozen, 0.003 ms). The
+    # likely cause of the single steps 300-430 ms over the median in 400-step runs on 1xH100; the log's
+    # garbage-collection line tells. Frozen, and watched, right before the try whose finally undoes both.
+    gc.collect()
+    gc.freeze()
+    step_times = StepTimes(schedule)
     try:
         if diloco is not None:
             diloco.__enter__()
