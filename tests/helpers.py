@@ -110,3 +110,8 @@ def unquantised_head_reference(x, weight, targets, cap: float, grad_loss):
     losses = torch.logsumexp(z, dim=1) - z.gather(1, targets.cpu()[:, None].long())[:, 0]
     losses.backward(grad_loss.cpu().double())
     return losses.detach(), x.grad, weight.grad
+
+
+def relative_error(got, ref) -> float:
+    """||got - ref|| / ||ref||, in float64 (ref is a float64 reference)."""
+    return ((got.double() - ref).norm() / ref.norm()).item()

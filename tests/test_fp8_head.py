@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import train_gpt as tg
-from helpers import fp8_head_reference, run_on_ranks, unquantised_head_reference
+from helpers import fp8_head_reference, relative_error, run_on_ranks, unquantised_head_reference
 from test_train import _train_on_rank, tiny_config
 
 
@@ -26,10 +26,6 @@ def run_head(x, weight, targets, grad_loss, cap=30.0):
     losses = tg._Fp8SoftcappedHead.apply(x, weight, targets, cap, False)
     losses.backward(grad_loss)
     return losses.detach(), x.grad, weight.grad
-
-
-def relative_error(got, want):
-    return ((got.double() - want).norm() / want.norm()).item()
 
 
 def test_plain_fp8_head_matches_the_float64_reference():

@@ -23,9 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import train_gpt as tg  # noqa: E402
-from bench_optimizers import median_ms as _median_ms  # noqa: E402
-
-median_ms = functools.partial(_median_ms, repeats=30, warmup=5)
+from bench_optimizers import kernel_median_ms as median_ms  # noqa: E402
 
 OPTION_SETS = [
     {},

@@ -20,9 +20,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import train_gpt as tg  # noqa: E402
-from bench_optimizers import median_ms as _median_ms  # noqa: E402  (tests/gpu is the script's directory)
-
-median_ms = functools.partial(_median_ms, repeats=30, warmup=5)
+from bench_optimizers import kernel_median_ms as median_ms  # noqa: E402  (tests/gpu is the script's directory)
 
 
 def main():

@@ -12,7 +12,6 @@ slower than cuBLAS by more than the elementwise passes they remove), relative di
 Triton's interpreter, in float32 (the interpreter's bf16 tl.dot is wrong), it matches a float64 reference to
 2e-7 in the output and all three gradients.
 """
-import functools
 import sys
 import time
 from pathlib import Path
@@ -23,9 +22,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import train_gpt as tg  # noqa: E402
-from bench_optimizers import median_ms as _median_ms  # noqa: E402
-
-median_ms = functools.partial(_median_ms, repeats=30, warmup=5)
+from bench_optimizers import kernel_median_ms as median_ms  # noqa: E402
 
 
 @triton.autotune(

@@ -8,6 +8,7 @@ over all 32 matrices; the Adam parameters' step with DistAdam vs the all-reduce 
 (all_reduce each gradient, then torch AdamW on every replica); the whole Muon step; and optimizer state
 memory per rank.
 """
+import functools
 import os
 import statistics
 import sys
@@ -32,6 +33,10 @@ def median_ms(fn, repeats=20, warmup=3):
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+# The single-kernel benchmarks (bench_loss, bench_flex, bench_mlp) take more samples of their shorter kernels.
+kernel_median_ms = functools.partial(median_ms, repeats=30, warmup=5)
 
 
 class AllReduceAdam:

@@ -4,13 +4,10 @@ import pytest
 import torch
 
 import train_gpt as tg
+from helpers import relative_error
 from test_train import random_attention_inputs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((got.double() - ref).norm() / ref.norm()).item()
 
 
 @pytest.mark.parametrize("window", [128, 1024])
