@@ -8,6 +8,7 @@ import sys
 from helpers import REPO
 
 VAL = re.compile(r"^step:1/1 val_loss:(\S+)", re.M)
+CHECKSUM = re.compile(r"^final weights: float64 sum (\S+), sum of squares (\S+)$", re.M)
 
 
 def run_tiny(tmp_path, train, val, run_id, *extra, inductor_dir=None):
@@ -41,6 +42,10 @@ def test_compiled_runs_match_eager_and_reuse_the_cache_file(tiny_data, tmp_path)
     losses = [float(VAL.search(log).group(1)) for log in (first, second, eager)]
     assert losses[0] == losses[1]
     assert abs(losses[0] - losses[2]) < 1e-3 * losses[2]
+    # the weights after the step: the two compiled runs (same kernels) bit for bit, eager closely
+    checksums = [tuple(map(float, CHECKSUM.search(log).groups())) for log in (first, second, eager)]
+    assert checksums[0] == checksums[1]
+    assert abs(checksums[0][1] - checksums[2][1]) < 1e-5 * checksums[2][1]
 
 
 def test_regional_compile_and_dense_embedding_grads_match_eager(tiny_data, tmp_path):
