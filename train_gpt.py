@@ -432,11 +432,8 @@ def softcapped_cross_entropy(logits: Tensor, targets: Tensor, cap: float, use_tr
 if triton is not None:
     @triton.jit
     def _softcapped_ce_backward_fp8_kernel(Logits, Targets, Lse, GradLoss, GradScale, Out, T, V, stride,
-                                           cap: tl.constexpr, TRANSPOSED: tl.constexpr, BLOCK_T: tl.constexpr,
-                                           BLOCK_V: tl.constexpr):
-        """The backward above for a [BLOCK_T, BLOCK_V] tile, written as e5m2 divided by GradScale, in [T, V]
-        layout (for the input gradient's matmul) or, TRANSPOSED, in [V, T] layout (for the weight gradient's:
-        FP8 matmuls on Hopper take both operands contiguous along the reduced dimension)."""
+                                           cap: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr):
+        """The backward above for a [BLOCK_T, BLOCK_V] tile, written as e5m2 divided by GradScale."""
         rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
         row_ok, col_ok = rows < T, cols < V
@@ -448,16 +445,34 @@ if triton is not None:
         grad = tl.load(GradLoss + rows, mask=row_ok, other=0.0) / tl.load(GradScale)
         d = tl.exp(cap * s - lse[:, None]) - tl.where(cols[None, :] == target[:, None], 1.0, 0.0)
         value = grad[:, None] * d * 4.0 * s * (1.0 - s)
-        if TRANSPOSED:
-            tl.store(Out + cols[:, None].to(tl.int64) * T + rows[None, :], tl.trans(value).to(tl.float8e5),
-                     mask=tl.trans(inside))
-        else:
-            tl.store(Out + rows[:, None].to(tl.int64) * V + cols[None, :], value.to(tl.float8e5), mask=inside)
+        tl.store(Out + rows[:, None].to(tl.int64) * V + cols[None, :], value.to(tl.float8e5), mask=inside)
 
-# The FP8 gradient kernel's tiles per layout (tests/gpu/bench_loss.py fp8_grad; 1xH100, [16384, 50304] logits): two
-# launches, each recomputing the gradient from the logits, took 1.13 ms ([T, V], 128x64) + 1.11 ms ([V, T],
-# 64x128) where one launch writing both layouts took 2.91 ms.
-CE_FP8_TILES = {False: (128, 64), True: (64, 128)}  # TRANSPOSED -> (BLOCK_T, BLOCK_V), 4 warps each
+    @triton.jit
+    def _transpose_kernel(In, Out, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Out [N, M] = In [M, N]^T for one [BLOCK_M, BLOCK_N] tile of a contiguous In."""
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        inside = (rows[:, None] < M) & (cols[None, :] < N)
+        tile = tl.load(In + rows[:, None].to(tl.int64) * N + cols[None, :], mask=inside)
+        tl.store(Out + cols[:, None].to(tl.int64) * M + rows[None, :], tl.trans(tile), mask=tl.trans(inside))
+
+
+def transpose_fp8(x: Tensor, block_m: int = 64, block_n: int = 128, warps: int = 4) -> Tensor:
+    """A contiguous copy of x.T (x: contiguous [M, N] FP8) with the Triton tile kernel: torch's copy of the
+    transposed view took 5.93 ms for [16384, 50304] on 1xH100, this 0.64 ms (tests/gpu/bench_loss.py fp8_grad)."""
+    M, N = x.shape
+    out = x.new_empty(N, M)
+    _transpose_kernel[(triton.cdiv(M, block_m), triton.cdiv(N, block_n))](x, out, M, N, BLOCK_M=block_m,
+                                                                        BLOCK_N=block_n, num_warps=warps)
+    return out
+
+
+# The FP8 logit gradient is needed in two layouts: [T, V] for the input gradient's matmul and [V, T] for the
+# weight gradient's (FP8 matmuls on Hopper take both operands contiguous along the reduced dimension). The
+# kernel writes [T, V] (tile 128x64, 4 warps: 1.12 ms for [16384, 50304] logits on 1xH100) and transpose_fp8
+# makes [V, T] from it (0.64 ms), bit for bit what a second launch recomputing it from the logits in [V, T]
+# order wrote in 1.10 ms (tests/gpu/bench_loss.py fp8_grad, 2026-11-23).
+CE_FP8_TILE = (128, 64)  # (BLOCK_T, BLOCK_V)
 E4M3_MAX = 448.0
 GRAD_E5M2_MAX = 2.0 ** 15  # the largest |gradient| lands here, under e5m2's 57344: no overflow, 2**31 of range
 
@@ -497,12 +512,11 @@ class _Fp8SoftcappedHead(torch.autograd.Function):
         rows, vocab = logits.shape
         if ctx.fast:
             grad_q = logits.new_empty(rows, vocab, dtype=torch.float8_e5m2)
-            grad_qt = logits.new_empty(vocab, rows, dtype=torch.float8_e5m2)
-            for transposed, out in ((False, grad_q), (True, grad_qt)):
-                block_t, block_v = CE_FP8_TILES[transposed]
-                _softcapped_ce_backward_fp8_kernel[(triton.cdiv(rows, block_t), triton.cdiv(vocab, block_v))](
-                    logits, targets, lse, grad_loss, grad_scale, out, rows, vocab, logits.stride(0), ctx.cap,
-                    TRANSPOSED=transposed, BLOCK_T=block_t, BLOCK_V=block_v, num_warps=4)
+            block_t, block_v = CE_FP8_TILE
+            _softcapped_ce_backward_fp8_kernel[(triton.cdiv(rows, block_t), triton.cdiv(vocab, block_v))](
+                logits, targets, lse, grad_loss, grad_scale, grad_q, rows, vocab, logits.stride(0), ctx.cap,
+                BLOCK_T=block_t, BLOCK_V=block_v, num_warps=4)
+            grad_qt = transpose_fp8(grad_q)
             # _scaled_mm wants its second operand column-major: the transposed copies are small.
             grad_x = torch._scaled_mm(grad_q, w_q.t().contiguous().t(), scale_a=grad_scale, scale_b=w_scale,
                                       out_dtype=ctx.x_dtype)

@@ -2,13 +2,13 @@
 the plain-torch expression compiled by inductor, forward + backward on [16384, 50304] bf16 logits, plus a
 sweep of the kernels' block size and warp count (eager); then the whole head (matmul + loss, gradients for
 the activations and the weight) in bf16 against --fp8_head's FP8 version; then the FP8 head's gradient kernel
-alone, per output layout and tile, and candidates that make the [V, T] layout by transposing the [T, V] one
-(not in the trainer). Prints median milliseconds (CUDA events, warm-up excluded) and effective memory
+alone per tile, and ways to make the weight gradient's [V, T] layout from its [T, V] output (the trainer's
+transpose_fp8 per tile, and torch's copy). Prints median milliseconds (CUDA events, warm-up excluded) and effective memory
 bandwidths.
 
     python tests/gpu/bench_loss.py            # the loss kernels
     python tests/gpu/bench_loss.py head       # bf16 head against the FP8 head
-    python tests/gpu/bench_loss.py fp8_grad   # the FP8 gradient kernel's tiles
+    python tests/gpu/bench_loss.py fp8_grad   # the FP8 gradient kernel's tiles and its transpose
 """
 import functools
 import sys
@@ -79,24 +79,6 @@ def head():
     print(f"head fp8, compiled: {fp8:.3f} ms ({flops / fp8 / 1e9:.0f} TFLOP/s, {bf16 / fp8:.2f}x)")
 
 
-@triton.jit
-def _transpose_kernel(In, Out, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Out [N, M] = In [M, N]^T, one tile per program: a candidate for the FP8 gradient's [V, T] layout,
-    read from the [T, V] one (half the bytes of the logits) instead of recomputed from the logits."""
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    inside = (rows[:, None] < M) & (cols[None, :] < N)
-    tile = tl.load(In + rows[:, None].to(tl.int64) * N + cols[None, :], mask=inside)
-    tl.store(Out + cols[:, None].to(tl.int64) * M + rows[None, :], tl.trans(tile), mask=tl.trans(inside))
-
-
-def transpose(x: torch.Tensor, out: torch.Tensor, block_m: int, block_n: int, warps: int = 4) -> torch.Tensor:
-    M, N = x.shape
-    _transpose_kernel[(triton.cdiv(M, block_m), triton.cdiv(N, block_n))](x, out, M, N, BLOCK_M=block_m,
-                                                                        BLOCK_N=block_n, num_warps=warps)
-    return out
-
-
 def fp8_grad():
     rows, vocab, cap = 16384, 50304, 30.0
     logits = (torch.randn(rows, vocab, device="cuda") * 4).to(torch.bfloat16)
@@ -112,36 +94,27 @@ def fp8_grad():
         logits, targets, lse, grad_loss, grad, vocab, logits.stride(0), grad.stride(0), cap, BLOCK=tg.CE_BLOCK,
         num_warps=tg.CE_WARPS))
     print(f"yardstick, the bf16 gradient kernel: {ms:.3f} ms ({4 * logits.numel() / ms / 1e6:.0f} GB/s)")
-    for transposed in (False, True):
-        out = torch.empty(*((vocab, rows) if transposed else (rows, vocab)), device="cuda", dtype=torch.float8_e5m2)
-        for block_t, block_v in ((128, 64), (64, 128), (64, 64), (128, 128)):
-            ms = median_ms(lambda: tg._softcapped_ce_backward_fp8_kernel[
-                (triton.cdiv(rows, block_t), triton.cdiv(vocab, block_v))](
-                logits, targets, lse, grad_loss, grad_scale, out, rows, vocab, logits.stride(0), cap,
-                TRANSPOSED=transposed, BLOCK_T=block_t, BLOCK_V=block_v, num_warps=4))
-            chosen = " (the trainer's)" if tg.CE_FP8_TILES[transposed] == (block_t, block_v) else ""
-            print(f"fp8 gradient {'[V, T]' if transposed else '[T, V]'} tile {block_t}x{block_v}: {ms:.3f} ms "
-                  f"({3 * logits.numel() / ms / 1e6:.0f} GB/s){chosen}")
-    # Candidate: the [V, T] layout as a transpose of the [T, V] output (each must hold the same bits).
-    grads = {}
-    for transposed in (False, True):
-        block_t, block_v = tg.CE_FP8_TILES[transposed]
-        grads[transposed] = torch.empty(*((vocab, rows) if transposed else (rows, vocab)), device="cuda",
-                                        dtype=torch.float8_e5m2)
-        tg._softcapped_ce_backward_fp8_kernel[(triton.cdiv(rows, block_t), triton.cdiv(vocab, block_v))](
-            logits, targets, lse, grad_loss, grad_scale, grads[transposed], rows, vocab, logits.stride(0), cap,
-            TRANSPOSED=transposed, BLOCK_T=block_t, BLOCK_V=block_v, num_warps=4)
-    out = torch.empty_like(grads[True])
+    grad_q = torch.empty(rows, vocab, device="cuda", dtype=torch.float8_e5m2)
+    for block_t, block_v in ((128, 64), (64, 128), (64, 64), (128, 128)):
+        ms = median_ms(lambda: tg._softcapped_ce_backward_fp8_kernel[
+            (triton.cdiv(rows, block_t), triton.cdiv(vocab, block_v))](
+            logits, targets, lse, grad_loss, grad_scale, grad_q, rows, vocab, logits.stride(0), cap,
+            BLOCK_T=block_t, BLOCK_V=block_v, num_warps=4))
+        chosen = " (the trainer's)" if tg.CE_FP8_TILE == (block_t, block_v) else ""
+        print(f"fp8 gradient [T, V] tile {block_t}x{block_v}: {ms:.3f} ms ({3 * logits.numel() / ms / 1e6:.0f} GB/s)"
+              f"{chosen}")
+    # The weight gradient's [V, T] layout, made from [T, V]; each way must give torch's bits.
     as_bytes = lambda t: t.view(torch.uint8)  # noqa: E731  (fp8 has no equality kernel everywhere)
-    candidates = [("torch copy_ of the transposed view", lambda: out.copy_(grads[False].t()))]
-    candidates += [(f"Triton tile {m}x{n}, {w} warps", functools.partial(transpose, grads[False], out, m, n, w))
-                   for m, n, w in ((64, 64, 4), (128, 64, 4), (64, 128, 4), (128, 128, 8), (32, 128, 4))]
+    reference = as_bytes(grad_q).t().contiguous()
+    candidates = [("torch's contiguous() of the transposed view", lambda: grad_q.t().contiguous())]
+    for m, n, w in ((64, 64, 4), (128, 64, 4), (64, 128, 4), (128, 128, 8), (32, 128, 4)):
+        chosen = " (the trainer's)" if (m, n, w) == (64, 128, 4) else ""
+        candidates.append((f"transpose_fp8 tile {m}x{n}, {w} warps{chosen}",
+                           functools.partial(tg.transpose_fp8, grad_q, m, n, w)))
     for name, run in candidates:
-        out.zero_()
-        run()
-        same = torch.equal(as_bytes(out), as_bytes(grads[True]))
+        same = torch.equal(as_bytes(run()), reference)
         ms = median_ms(run)
-        print(f"candidate [V, T] from [T, V], {name}: {ms:.3f} ms ({2 * grads[False].numel() / ms / 1e6:.0f} GB/s), "
+        print(f"[V, T] from [T, V], {name}: {ms:.3f} ms ({2 * grad_q.numel() / ms / 1e6:.0f} GB/s), "
               f"{'same bits' if same else 'DIFFERENT bits'}")
 
 

@@ -204,3 +204,14 @@ def test_fp8_head_matches_float64(compiled):
     assert relative_error(wc.grad.cpu(), ref_w) < 5e-2
     _, exact_x, exact_w = unquantised_head_reference(x, weight, targets, 30.0, torch.full((rows,), 1 / rows))
     assert relative_error(xc.grad.cpu(), exact_x) < 0.15 and relative_error(wc.grad.cpu(), exact_w) < 0.15
+
+
+@pytest.mark.parametrize("shape", [(16384, 50304), (1000, 50257)])
+def test_fp8_transpose_kernel_keeps_the_bits(shape):
+    """transpose_fp8 makes the FP8 weight gradient's [V, T] layout: it must equal torch's transpose bit for bit,
+    at the trainer's shape and at one that leaves partial tiles on both edges."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = (torch.randn(*shape, generator=g, device="cuda") * 100).to(torch.float8_e5m2)
+    got = tg.transpose_fp8(x)
+    assert got.shape == shape[::-1] and got.is_contiguous()
+    assert torch.equal(got.view(torch.uint8), x.view(torch.uint8).t().contiguous())
