@@ -2077,8 +2077,9 @@ class Trainer:
 
 def resolve_compile_mode(cfg: Config, comm: Comm, device: torch.device) -> str:
     """--compile_mode=auto: reduce-overhead (CUDA graphs) on a single GPU, where it measured 2% faster steps
-    than default (README, Speed); default on several GPUs, where the optimizers' backward-hook collectives
-    have not yet run under CUDA graphs on hardware, and on CPUs, which have no graphs."""
+    than default (README, Speed); default on several GPUs, where on 2xH200 graphs were no faster and the
+    weights after 30 steps differed from default's by more than two default runs differ (README, Hardware),
+    and on CPUs, which have no graphs."""
     if cfg.compile_mode != "auto":
         return cfg.compile_mode
     single_gpu = device.type == "cuda" and comm.world_size == 1 and not cfg.diloco
