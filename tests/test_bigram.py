@@ -48,6 +48,15 @@ def test_tiny_model_uses_the_bigram_table():
     assert set(grad_rows.tolist()) <= set(bigrams.tolist()) and len(grad_rows) > 0
 
 
+def test_union_of_rows_equals_numpy_unique_of_the_concatenation():
+    rng = np.random.default_rng(5)
+    parts = [np.unique(rng.integers(0, 1000, size)) for size in (0, 1, 300, 300, 999)]
+    parts.append(np.array([0, 999]))  # both ends of the table
+    got = tg.union_of_rows(parts, 1000)
+    assert got.dtype.kind == "i" and np.array_equal(got, np.unique(np.concatenate(parts)))
+    assert len(tg.union_of_rows([], 1000)) == 0
+
+
 def touched_rows(rank, step):
     """Random touched rows per rank; row 0 is touched by every rank, rows ROWS-8.. by none."""
     rng = np.random.default_rng(100 * step + rank)
@@ -68,7 +77,7 @@ def _adam_on_rank(rank, world_size, sparse):
         grad = torch.zeros(ROWS, DIM)
         grad[rows] = torch.randn(len(rows), DIM, generator=torch.Generator().manual_seed(step * 10 + rank))
         table.grad = grad
-        opt.before_last_backward({table: rows})
+        opt.before_last_backward({table: [rows[: 2 * len(rows) // 3], rows[len(rows) // 3:]]})  # overlapping micro-batches
         for name in originals:  # the step must not read device values back to the host
             setattr(torch.Tensor, name, lambda *a, _name=name, **k: syncs.append(_name) or originals[_name](*a, **k))
         try:
