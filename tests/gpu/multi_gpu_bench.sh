@@ -1,29 +1,33 @@
 #!/usr/bin/env bash
 # One device call on a 2-GPU machine (repo root), results in $OUT:
-#   OUT=/some/dir [BENCHES="sparse dense world1"] bash tests/gpu/multi_gpu_bench.sh STEPS [all|diloco]
+#   OUT=/some/dir [BENCHES="sparse dense world1"] bash tests/gpu/multi_gpu_bench.sh STEPS [all|bench|diloco]
 # 1. tests/gpu/bench_step.py at world size 2 with sparse bigram comms on (sparse), then off (dense), then
 #    at world size 1 on the same machine (world1); BENCHES picks which, and may add "graphs" (world size 2
-#    under CUDA graphs, which --compile_mode=auto leaves off there: no faster on 2xH200, README Speed);
+#    under CUDA graphs, which --compile_mode=auto leaves off there: no faster on 2xH200, README Speed). The
+#    benches read the bench stream (real document lengths and bigram rows);
 # 2. a plain 2-GPU run of STEPS steps on the bench stream, then streaming DiLoCo with 2 replicas of one
 #    GPU each (a lighthouse on this machine, torchft from .whl/), same STEPS: final loss, wall time, syncs.
-# Expects .bench/*.bin.xz (copies of ../shared/bench) and .whl/ (torchft and its dependencies for py3.12).
+# "bench" runs step 1 only; "diloco" the DiLoCo part only, which is skipped when torchft does not import.
+# Expects .bench/*.bin.xz (copies of ../shared/bench) and, for DiLoCo, .whl/ (torchft and its dependencies for
+# py3.12).
 set -uo pipefail
 steps=$1; what=${2:-all}
 OUT=${OUT:-/tmp/device_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/ind TRITON_CACHE_DIR=/tmp/triton
 
 python3 tests/gpu/unpack_bench.py
-python3 -m pip install -q --no-index --find-links .whl torchft 2>&1 | tail -2
+[ -d .whl ] && python3 -m pip install -q --no-index --find-links .whl torchft 2>&1 | tail -2
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 
 bench() {  # bench NAME NPROC [flags...]
     local name=$1 nproc=$2; shift 2
-    BENCH_SYNC_DEBUG=1 timeout 240 torchrun --nproc_per_node="$nproc" tests/gpu/bench_step.py --bench_steps=8 "$@" \
+    BENCH_SYNC_DEBUG=1 timeout 240 torchrun --nproc_per_node="$nproc" tests/gpu/bench_step.py --bench_steps=8 \
+        --train_files='/tmp/bench/docs_train_*.bin' "$@" \
         > "$OUT/$name.txt" 2>&1
     echo "== $name (exit $?)"
     grep -E "^compile_time|^ +[0-9]+ +[0-9]+ +\(|^graphs|^profile|synchroniz" "$OUT/$name.txt" | grep -v "prototype"
 }
-if [ "$what" = all ]; then
+if [ "$what" = all ] || [ "$what" = bench ]; then
     for b in ${BENCHES:-sparse dense world1}; do
         case $b in
         sparse) bench bench_sparse 2 ;;
@@ -44,6 +48,11 @@ if [ "$what" = all ]; then
     grep -E "^compile_time|val_loss" "$OUT/plain2.stdout"
 fi
 
+[ "$what" = bench ] && exit 0
+if ! python3 -c "import torchft" 2>/dev/null; then
+    echo "== DiLoCo skipped: torchft does not import (carry .whl/ with its wheels)"
+    exit 0
+fi
 python3 -c "
 import time
 from torchft.coordination import LighthouseServer
