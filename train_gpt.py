@@ -1772,12 +1772,16 @@ def set_hyperparameters(optimizers, schedule: Schedule, step: int):
 
 class LossWatch:
     """Reads each step's loss back to the host one step late, so checking it for NaN/inf never stalls
-    the GPU: by the time step s is read, step s+1 is already queued behind it."""
+    the GPU: by the time step s is read, step s+1 is already queued behind it. On CUDA the event behind each
+    step also times it: gpu_ms[step] is the GPU time from the previous step's end to this one's (idle
+    gaps included), so a slow step can be told apart from a host that launched it late."""
 
     def __init__(self, comm: Comm, device: torch.device):
         self.comm, self.device = comm, device
         self.pending = None
+        self.previous_end = None  # the CUDA event behind the last step read back, if its successor follows it
         self.losses: list[float] = []  # mean over all ranks, one per step
+        self.gpu_ms: dict[int, float] = {}  # step (1-based) -> GPU ms since the previous step's end
 
     def push(self, step: int, local_loss: Tensor):
         losses = local_loss.float().reshape(1)
@@ -1787,20 +1791,25 @@ class LossWatch:
         if self.device.type == "cuda":
             host = torch.empty(losses.numel(), pin_memory=True)
             host.copy_(losses, non_blocking=True)
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(enable_timing=True)
             event.record()
         else:
             host, event = losses, None
         self.flush()
         self.pending = (step, host, event)
 
-    def flush(self):
+    def flush(self, other_work_follows: bool = False):
+        """Read the pending step. other_work_follows: something else (validation) runs on the GPU before
+        the next step, so that step's GPU time cannot be measured from this one's end."""
         if self.pending is None:
             return
         step, host, event = self.pending
         self.pending = None
         if event is not None:
             event.synchronize()
+            if self.previous_end is not None:
+                self.gpu_ms[step + 1] = self.previous_end.elapsed_time(event)
+            self.previous_end = None if other_work_follows else event
         losses = host.tolist()
         bad = [rank for rank, loss in enumerate(losses) if not math.isfinite(loss)]
         if bad:
@@ -1963,13 +1972,17 @@ class RecompileWatch:
 class StepTimes:
     """Each timed step's wall time, summarised per stage of the schedule at the end of the log (the target: no
     step slower than 1.2x its stage's median), and the Python garbage collections that ran after the warm-up
-    (validation included) with their pauses, since a pause of the host shows up as a slow step."""
+    (validation included) with their pauses, since a pause of the host shows up as a slow step. Each slow step
+    is listed with the host's time to launch it and the GPU's time for it (LossWatch.gpu_ms): a long launch
+    with a normal GPU time is a host stall, a long GPU time after a normal launch is the GPU (or a wait in it)."""
 
     SLOW = 1.2  # a step this many times its stage's median is flagged in the summary
+    LISTED = 10  # slow steps listed one by one, slowest first
 
     def __init__(self, schedule: Schedule):
         self.schedule = schedule
         self.by_stage: dict[int, list[tuple[float, int]]] = {}  # stage -> [(ms, step)]
+        self.launch_ms: dict[int, float] = {}  # step -> host ms inside train_step
         self.step = 0
         self.collections: list[tuple[float, int, int]] = []  # (ms, generation, step)
         self._gc_started = 0.0
@@ -1981,23 +1994,31 @@ class StepTimes:
         else:
             self.collections.append((1000 * (time.perf_counter() - self._gc_started), info["generation"], self.step))
 
-    def add(self, step: int, ms: float):
-        """Step `step` (1-based, as logged) took `ms`."""
+    def add(self, step: int, ms: float, launch_ms: float):
+        """Step `step` (1-based, as logged) took `ms`, of which `launch_ms` were spent issuing its work."""
         self.by_stage.setdefault(self.schedule.stage(step - 1), []).append((ms, step))
+        self.launch_ms[step] = launch_ms
         self.step = step + 1
 
     def close(self):
         if self._on_gc in gc.callbacks:
             gc.callbacks.remove(self._on_gc)
 
-    def summary(self) -> list[str]:
-        lines = []
+    def summary(self, gpu_ms: dict[int, float]) -> list[str]:
+        lines, slow_steps = [], []
         for stage, times in sorted(self.by_stage.items()):
             median = float(np.median([ms for ms, _ in times]))
+            launch = float(np.median([self.launch_ms[step] for _, step in times]))
+            gpu = [gpu_ms[step] for _, step in times if step in gpu_ms]
             slowest, at = max(times)
-            slow = sum(ms > self.SLOW * median for ms, _ in times)
+            slow = [(ms / median, ms, step) for ms, step in times if ms > self.SLOW * median]
+            slow_steps += slow
             lines.append(f"step times, stage {stage}: {len(times)} steps, median {median:.1f} ms, slowest {slowest:.1f} "
-                         f"ms at step {at} ({slowest / median:.2f}x); {slow} over {self.SLOW}x the median")
+                         f"ms at step {at} ({slowest / median:.2f}x); {len(slow)} over {self.SLOW}x the median; "
+                         f"median launch {launch:.1f} ms" + (f", GPU {np.median(gpu):.1f} ms" if gpu else ""))
+        for ratio, ms, step in sorted(slow_steps, reverse=True)[: self.LISTED]:
+            lines.append(f"slow step {step}: {ms:.1f} ms ({ratio:.2f}x its stage median), launch "
+                         f"{self.launch_ms[step]:.1f} ms" + (f", GPU {gpu_ms[step]:.1f} ms" if step in gpu_ms else ""))
         if self.collections:
             longest, generation, step = max(self.collections)
             lines.append(f"garbage collections after the warm-up: {len(self.collections)}, "
@@ -2204,7 +2225,7 @@ def train(cfg: Config, comm: Comm, log: RunLog) -> TrainResult:
             if last or (cfg.val_loss_every > 0 and step % cfg.val_loss_every == 0):
                 synchronize()
                 train_time_ms += 1000 * (time.perf_counter() - clock)
-                watch.flush()
+                watch.flush(other_work_follows=True)
                 val_loss = evaluate(model, cfg, comm, val_paths, windows, device)
                 val_losses.append((step, val_loss))
                 recent = watch.losses[reported:]  # training loss since the previous validation
@@ -2219,13 +2240,15 @@ def train(cfg: Config, comm: Comm, log: RunLog) -> TrainResult:
             set_hyperparameters(optimizers, schedule, step)
             if diloco is not None:
                 diloco.step = step + 1  # what a peer healing from us during this step resumes at
+            launch_started = time.perf_counter()
             loss = train_step(model, optimizers, batches, windows, schedule.micro_batches(step) // comm.world_size)
+            launch_ms = 1000 * (time.perf_counter() - launch_started)
             if diloco is not None and diloco.step != step + 1:  # healed from a peer inside this step
                 log(f"diloco: recovered weights and optimizer state from a peer; step {step + 1} -> {diloco.step}")
                 step = diloco.step - 1
             watch.push(step, loss)
             elapsed_ms = train_time_ms + 1000 * (time.perf_counter() - clock)
-            step_times.add(step + 1, elapsed_ms - previous_ms)
+            step_times.add(step + 1, elapsed_ms - previous_ms, launch_ms)
             previous_ms = elapsed_ms
             log(f"step:{step + 1}/{N} train_time:{elapsed_ms:.0f}ms step_avg:{elapsed_ms / (step + 1):.2f}ms")
             for reason in recompiles.new_reasons():
@@ -2243,7 +2266,7 @@ def train(cfg: Config, comm: Comm, log: RunLog) -> TrainResult:
     for reason in recompiles.new_reasons():  # validation graphs, if any slipped past the warm-up
         log(f"warning: recompiled in the timed region: {reason}")
     log(f"graphs compiled in the timed region: {recompiles.since_warm_up()}")
-    for line in step_times.summary():
+    for line in step_times.summary(watch.gpu_ms):
         log(line)
     if device.type == "cuda":
         log(f"peak memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "

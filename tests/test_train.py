@@ -398,19 +398,27 @@ def test_step_times_flag_slow_steps_per_stage_and_time_garbage_collections():
     try:
         for step in range(1, 31):
             stage = (step - 1) // 10
-            times.add(step, 100.0 * (stage + 1) + (50.0 * (stage + 1) if step in (7, 25) else 0.0))
+            times.add(step, 100.0 * (stage + 1) + (50.0 * (stage + 1) if step in (7, 25) else 0.0),
+                      launch_ms=40.0 if step == 25 else 10.0)
         gc.collect()
         gc.collect(0)
     finally:
         times.close()
     gc.collect()  # after close(): not counted
-    lines = times.summary()
-    assert lines[0] == "step times, stage 0: 10 steps, median 100.0 ms, slowest 150.0 ms at step 7 (1.50x); 1 over 1.2x the median"
-    assert lines[1] == "step times, stage 1: 10 steps, median 200.0 ms, slowest 200.0 ms at step 20 (1.00x); 0 over 1.2x the median"
-    assert lines[2] == "step times, stage 2: 10 steps, median 300.0 ms, slowest 450.0 ms at step 25 (1.50x); 1 over 1.2x the median"
+    gpu_ms = {step: 90.0 * ((step - 1) // 10 + 1) + (45.0 if step == 7 else 0.0) for step in range(2, 31)}
+    lines = times.summary(gpu_ms)
+    assert lines[0] == ("step times, stage 0: 10 steps, median 100.0 ms, slowest 150.0 ms at step 7 (1.50x); "
+                        "1 over 1.2x the median; median launch 10.0 ms, GPU 90.0 ms")
+    assert lines[1] == ("step times, stage 1: 10 steps, median 200.0 ms, slowest 200.0 ms at step 20 (1.00x); "
+                        "0 over 1.2x the median; median launch 10.0 ms, GPU 180.0 ms")
+    assert lines[2].startswith("step times, stage 2: 10 steps, median 300.0 ms, slowest 450.0 ms at step 25 (1.50x); 1 over")
+    # ties in the ratio list the later step first; step 25's launch stands out, step 7's GPU time
+    assert lines[3] == "slow step 25: 450.0 ms (1.50x its stage median), launch 40.0 ms, GPU 270.0 ms"
+    assert lines[4] == "slow step 7: 150.0 ms (1.50x its stage median), launch 10.0 ms, GPU 135.0 ms"
     collections = re.fullmatch(r"garbage collections after the warm-up: (\d+), [\d.]+ ms in all; longest [\d.]+ ms "
-                               r"\(generation [012], step 31\)", lines[3])
-    assert collections and int(collections.group(1)) >= 2, lines[3]  # two explicit ones, maybe automatic ones
+                               r"\(generation [012], step 31\)", lines[5])
+    assert collections and int(collections.group(1)) >= 2, lines[5]  # two explicit ones, maybe automatic ones
+    assert "GPU" not in times.summary({})[0] and times.summary({})[3].endswith("launch 40.0 ms")
 
 
 def _train_on_rank(rank, world_size, cfg):

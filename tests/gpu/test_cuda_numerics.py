@@ -215,3 +215,18 @@ def test_fp8_transpose_kernel_keeps_the_bits(shape):
     got = tg.transpose_fp8(x)
     assert got.shape == shape[::-1] and got.is_contiguous()
     assert torch.equal(got.view(torch.uint8), x.view(torch.uint8).t().contiguous())
+
+
+def test_loss_watch_times_each_step_on_the_gpu():
+    """gpu_ms[s] spans the GPU work between the ends of steps s-1 and s; a step after validation has none."""
+    watch = tg.LossWatch(tg.Comm(), torch.device("cuda"))
+    million_cycles = 1_000_000  # about 0.5-0.7 ms of spinning on an H100
+    for step, millions in enumerate([10, 40, 10]):
+        torch.cuda._sleep(millions * million_cycles)
+        watch.push(step, torch.ones((), device="cuda"))
+    watch.flush(other_work_follows=True)
+    torch.cuda._sleep(100 * million_cycles)  # "validation"
+    watch.push(3, torch.ones((), device="cuda"))
+    watch.flush()
+    assert sorted(watch.gpu_ms) == [2, 3] and watch.losses == [1.0] * 4
+    assert watch.gpu_ms[2] > 2.5 * watch.gpu_ms[3], watch.gpu_ms
