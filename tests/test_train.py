@@ -7,6 +7,7 @@ import math
 import re
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -101,6 +102,39 @@ def test_bos_aligned_batches(tmp_path):
             previous_end = end - 1
         window = np.concatenate([shard_tokens[s:e] for s, e in spans])
         assert window[0] == BOS
+
+
+def test_the_next_shard_is_indexed_while_this_one_is_read(tmp_path, monkeypatch):
+    shards = [learnable_documents(3_000, seed=s) for s in (11, 12, 13)]
+    paths = [str(write_shard(tmp_path / f"s_{i}.bin", t)) for i, t in enumerate(shards)]
+    length, max_doc_len = 257, 64
+    expected = [(i, spans) for i, p in enumerate(paths)
+                for _, spans in tg.bos_aligned_batches([p], length, max_doc_len, repeat=False)]
+    started = [threading.Event() for _ in paths]
+    threads = set()
+    indexed = tg.document_starts
+
+    def watched(path):
+        threads.add(threading.current_thread().name)
+        started[paths.index(path)].set()
+        return indexed(path)
+
+    monkeypatch.setattr(tg, "document_starts", watched)
+    got = []
+    for tokens, spans in tg.bos_aligned_batches(paths, length, max_doc_len, repeat=False):
+        shard = next(i for i, t in enumerate(shards) if np.array_equal(np.asarray(tokens), t))
+        if not any(i == shard for i, _ in got) and shard + 1 < len(paths):
+            assert started[shard + 1].wait(10), f"shard {shard + 1} not indexed while shard {shard} is read"
+        got.append((shard, spans))
+    assert got == expected
+    assert all(name.startswith("shard-index") for name in threads), threads
+
+
+def test_shards_without_documents_are_named(tmp_path):
+    path = str(write_shard(tmp_path / "s.bin", np.full(5_000, 7, dtype=np.uint16)))
+    for repeat in (False, True):
+        with pytest.raises(tg.DataError, match="no batch of 257 tokens could be built from .*s.bin"):
+            next(tg.bos_aligned_batches([path], 257, 64, repeat=repeat))
 
 
 def test_ranks_split_the_global_batch_sequence(tmp_path):

@@ -138,12 +138,28 @@ def trace_summary(trace: dict, steps: int) -> list[str]:
     for context, us in sorted(late_by_context.items(), key=lambda item: -item[1])[:12]:
         lines.append(f"  {per_step(us):8.2f}  {context}")
     kernels: dict = {}
+    launched_from: dict = {}  # kernel name -> {host context: GPU us}, when host ops were recorded
     for e in gpu:
         total, count = kernels.get(e["name"], (0.0, 0))
         kernels[e["name"]] = (total + e["dur"], count + 1)
-    lines.append("longest kernels (ms per step, launches per step):")
+        launch = launches.get(e.get("args", {}).get("correlation"))
+        if launch is not None and ops_by_thread:
+            contexts = launched_from.setdefault(e["name"], {})
+            context = host_context(launch)
+            contexts[context] = contexts.get(context, 0.0) + e["dur"]
+    lines.append("longest kernels (ms per step, launches per step" + (", and the host op that launched most of "
+                 "the time)" if launched_from else "):"))
     for name, (us, count) in sorted(kernels.items(), key=lambda item: -item[1][0])[:40]:
         lines.append(f"  {per_step(us):8.2f} {count // steps:6d}x  {name[:100]}")
+        if name in launched_from:
+            context, context_us = max(launched_from[name].items(), key=lambda item: item[1])
+            lines.append(f"  {'':16}<- {context} ({100 * context_us / us:.0f}%)")
+    small = [(us, name) for name, (us, _) in kernels.items() if kernel_kind(name) in ("other", "memcpy/memset")]
+    lines.append("kernels of kind 'other' and memcpy/memset (ms per step):")
+    for us, name in sorted(small, reverse=True)[:12]:
+        lines.append(f"  {per_step(us):8.2f}  {name[:100]}"
+                     + (f"  <- {max(launched_from[name].items(), key=lambda item: item[1])[0]}"
+                        if name in launched_from else ""))
     return lines
 
 
