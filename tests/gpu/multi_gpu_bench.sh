@@ -13,9 +13,11 @@
 set -uo pipefail
 steps=$1; what=${2:-all}
 OUT=${OUT:-/tmp/device_out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/ind TRITON_CACHE_DIR=/tmp/triton
+export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/ind
 
 python3 tests/gpu/unpack_bench.py
+source tests/gpu/inductor_cache.sh
+restore_inductor_cache  # .cache/inductor.tar.xz.part* when carried: kernels compiled by an earlier call
 [ -d .whl ] && python3 -m pip install -q --no-index --find-links .whl torchft 2>&1 | tail -2
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 
@@ -45,7 +47,7 @@ if [ "$what" = all ]; then
     timeout 200 torchrun --nproc_per_node=2 --master_port=29601 train_gpt.py "${data[@]}" --run_id=plain2 \
         > "$OUT/plain2.stdout" 2>&1
     echo "== plain 2-GPU run: exit $? after $((SECONDS - start))s"
-    grep -E "^compile_time|val_loss" "$OUT/plain2.stdout"
+    grep -E "^compile_time|val_loss|^step times|^slow step|^final weights" "$OUT/plain2.stdout"
 fi
 
 [ "$what" = bench ] && exit 0
