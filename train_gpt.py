@@ -1626,13 +1626,6 @@ class Schedule:
         """Micro-batches in this step, summed over all ranks."""
         return self.batches[self.stage(step)]
 
-    def loader_slots(self, world_size: int) -> int:
-        """Prefetcher slots: the largest step's micro-batches per rank, and a few more. The loader refills a
-        slot only once the GPU has copied it out, so with 4 slots the host ran at most 4 micro-batches ahead of
-        the GPU, and any host pause longer than that (a shard's first read, 50 ms) stalled the GPU. With a step's
-        worth, LossWatch's read-back of the previous step is what holds the host back, a step ahead."""
-        return max(self.batches) // world_size + 4
-
     def lr_multiplier(self, step: int) -> float:
         lr = self.lr_multipliers[self.stage(step)]
         cooldown_start = self.num_iterations * (1 - self.cfg.cooldown_frac)
@@ -2216,7 +2209,7 @@ def train(cfg: Config, comm: Comm, log: RunLog) -> TrainResult:
         log(f"note: the training data starts over (pass {number}); later losses are on repeated data")
 
     batches = Prefetcher(train_batches_for_rank(train_paths, cfg, comm, note_new_pass), cfg.micro_batch_tokens, device,
-                         slots=schedule.loader_slots(comm.world_size), bigram_rows=cfg.bigram_rows)
+                         bigram_rows=cfg.bigram_rows)
     val_losses = []
     reported = 0
     history = None

@@ -378,11 +378,6 @@ def test_schedule_is_a_function_of_the_step():
     assert s.muon_momentum(0) == 0.85 and s.muon_momentum(50) == 0.95 and s.muon_momentum(89) < 0.95
 
 
-def test_the_loader_holds_a_step_of_micro_batches_per_rank():
-    schedule = tg.Schedule(tg.Config(batch_schedule="8,16,24"))
-    assert [schedule.loader_slots(world) for world in (1, 2, 8)] == [28, 16, 7]
-
-
 def test_loss_watch_names_step_and_rank():
     watch = tg.LossWatch(tg.Comm(rank=0, world_size=1), torch.device("cpu"))
     watch.push(0, torch.tensor(3.0))
