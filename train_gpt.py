@@ -1987,18 +1987,24 @@ class RecompileWatch:
 
 
 class StepTimes:
-    """Each timed step's wall time, summarised per stage of the schedule at the end of the log (the target: no
-    step slower than 1.2x its stage's median), and the Python garbage collections that ran after the warm-up
-    (validation included) with their pauses, since a pause of the host shows up as a slow step. Each slow step
-    is listed with the host's time to launch it and the GPU's time for it (LossWatch.gpu_ms): a long launch
-    with a normal GPU time is a host stall, a long GPU time after a normal launch is the GPU (or a wait in it)."""
+    """Each timed step's time, summarised per stage of the schedule at the end of the log (the target: no step
+    slower than 1.2x its stage's median), and the Python garbage collections that ran after the warm-up
+    (validation included) with their pauses.
+
+    On a GPU a step is judged by its GPU time (LossWatch.gpu_ms: from the previous step's end to its own, idle
+    gaps included), the time it held up training. The host's wall time per step is shown beside it but judges
+    nothing: the host runs ahead of the GPU, so a host pause that the lead absorbs makes one step long and the
+    next one short by as much (1xH100: steps 51 and 52 took 289 and 192 ms of wall time, 241.6 and 240 of GPU).
+    Without a GPU the wall time is all there is. Slow steps are listed with the host's time inside train_step
+    (launch): a long launch is a host stall; a long GPU time after a normal launch is the GPU or a peer."""
 
     SLOW = 1.2  # a step this many times its stage's median is flagged in the summary
     LISTED = 10  # slow steps listed one by one, slowest first
 
     def __init__(self, schedule: Schedule):
         self.schedule = schedule
-        self.by_stage: dict[int, list[tuple[float, int]]] = {}  # stage -> [(ms, step)]
+        self.by_stage: dict[int, list[int]] = {}  # stage -> steps
+        self.wall_ms: dict[int, float] = {}  # step -> host wall time
         self.launch_ms: dict[int, float] = {}  # step -> host ms inside train_step
         self.step = 0
         self.collections: list[tuple[float, int, int]] = []  # (ms, generation, step)
@@ -2012,9 +2018,9 @@ class StepTimes:
             self.collections.append((1000 * (time.perf_counter() - self._gc_started), info["generation"], self.step))
 
     def add(self, step: int, ms: float, launch_ms: float):
-        """Step `step` (1-based, as logged) took `ms`, of which `launch_ms` were spent issuing its work."""
-        self.by_stage.setdefault(self.schedule.stage(step - 1), []).append((ms, step))
-        self.launch_ms[step] = launch_ms
+        """Step `step` (1-based, as logged) took `ms` of wall time, of which `launch_ms` were spent issuing its work."""
+        self.by_stage.setdefault(self.schedule.stage(step - 1), []).append(step)
+        self.wall_ms[step], self.launch_ms[step] = ms, launch_ms
         self.step = step + 1
 
     def close(self):
@@ -2023,19 +2029,25 @@ class StepTimes:
 
     def summary(self, gpu_ms: dict[int, float]) -> list[str]:
         lines, slow_steps = [], []
-        for stage, times in sorted(self.by_stage.items()):
-            median = float(np.median([ms for ms, _ in times]))
-            launch = float(np.median([self.launch_ms[step] for _, step in times]))
-            gpu = [gpu_ms[step] for _, step in times if step in gpu_ms]
-            slowest, at = max(times)
-            slow = [(ms / median, ms, step) for ms, step in times if ms > self.SLOW * median]
-            slow_steps += slow
-            lines.append(f"step times, stage {stage}: {len(times)} steps, median {median:.1f} ms, slowest {slowest:.1f} "
-                         f"ms at step {at} ({slowest / median:.2f}x); {len(slow)} over {self.SLOW}x the median; "
-                         f"median launch {launch:.1f} ms" + (f", GPU {np.median(gpu):.1f} ms" if gpu else ""))
-        for ratio, ms, step in sorted(slow_steps, reverse=True)[: self.LISTED]:
-            lines.append(f"slow step {step}: {ms:.1f} ms ({ratio:.2f}x its stage median), launch "
-                         f"{self.launch_ms[step]:.1f} ms" + (f", GPU {gpu_ms[step]:.1f} ms" if step in gpu_ms else ""))
+        for stage, steps in sorted(self.by_stage.items()):
+            # the first step after the warm-up and after each validation has no GPU time and is left out
+            timed = [step for step in steps if step in gpu_ms]
+            judge, what = (gpu_ms, "GPU") if timed else (self.wall_ms, "wall")
+            timed = timed or steps
+            median = float(np.median([judge[step] for step in timed]))
+            at = max(timed, key=judge.get)
+            slow = [(judge[step] / median, step) for step in timed if judge[step] > self.SLOW * median]
+            slow_steps += [(ratio, step, what) for ratio, step in slow]
+            line = (f"step times, stage {stage}: {len(steps)} steps, {what} median {median:.1f} ms, slowest "
+                    f"{judge[at]:.1f} ms at step {at} ({judge[at] / median:.2f}x); {len(slow)} over {self.SLOW}x the median")
+            if judge is gpu_ms:
+                wall = float(np.median([self.wall_ms[step] for step in steps]))
+                at_wall = max(steps, key=self.wall_ms.get)
+                line += f"; wall median {wall:.1f} ms, slowest {self.wall_ms[at_wall] / wall:.2f}x"
+            lines.append(line + f"; median launch {np.median([self.launch_ms[step] for step in steps]):.1f} ms")
+        for ratio, step, what in sorted(slow_steps, reverse=True)[: self.LISTED]:
+            lines.append(f"slow step {step}: {ratio:.2f}x its stage's {what} median; wall {self.wall_ms[step]:.1f} ms, "
+                         f"launch {self.launch_ms[step]:.1f} ms" + (f", GPU {gpu_ms[step]:.1f} ms" if step in gpu_ms else ""))
         if self.collections:
             longest, generation, step = max(self.collections)
             lines.append(f"garbage collections after the warm-up: {len(self.collections)}, "
