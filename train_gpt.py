@@ -2295,8 +2295,13 @@ def train(cfg: Config, comm: Comm, log: RunLog) -> TrainResult:
     for reason in recompiles.new_reasons():  # validation graphs, if any slipped past the warm-up
         log(f"warning: recompiled in the timed region: {reason}")
     log(f"graphs compiled in the timed region: {recompiles.since_warm_up()}")
-    for line in step_times.summary(watch.gpu_ms):
-        log(line)
+    summaries = [step_times.summary(watch.gpu_ms)]
+    if comm.distributed:  # a pause on one rank shows on the others as GPU time spent waiting in a collective
+        summaries = [None] * comm.world_size
+        dist.all_gather_object(summaries, step_times.summary(watch.gpu_ms))
+    for rank, lines in enumerate(summaries):
+        for line in lines:
+            log(line if rank == 0 else f"rank {rank}: {line}")
     if device.type == "cuda":
         log(f"peak memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "
             f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")

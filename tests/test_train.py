@@ -424,6 +424,7 @@ def test_two_process_gloo_smoke_run(tiny_data, tmp_path):
     # 4 steps over the tiny preset's 3 stages: steps 1-2, 3 and 4
     counts = re.findall(r"^step times, stage (\d): (\d) steps, wall median [\d.]+ ms, slowest [\d.]+ ms at step \d", log, re.M)
     assert counts == [("0", "2"), ("1", "1"), ("2", "1")]
+    assert re.findall(r"^rank 1: step times, stage (\d): (\d) steps, wall median", log, re.M) == counts
 
 
 def test_step_times_flag_slow_steps_per_stage_and_time_garbage_collections():
