@@ -1419,8 +1419,9 @@ def bos_aligned_batches(paths: list[str], length: int, max_doc_len: int, repeat:
 
     The text of a document past max_doc_len is dropped; so is the tail of each shard. With `repeat`,
     the shards start over when they run out, and on_new_pass(number) is called. The next shard is mapped
-    and indexed on a helper thread while this one is read: done in line, the first read of a shard's pages
-    (46 ms for 16M tokens on a 2-core CPU) outlasted the loader's lead and stalled a step (1xH100 logs).
+    and indexed on a helper thread while this one is read. Done in line, a shard's first read (46 ms for 16M
+    tokens on a 2-core CPU, about 6x that for a 100M-token FineWeb shard) paused the host: on 1xH100 one step
+    took 296 ms of wall time for 246 ms of GPU time, and a pause longer than the host's lead idles the GPU.
     """
     def shard_order():
         for number in range(1, sys.maxsize if repeat else 2):
@@ -1994,7 +1995,8 @@ class StepTimes:
     On a GPU a step is judged by its GPU time (LossWatch.gpu_ms: from the previous step's end to its own, idle
     gaps included), the time it held up training. The host's wall time per step is shown beside it but judges
     nothing: the host runs ahead of the GPU, so a host pause that the lead absorbs makes one step long and the
-    next one short by as much (1xH100: steps 51 and 52 took 289 and 192 ms of wall time, 241.6 and 240 of GPU).
+    next one short by as much (1xH100: steps 51 and 52 took 289 and 192 ms of wall time, step 51 241.6 ms of GPU
+    time against a median of 240.2).
     Without a GPU the wall time is all there is. Slow steps are listed with the host's time inside train_step
     (launch): a long launch is a host stall; a long GPU time after a normal launch is the GPU or a peer."""
 
