@@ -1451,10 +1451,11 @@ def bos_aligned_batches(paths: list[str], length: int, max_doc_len: int, repeat:
                     break
                 produced = True
                 yield tokens, spans
-            if not produced and (following is None or following[0] > current[0]):
+            pass_ends = following is None or following[0] > current[0]
+            if pass_ends and not produced:
                 raise DataError(f"no batch of {length} tokens could be built from {paths[0]}...: the shards need "
                                 f"documents that start with the BOS token {BOS_TOKEN}")
-            if following is not None and following[0] > current[0] and on_new_pass is not None:
+            if pass_ends and following is not None and on_new_pass is not None:
                 on_new_pass(following[0])
             current = following
 
@@ -2043,9 +2044,8 @@ class StepTimes:
             line = (f"step times, stage {stage}: {len(steps)} steps, {what} median {median:.1f} ms, slowest "
                     f"{judge[at]:.1f} ms at step {at} ({judge[at] / median:.2f}x); {len(slow)} over {self.SLOW}x the median")
             if judge is gpu_ms:
-                wall = float(np.median([self.wall_ms[step] for step in steps]))
-                at_wall = max(steps, key=self.wall_ms.get)
-                line += f"; wall median {wall:.1f} ms, slowest {self.wall_ms[at_wall] / wall:.2f}x"
+                wall = [self.wall_ms[step] for step in steps]
+                line += f"; wall median {np.median(wall):.1f} ms, slowest {max(wall) / np.median(wall):.2f}x"
             lines.append(line + f"; median launch {np.median([self.launch_ms[step] for step in steps]):.1f} ms")
         for ratio, step, what in sorted(slow_steps, reverse=True)[: self.LISTED]:
             lines.append(f"slow step {step}: {ratio:.2f}x its stage's {what} median; wall {self.wall_ms[step]:.1f} ms, "
@@ -2299,8 +2299,8 @@ def train(cfg: Config, comm: Comm, log: RunLog) -> TrainResult:
     log(f"graphs compiled in the timed region: {recompiles.since_warm_up()}")
     summaries = [step_times.summary(watch.gpu_ms)]
     if comm.distributed:  # a pause on one rank shows on the others as GPU time spent waiting in a collective
-        summaries = [None] * comm.world_size
-        dist.all_gather_object(summaries, step_times.summary(watch.gpu_ms))
+        own, summaries = summaries[0], [None] * comm.world_size
+        dist.all_gather_object(summaries, own)
     for rank, lines in enumerate(summaries):
         for line in lines:
             log(line if rank == 0 else f"rank {rank}: {line}")
