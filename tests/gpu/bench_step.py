@@ -147,19 +147,21 @@ def trace_summary(trace: dict, steps: int) -> list[str]:
             contexts = launched_from.setdefault(e["name"], {})
             context = host_context(launch)
             contexts[context] = contexts.get(context, 0.0) + e["dur"]
+    def main_context(name: str) -> tuple[str, float]:
+        """The host op behind most of a kernel's GPU time, and that time."""
+        return max(launched_from[name].items(), key=lambda item: item[1])
+
     lines.append("longest kernels (ms per step, launches per step" + (", and the host op that launched most of "
                  "the time)" if launched_from else "):"))
     for name, (us, count) in sorted(kernels.items(), key=lambda item: -item[1][0])[:40]:
         lines.append(f"  {per_step(us):8.2f} {count // steps:6d}x  {name[:100]}")
         if name in launched_from:
-            context, context_us = max(launched_from[name].items(), key=lambda item: item[1])
+            context, context_us = main_context(name)
             lines.append(f"  {'':16}<- {context} ({100 * context_us / us:.0f}%)")
     small = [(us, name) for name, (us, _) in kernels.items() if kernel_kind(name) in ("other", "memcpy/memset")]
     lines.append("kernels of kind 'other' and memcpy/memset (ms per step):")
     for us, name in sorted(small, reverse=True)[:12]:
-        lines.append(f"  {per_step(us):8.2f}  {name[:100]}"
-                     + (f"  <- {max(launched_from[name].items(), key=lambda item: item[1])[0]}"
-                        if name in launched_from else ""))
+        lines.append(f"  {per_step(us):8.2f}  {name[:100]}" + (f"  <- {main_context(name)[0]}" if name in launched_from else ""))
     return lines
 
 

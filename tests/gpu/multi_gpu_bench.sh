@@ -47,7 +47,7 @@ if [ "$what" = all ]; then
     timeout 200 torchrun --nproc_per_node=2 --master_port=29601 train_gpt.py "${data[@]}" --run_id=plain2 \
         > "$OUT/plain2.stdout" 2>&1
     echo "== plain 2-GPU run: exit $? after $((SECONDS - start))s"
-    grep -E "^compile_time|val_loss|^step times|^slow step|^final weights" "$OUT/plain2.stdout"
+    grep -E "^compile_time|val_loss|^(rank [0-9]+: )?(step times|slow step)|^final weights" "$OUT/plain2.stdout"
 fi
 
 [ "$what" = bench ] && exit 0
