@@ -115,3 +115,13 @@ def unquantised_head_reference(x, weight, targets, cap: float, grad_loss):
 def relative_error(got, ref) -> float:
     """||got - ref|| / ||ref||, in float64 (ref is a float64 reference)."""
     return ((got.double() - ref).norm() / ref.norm()).item()
+
+
+def cu_seqlens_of(tokens):
+    """What the loader hands the attention backends for one micro-batch: the document starts (every BOS,
+    and position 0) followed by the length."""
+    import torch
+    starts = torch.nonzero(tokens == BOS).flatten().tolist()
+    if not starts or starts[0] != 0:
+        starts = [0] + starts
+    return torch.tensor(starts + [len(tokens)], dtype=torch.int32, device=tokens.device)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import train_gpt as tg
-from helpers import BOS, run_on_ranks
+from helpers import BOS, cu_seqlens_of, run_on_ranks
 
 ROWS, DIM, STEPS = 64, 128, 3
 
@@ -41,7 +41,7 @@ def test_tiny_model_uses_the_bigram_table():
     model.lm_head.weight.data.normal_()  # a zero head would give every earlier weight zero gradient
     tokens = torch.randint(0, 1000, (256,), dtype=torch.int32)
     bigrams = torch.from_numpy(tg.bigram_hash(tokens.numpy(), cfg.bigram_rows))
-    masks = model.prepare_masks(tokens, None, (16, 32))
+    masks = model.prepare_masks(tokens, cu_seqlens_of(tokens), (16, 32))
     model.prepare_grads()  # the tables' gradients arrive as sparse rows added into these dense zeros
     model(tokens, tokens.long(), masks, bigrams).backward()
     grad_rows = model.bigram_embed.weight.grad.abs().sum(1).nonzero().flatten()

@@ -60,7 +60,7 @@ def test_outer_step_matches_hand_computation(lr, momentum):
         run.__enter__()
         try:
             for _ in range(4):
-                tg.train_step(model, optimizers, batches, (32, 64), micro_batches=1)
+                tg.train_step(model, optimizers, batches, (32, 64), forwards=1)
                 after.append({name: p.detach().clone() for name, p in model.named_parameters()})
         finally:
             batches.close()

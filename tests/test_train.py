@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import train_gpt as tg
-from helpers import BOS, REPO, learnable_documents, run_on_ranks, write_shard
+from helpers import BOS, REPO, cu_seqlens_of, learnable_documents, run_on_ranks, write_shard
 
 STEP_LINE = re.compile(r"^step:(\d+)/(\d+)( val_loss:(\S+))? train_time:(\d+)ms step_avg:(\S+)ms( train_loss:\S+)?$")
 
@@ -251,7 +251,7 @@ def random_attention_inputs(T=128, H=2, D=16, seed=0):
 def test_sdpa_path_matches_naive_reference(window):
     tokens, q, k, v = random_attention_inputs(seed=window)
     backend = tg.SdpaAttention()
-    mask = backend.prepare(tokens, None, {"S": window})["S"]
+    mask = backend.prepare(tokens, cu_seqlens_of(tokens), {"S": window})["S"]
     got = backend(q, k, v, mask)
     ref = naive_attention(q, k, v, tokens, window)
     assert torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-5)
@@ -261,7 +261,8 @@ def test_flex_path_matches_sdpa_path():
     tokens, q, k, v = random_attention_inputs(T=512, seed=1)
     sdpa, flex = tg.SdpaAttention(), tg.FlexAttention(512, torch.device("cpu"))
     windows = {"S": 100, "L": 384}
-    sdpa_masks, flex_masks = sdpa.prepare(tokens, None, windows), flex.prepare(tokens, None, windows)
+    cu = cu_seqlens_of(tokens)
+    sdpa_masks, flex_masks = sdpa.prepare(tokens, cu, windows), flex.prepare(tokens, cu, windows)
     for kind in windows:
         assert torch.allclose(flex(q, k, v, flex_masks[kind]), sdpa(q, k, v, sdpa_masks[kind]), atol=1e-5)
 
@@ -287,7 +288,7 @@ def test_flex_block_lists_equal_create_block_mask(window, documents):
     tokens[256:640] = 7  # one document spanning whole blocks, so full blocks appear
     tokens[256] = BOS
     flex = tg.FlexAttention(T, torch.device("cpu"))
-    ours = flex.prepare(tokens, None, {"S": window})["S"]
+    ours = flex.prepare(tokens, cu_seqlens_of(tokens), {"S": window})["S"]
     reference = create_block_mask(flex.mask_mods["S"], None, None, T, T, device="cpu")
     assert torch.equal(dense_blocks(ours.kv_num_blocks, ours.kv_indices),
                        dense_blocks(reference.kv_num_blocks, reference.kv_indices))
@@ -302,12 +303,13 @@ def test_flex_masks_keep_their_tensors_across_micro_batches():
     and hold what masks made afresh would."""
     T = 1024
     flex = tg.FlexAttention(T, torch.device("cpu"))
-    first = flex.prepare(random_attention_inputs(T=T, seed=2)[0], None, {"S": 100, "L": 300})
+    other = random_attention_inputs(T=T, seed=2)[0]
+    first = flex.prepare(other, cu_seqlens_of(other), {"S": 100, "L": 300})
     addresses = {kind: [t.data_ptr() for t in flex._mask_tensors(mask)] for kind, mask in first.items()}
     tokens = random_attention_inputs(T=T, seed=3)[0]
     windows = {"S": 200, "L": 640}
-    second = flex.prepare(tokens, None, windows)
-    fresh = tg.FlexAttention(T, torch.device("cpu")).prepare(tokens, None, windows)
+    second = flex.prepare(tokens, cu_seqlens_of(tokens), windows)
+    fresh = tg.FlexAttention(T, torch.device("cpu")).prepare(tokens, cu_seqlens_of(tokens), windows)
     for kind in windows:
         assert [t.data_ptr() for t in flex._mask_tensors(second[kind])] == addresses[kind]
         for ours, reference in zip(flex._mask_tensors(second[kind]), flex._mask_tensors(fresh[kind])):
@@ -337,10 +339,10 @@ def test_fa3_path_passes_documents_and_window():
 
     tokens, q, k, v = random_attention_inputs(seed=2)
     slot = tg._Slot(128, pin=False)
-    slot.fill(np.concatenate([tokens.numpy(), [0]]).astype(np.uint16))
+    slot.fill([np.concatenate([tokens.numpy(), [0]]).astype(np.uint16)])
     fa3, sdpa = tg.FlashAttention3(FakeModule), tg.SdpaAttention()
     got = fa3(q, k, v, fa3.prepare(tokens, slot.cu_seqlens, {"S": 9})["S"])
-    want = sdpa(q, k, v, sdpa.prepare(tokens, None, {"S": 9})["S"])
+    want = sdpa(q, k, v, sdpa.prepare(tokens, cu_seqlens_of(tokens), {"S": 9})["S"])
     assert torch.allclose(got, want, atol=1e-5)
 
 
@@ -393,7 +395,7 @@ def test_warm_up_restores_the_initial_model(tiny_data):
     model.lm_head.weight.data.normal_()  # non-zero head, so the warm-up's steps change every weight
     before = {k: v.clone() for k, v in model.state_dict().items()}
     optimizers = tg.build_optimizers(model, cfg)
-    tg.warm_up(model, optimizers, cfg, tg.Comm(), tg.Schedule(cfg), torch.device("cpu"))
+    tg.warm_up(model, optimizers, cfg, tg.Comm(), tg.Schedule(cfg), torch.device("cpu"), packed=1)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert all(p.grad is None for p in model.parameters())
     assert all(not opt.state for opt in optimizers)
@@ -473,6 +475,80 @@ def test_world_size_1_and_2_give_the_same_losses(tiny_data, tmp_path):
     np.testing.assert_allclose(two[0], single, rtol=1e-5)
 
 
+def test_packed_forwards_train_as_separate_ones(tiny_data, tmp_path):
+    """Micro-batches packed into one forward (--forward_micro_batches; auto packs up to 4 where the counts allow)
+    give the training and validation losses of one forward each, at 1 process and at 2, and the logs say
+    how many were packed. Validation chunks do not start at a BOS: packed, each must still see only its own
+    tokens."""
+    cfg = tiny_config(*tiny_data, num_iterations=3, val_loss_every=3, log_dir=str(tmp_path), micro_batch_tokens=128)
+    results = {}
+    for packed in (1, 2, 4):
+        run_cfg = dataclasses.replace(cfg, forward_micro_batches=packed, run_id=f"packed{packed}")
+        results[packed] = tg.train(run_cfg, tg.Comm(), tg.RunLog(run_cfg, tg.Comm()))
+        log = (tmp_path / f"packed{packed}.txt").read_text()
+        assert f"{packed} micro-batch(es) of 128 tokens per forward" in log
+    two = run_on_ranks(_train_and_validate_on_rank, 2, dataclasses.replace(cfg, forward_micro_batches=0, run_id="two"))
+    assert "world size 2, 4 micro-batch(es) of 128 tokens per forward" in (tmp_path / "two.txt").read_text()
+    separate = results[1]
+    assert len(separate.train_losses) == 3 and len(separate.val_losses) == 2
+    for train_losses, val_losses in [(r.train_losses, r.val_losses) for r in (results[2], results[4])] + [two[0]]:
+        np.testing.assert_allclose(train_losses, separate.train_losses, rtol=1e-5)
+        assert [step for step, _ in val_losses] == [step for step, _ in separate.val_losses]
+        np.testing.assert_allclose([v for _, v in val_losses], [v for _, v in separate.val_losses], rtol=1e-5)
+
+
+def test_a_packed_forward_computes_the_losses_of_separate_ones(tiny_data):
+    """Two validation chunks (the second starts mid-document) in one forward against one forward each, with random
+    weights so that attention carries signal: the same mean loss. A packed forward must not let the second
+    chunk attend to the first."""
+    cfg = tiny_config(*tiny_data, micro_batch_tokens=128)
+    torch.manual_seed(0)
+    model = tg.GPT(cfg, tg.SdpaAttention(), torch.float32, forward_micro_batches=2)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.normal_(0, 0.1)
+    windows = list(tg.val_batches_for_rank(tg.shard_paths(cfg.val_files, "val_files"), cfg, tg.Comm()))[:2]
+    assert windows[1][0] != BOS  # the second chunk starts mid-document
+    losses = {}
+    for packed in (1, 2):
+        batches = tg.Prefetcher(iter(windows), 128, torch.device("cpu"), bigram_rows=cfg.bigram_rows, packed=packed)
+        try:
+            with torch.no_grad():
+                losses[packed] = sum(tg.forward_loss(model, batches.next(), (64, 128)).item()
+                                     for _ in range(2 // packed)) / (2 // packed)
+        finally:
+            batches.close()
+    assert losses[2] == pytest.approx(losses[1], rel=1e-6)
+
+
+def _train_and_validate_on_rank(rank, world_size, cfg):
+    comm = tg.Comm(rank, world_size)
+    result = tg.train(cfg, comm, tg.RunLog(cfg, comm))
+    return result.train_losses, result.val_losses
+
+
+def test_forward_micro_batches_must_divide_the_counts(tiny_data):
+    cfg = tiny_config(*tiny_data, forward_micro_batches=3)
+    with pytest.raises(tg.UserError, match=r"--forward_micro_batches=3 must divide the micro-batches per rank at 1 "
+                                           r"process\(es\) \(stage 0: 8, stage 1: 8, stage 2: 16, validation: 8\)"):
+        tg.resolve_forward_micro_batches(cfg, 1)
+    assert tg.resolve_forward_micro_batches(dataclasses.replace(cfg, forward_micro_batches=0), 1) == 4
+    assert tg.resolve_forward_micro_batches(dataclasses.replace(cfg, forward_micro_batches=0, batch_schedule="8,8,24"), 8) == 1
+
+
+def test_out_of_memory_in_the_warm_up_names_the_flags(tiny_data, tmp_path, monkeypatch, capsys):
+    def out_of_memory(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail")
+    monkeypatch.setattr(tg, "warm_up", out_of_memory)
+    train, val = tiny_data
+    assert tg.main(["--device=cpu", "--preset=tiny", f"--train_files={train}", f"--val_files={val}",
+                    f"--log_dir={tmp_path}"]) == 1
+    assert capsys.readouterr().err.strip() == (
+        "error: out of GPU memory in the warm-up, with 4 micro-batch(es) of 256 tokens per forward (CUDA out of "
+        "memory. Tried to allocate 2.00 GiB): lower --forward_micro_batches or --micro_batch_tokens")
+
+
 def test_row_embedding_grads_equal_dense_ones(tiny_data, tmp_path):
     """--row_embedding_grads=1 (sparse rows added into a kept dense .grad) against the default dense
     gradients: the same table gradients after two micro-batches, and the same losses over three steps
@@ -492,7 +568,7 @@ def test_row_embedding_grads_equal_dense_ones(tiny_data, tmp_path):
         model.prepare_grads()
         try:
             for _ in range(2):
-                tg.micro_batch_loss(model, batches.next(), (32, 64)).backward()
+                tg.forward_loss(model, batches.next(), (32, 64)).backward()
         finally:
             batches.close()
         assert all(not p.grad.is_sparse for p in model.embedding_tables())

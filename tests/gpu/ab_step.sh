@@ -2,7 +2,8 @@
 # One device call for a speed change (repo root), results in $OUT:
 #   OUT=/some/dir [TESTS="-k softcapped"] [STEPS=6] bash tests/gpu/ab_step.sh "FLAGS_A" "FLAGS_B" ...
 # Runs the GPU numerics tests (pytest arguments in TESTS; TESTS=skip skips them), then tests/gpu/bench_step.py once
-# per quoted flag set, in order, on one machine with one inductor cache, and prints each run's compile time and
+# per quoted flag set, in order, on one machine with one inductor cache (NAME=value words in a set are environment
+# settings for that run), and prints each run's compile time and
 # per-stage line (median ms, slowest/median, tokens/s, MFU, phases) and profile summary. Example, the A/B of the
 # Triton kernels: bash tests/gpu/ab_step.sh "--triton_kernels=1" "--triton_kernels=0"
 # With .bench/ carried (copies of ../shared/bench) the steps read the bench stream, else random tokens. The
@@ -24,11 +25,14 @@ fi
 n=0
 for flags in "$@"; do
     n=$((n + 1))
-    # shellcheck disable=SC2086  # each argument is a list of flags
-    timeout "${RUN_LIMIT_S:-170}" python3 tests/gpu/bench_step.py --bench_steps="${STEPS:-6}" "${data[@]}" $flags \
-        > "$OUT/ab_$n.txt" 2>&1
+    settings=() options=()
+    for word in $flags; do  # leading NAME=value words are environment settings, the rest flags
+        if [[ $word =~ ^[A-Z_][A-Z0-9_]*= ]]; then settings+=("$word"); else options+=("$word"); fi
+    done
+    env "${settings[@]}" timeout "${RUN_LIMIT_S:-170}" python3 tests/gpu/bench_step.py --bench_steps="${STEPS:-6}" \
+        "${data[@]}" "${options[@]}" > "$OUT/ab_$n.txt" 2>&1
     echo "== [$n] $flags (exit $?)"
-    grep -E "^compile_time|^data|^ +[0-9]+ +[0-9]+ +\(|^graphs|Error|error:" "$OUT/ab_$n.txt"
+    grep -E "^compile_time|^data|per forward|^ +[0-9]+ +[0-9]+ +\(|^graphs|Error|error:" "$OUT/ab_$n.txt"
     sed -n '/^profile/,$p' "$OUT/ab_$n.txt" | grep -E "^profile|GPU span|^ +[0-9.]+ +[0-9.]+%" | head -"${PROFILE_LINES:-30}"
 done
 if [ "${PACK_CACHE:-1}" = 1 ]; then

@@ -26,8 +26,10 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train_gpt as tg  # noqa: E402
 from bench_optimizers import kernel_median_ms as median_ms  # noqa: E402
+from helpers import cu_seqlens_of  # noqa: E402
 
 OPTION_SETS = [
     {},
@@ -60,7 +62,7 @@ def main():
     tokens = micro_batch_tokens(cfg)
     schedule = tg.Schedule(cfg)
     windows = schedule.stage_windows[-1]
-    masks = attend.prepare(tokens, None, {"S": windows[0], "L": windows[1]})
+    masks = attend.prepare(tokens, cu_seqlens_of(tokens), {"S": windows[0], "L": windows[1]})
     torch.manual_seed(0)
     q, k, v = (tg.rms_norm(torch.randn(1, heads, T, head_dim, device="cuda")).to(torch.bfloat16) for _ in range(3))
     q = (q * 0.12).requires_grad_()

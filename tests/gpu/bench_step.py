@@ -210,26 +210,28 @@ def main() -> int:
         else:
             source, data = "random tokens (no --train_files found)", tg.dummy_batches(cfg, seed=cfg.seed + 100 + comm.rank)
         say(f"data: {source}")
-        batches = tg.Prefetcher(data, cfg.micro_batch_tokens, device, bigram_rows=cfg.bigram_rows)
+        batches = tg.Prefetcher(data, cfg.micro_batch_tokens, device, bigram_rows=cfg.bigram_rows, packed=trainer.packed)
         peak = peak_flops(device)
         cuda = device.type == "cuda"  # the CPU runs it too, as a smoke test of this script
         synchronize = torch.cuda.synchronize if cuda else (lambda: None)
         marks = EventMarks() if cuda else None
         if cuda and os.environ.get("BENCH_SYNC_DEBUG") == "1":
             torch.cuda.set_sync_debug_mode("warn")
+        say(f"{trainer.packed} micro-batch(es) of {cfg.micro_batch_tokens} tokens per forward")
         say(f"{'stage':>5} {'micro':>5} {'windows':>11} {'step ms':>8} {'max/med':>7} {'tok/s':>10} {'MFU':>6}  "
             "phase split (ms per step)")
         try:
             for stage in range(len(schedule.batches)):
                 step = next(s for s in range(cfg.num_iterations) if schedule.stage(s) == stage)  # its first step
                 windows, micro = schedule.windows(step), schedule.micro_batches(step) // comm.world_size
+                forwards = trainer.forwards(step, comm.world_size)
                 times, splits = [], []
                 for i in range(3 + steps):
                     synchronize()
                     clock = time.perf_counter()
                     if marks:
                         marks.start()
-                    tg.train_step(model, optimizers, batches, windows, micro, mark=marks)
+                    tg.train_step(model, optimizers, batches, windows, forwards, mark=marks)
                     synchronize()
                     if i >= 3:
                         times.append(1000 * (time.perf_counter() - clock))
@@ -254,7 +256,7 @@ def main() -> int:
                     torch.cuda.synchronize()
                     clock = time.perf_counter()
                     for _ in range(profiled_steps):
-                        tg.train_step(model, optimizers, batches, windows, micro)
+                        tg.train_step(model, optimizers, batches, windows, forwards)
                     torch.cuda.synchronize()
                     wall_ms = 1000 * (time.perf_counter() - clock)
                 what = "GPU only" if len(activities) == 1 else "host and GPU"

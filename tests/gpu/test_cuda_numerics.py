@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import train_gpt as tg
-from helpers import relative_error
+from helpers import cu_seqlens_of, relative_error
 from test_train import random_attention_inputs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -20,12 +20,12 @@ def test_compiled_flex_attention_matches_float64(window):
     flex = tg.FlexAttention(T, torch.device("cuda"))
     attend = torch.compile(lambda q, k, v, mask: flex(q, k, v, mask), fullgraph=True)
     qkv = [t.cuda().requires_grad_() for t in (q, k, v)]
-    out = attend(*qkv, flex.prepare(tokens.cuda(), None, {"S": window})["S"])
+    out = attend(*qkv, flex.prepare(tokens.cuda(), cu_seqlens_of(tokens.cuda()), {"S": window})["S"])
     out.float().square().sum().backward()
 
     ref_qkv = [t.double().requires_grad_() for t in (q, k, v)]
     sdpa = tg.SdpaAttention()
-    ref = sdpa(*ref_qkv, sdpa.prepare(tokens, None, {"S": window})["S"])
+    ref = sdpa(*ref_qkv, sdpa.prepare(tokens, cu_seqlens_of(tokens), {"S": window})["S"])
     ref.square().sum().backward()
     assert relative_error(out.cpu(), ref.detach()) < 1e-2
     for got, want in zip(qkv, ref_qkv):
@@ -81,7 +81,7 @@ def test_gpu_bf16_loss_matches_cpu_fp32():
     losses = []
     for model, device in ((cpu_model, "cpu"), (gpu_model, "cuda")):
         x, y = inputs.to(device), targets.to(device)
-        losses.append(model(x, y, model.prepare_masks(x, None, (128, 256)), bigrams.to(device)).item())
+        losses.append(model(x, y, model.prepare_masks(x, cu_seqlens_of(x), (128, 256)), bigrams.to(device)).item())
     assert abs(losses[1] - losses[0]) / losses[0] < 1e-2, losses
 
 
@@ -172,7 +172,7 @@ def test_row_embedding_grads_match_dense_ones_on_the_gpu():
             tokens, *_ = random_attention_inputs(T=1025, seed=seed)
             x, y = tokens[:-1].cuda(), tokens[1:].long().cuda()
             bigrams = torch.from_numpy(tg.bigram_hash(tokens[:-1].numpy(), cfg.bigram_rows)).cuda()
-            model(x, y, model.prepare_masks(x, None, (128, 256)), bigrams).backward()
+            model(x, y, model.prepare_masks(x, cu_seqlens_of(x), (128, 256)), bigrams).backward()
         grads[rows] = [p.grad.double().cpu() for p in model.embedding_tables()]
     for dense, sparse in zip(grads[False], grads[True]):
         assert dense.abs().sum() > 0
