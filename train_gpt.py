@@ -156,6 +156,8 @@ PRESETS = {
         num_iterations=24, val_loss_every=8, val_tokens=2048, compile=False,
         muon_momentum_warmup=8, muon_momentum_cooldown=4, bigram_rows=4096,
         fp8_head=False,  # a CPU only emulates FP8, at about twice the test time; tests turn it on where needed
+        # Packing pays on GPUs; SDPA's dense mask grows with the square of the forward's length (tests pack on purpose)
+        forward_micro_batches=1,
     ),
 }
 
@@ -585,7 +587,7 @@ def current_rank_and_world() -> tuple[int, int]:
 
 class _LaunchWhenGradsReady:
     """The backward hooks DistAdam and Muon share. While armed (the training loop arms them for the last
-    micro-batch's backward), `launch(unit)` runs as soon as every parameter of a unit (an Adam bucket,
+    forward's backward), `launch(unit)` runs as soon as every parameter of a unit (an Adam bucket,
     a Muon group: anything with .params) has its gradient accumulated, so the unit's reduce-scatter
     overlaps the rest of the backward."""
 
@@ -693,7 +695,7 @@ class DistAdam(torch.optim.Optimizer):
     Communication schedule of one step, world size W > 1 (W = 1 sends nothing):
       1. reduce_scatter_tensor (average) of each bucket's gradient into this rank's shard, launched from
          a backward hook as soon as the bucket's last gradient is accumulated, when the training loop
-         armed the hooks (before_last_backward) for the last micro-batch; otherwise at step();
+         armed the hooks (before_last_backward) for the last forward; otherwise at step();
       2. in launch order, for each bucket: wait for its reduce-scatter, update the owned slice with one
          fused AdamW kernel, launch all_gather_into_tensor of the updated slice into the parameter;
       3. wait for every all-gather (and unpack packed buckets into their parameters).
@@ -733,8 +735,8 @@ class DistAdam(torch.optim.Optimizer):
 
     def before_last_backward(self, sparse_rows: dict | None = None):
         """Let the coming backward launch each bucket's reduce-scatter as soon as its gradients are done.
-        sparse_rows: {sparse parameter: the rows each of this rank's micro-batches of the step touched (a list
-        of sorted unique arrays)}; starts their counts exchange. Rows of other parameters are not looked at."""
+        sparse_rows: {sparse parameter: the rows each of this rank's forwards of the step touched (a list of
+        sorted unique arrays)}; starts their counts exchange. Rows of other parameters are not looked at."""
         self.grad_hooks.armed = True
         for p, row_lists in (sparse_rows or {}).items():
             if p in self.sparse_params:
@@ -891,7 +893,7 @@ class Muon(torch.optim.Optimizer):
       1. for every group of plan_muon_groups (stacked same-shape gradients), launch reduce_scatter_tensor
          (average): rank r receives the gradients of matrices [r*k, (r+1)*k) of the group. The launch
          comes from a backward hook as soon as the group's last gradient is accumulated, when the
-         training loop armed the hooks (before_last_backward) for the last micro-batch; otherwise at
+         training loop armed the hooks (before_last_backward) for the last forward; otherwise at
          step();
       2. for each group in order: wait, apply momentum to the owned matrices (momentum buffers exist only
          for those), orthogonalise them (QKVO matrices per projection), launch all_gather_into_tensor of
@@ -1101,10 +1103,10 @@ class FlexAttention:
     pair nearest in distance, which makes the block classification exact (see the test against
     create_block_mask). The mask functions for the partial blocks are created once and read the
     document ids and window sizes from tensors that `prepare` overwrites in place, so the compiled
-    blocks never see a new function; stream order keeps a micro-batch's backward ahead of the next
-    micro-batch's overwrite. The block masks are overwritten in place too: under CUDA graphs, torch
+    blocks never see a new function; stream order keeps a forward's backward ahead of the next
+    forward's overwrite. The block masks are overwritten in place too: under CUDA graphs, torch
     takes the forward's inputs that the backward keeps for fixed addresses, so masks made afresh for
-    each micro-batch had the backward graph recorded again and again (1xH100, torch 2.11: 21 recordings
+    each forward had the backward graph recorded again and again (1xH100, torch 2.11: 21 recordings
     in 6 steps, found with tests/gpu/why_rerecord.py).
     """
     name = "flex"
@@ -1326,7 +1328,7 @@ class GPT(nn.Module):
         """Before a step's first backward. With row_embedding_grads each table gets a zeroed dense .grad for
         its sparse gradients to be added into (autograd would make the first one itself the .grad). Under CUDA
         graphs every parameter does: a first gradient kept as .grad would live in the graph's memory, which
-        the next micro-batch's replay overwrites."""
+        the next forward's replay overwrites."""
         if self.replays_cuda_graphs:
             params = list(self.parameters())
         elif self.cfg.row_embedding_grads:
@@ -1337,8 +1339,8 @@ class GPT(nn.Module):
             p.grad = torch.zeros_like(p)
 
     def forward(self, tokens: Tensor, targets: Tensor, masks: dict, bigrams: Tensor | None = None) -> Tensor:
-        """Mean cross-entropy over one packed micro-batch: tokens, targets and bigram rows are [T]. Call
-        prepare_grads() before a step's first backward."""
+        """Mean cross-entropy over one forward's tokens (one or several packed micro-batches): tokens, targets
+        and bigram rows are [T]. Call prepare_grads() before a step's first backward."""
         sparse = self.cfg.row_embedding_grads
         token_rows = F.embedding(tokens, self.embed.weight, sparse=sparse)
         value_rows = [F.embedding(tokens, ve.weight, sparse=sparse) for ve in self.value_embeds]
@@ -1869,7 +1871,7 @@ class LossWatch:
 
 
 def forward_loss(model: GPT, batch: ForwardBatch, windows: tuple[int, int]) -> Tensor:
-    # Under CUDA graphs: everything the previous micro-batch returned has been used, so the graphs may
+    # Under CUDA graphs: everything the previous forward returned has been used, so the graphs may
     # reuse its memory (a no-op otherwise).
     torch.compiler.cudagraph_mark_step_begin()
     return model(batch.inputs, batch.targets, model.prepare_masks(batch.inputs, batch.cu_seqlens, windows), batch.bigrams)

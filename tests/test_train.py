@@ -543,7 +543,7 @@ def test_out_of_memory_in_the_warm_up_names_the_flags(tiny_data, tmp_path, monke
     monkeypatch.setattr(tg, "warm_up", out_of_memory)
     train, val = tiny_data
     assert tg.main(["--device=cpu", "--preset=tiny", f"--train_files={train}", f"--val_files={val}",
-                    f"--log_dir={tmp_path}"]) == 1
+                    f"--log_dir={tmp_path}", "--forward_micro_batches=0"]) == 1
     assert capsys.readouterr().err.strip() == (
         "error: out of GPU memory in the warm-up, with 4 micro-batch(es) of 256 tokens per forward (CUDA out of "
         "memory. Tried to allocate 2.00 GiB): lower --forward_micro_batches or --micro_batch_tokens")
