@@ -1488,6 +1488,11 @@ def train_batches_for_rank(paths: list[str], cfg: Config, comm: Comm, on_new_pas
             yield np.concatenate([tokens[start:end] for start, end in spans])
 
 
+def val_micro_batches_per_rank(cfg: Config, world_size: int) -> int:
+    """Validation micro-batches each rank scores: val_tokens in micro-batches, dealt to the ranks in turn."""
+    return cfg.val_tokens // cfg.micro_batch_tokens // world_size
+
+
 def val_batches_for_rank(paths: list[str], cfg: Config, comm: Comm):
     """Consecutive, unaligned chunks of the validation stream; the first val_tokens tokens are scored."""
     shards = [read_shard(path) for path in paths]
@@ -1519,6 +1524,13 @@ def max_documents(seq_len: int) -> int:
     # Fixed length of cu_seqlens so FA3 sees one shape; 16 tokens per document on average is far
     # below what real text has.
     return seq_len // 16 + 1
+
+
+def micro_batch_document_starts(inputs: np.ndarray) -> np.ndarray:
+    """Where the documents of one micro-batch start: at every BOS, and at position 0 even without one (a
+    validation chunk begins mid-document)."""
+    starts = np.flatnonzero(inputs == BOS_TOKEN)
+    return starts if len(starts) and starts[0] == 0 else np.insert(starts, 0, 0)
 
 
 @dataclass
@@ -1556,10 +1568,7 @@ class _Slot:
             self.targets.numpy()[offset:end] = window[1:]
             if self.bigram_rows:
                 self.bigrams.numpy()[offset:end] = bigram_hash(inputs, self.bigram_rows)
-            own = np.flatnonzero(inputs == BOS_TOKEN)
-            if len(own) == 0 or own[0] != 0:
-                own = np.insert(own, 0, 0)
-            starts.append(own + offset)
+            starts.append(micro_batch_document_starts(inputs) + offset)
             offset = end
         if self.bigram_rows:
             self.bigram_rows_used = np.unique(self.bigrams.numpy())
@@ -1934,7 +1943,7 @@ def evaluate(model: GPT, cfg: Config, comm: Comm, val_paths: list[str], windows:
     its loss is read."""
     batches = Prefetcher(val_batches_for_rank(val_paths, cfg, comm), cfg.micro_batch_tokens, device,
                          bigram_rows=cfg.bigram_rows, packed=packed)
-    count = cfg.val_tokens // cfg.micro_batch_tokens // comm.world_size // packed
+    count = val_micro_batches_per_rank(cfg, comm.world_size) // packed
     total = torch.zeros((), device=device)
     try:
         for _ in range(count):
@@ -2186,7 +2195,7 @@ def resolve_forward_micro_batches(cfg: Config, world_size: int) -> int:
     8). Past 4 the gain shrinks (1xH100: 4.7% from 1 to 2, 2.3% from 2 to 4) while the activations grow by
     7.4 GiB per micro-batch."""
     per_rank = {f"stage {i}": n // world_size for i, n in enumerate(_parse_stage_list(cfg, "batch_schedule", int))}
-    per_rank["validation"] = cfg.val_tokens // cfg.micro_batch_tokens // world_size
+    per_rank["validation"] = val_micro_batches_per_rank(cfg, world_size)
     if cfg.forward_micro_batches == 0:
         return next(k for k in (4, 2, 1) if all(n % k == 0 for n in per_rank.values()))
     uneven = [f"{name}: {n}" for name, n in per_rank.items() if n % cfg.forward_micro_batches]

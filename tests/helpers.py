@@ -118,10 +118,9 @@ def relative_error(got, ref) -> float:
 
 
 def cu_seqlens_of(tokens):
-    """What the loader hands the attention backends for one micro-batch: the document starts (every BOS,
-    and position 0) followed by the length."""
+    """What the loader hands the attention backends for one micro-batch: its document starts followed by its
+    length (unpadded)."""
     import torch
-    starts = torch.nonzero(tokens == BOS).flatten().tolist()
-    if not starts or starts[0] != 0:
-        starts = [0] + starts
+    import train_gpt as tg
+    starts = tg.micro_batch_document_starts(tokens.cpu().numpy()).tolist()
     return torch.tensor(starts + [len(tokens)], dtype=torch.int32, device=tokens.device)
