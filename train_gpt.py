@@ -98,9 +98,9 @@ class Config:
     # 0 turns it off. Its gradient rows travel sparsely between ranks unless sparse_bigram_comms=0.
     bigram_rows: int = 5 * 50304
     sparse_bigram_comms: bool = True
-    # Embedding tables (token, value, bigram) take only the rows a micro-batch touched, as sparse gradients
-    # added into a kept dense .grad, instead of a dense [rows, dim] gradient per micro-batch plus a dense
-    # accumulation; the lookups then run outside the compiled graph (1xH100: 2-3% faster steps).
+    # Embedding tables (token, value, bigram) add only the rows a forward touched into a kept dense .grad
+    # (_RowLookup), instead of a dense [rows, dim] gradient per forward plus a dense accumulation; the
+    # lookups then run outside the compiled graph (1xH100: 2-3% faster steps).
     row_embedding_grads: bool = True
     # batch: every micro-batch is micro_batch_tokens tokens, the unit of data and of the loss, and every
     # forward/backward packs the same number of them, so there is one compiled shape; the batch-size
@@ -549,6 +549,54 @@ def fp8_softcapped_head(x: Tensor, weight: Tensor, targets: Tensor, cap: float, 
     if use_triton is None:
         use_triton = x.is_cuda and triton is not None
     return _Fp8SoftcappedHead.apply(x, weight, targets, cap, use_triton).mean()
+
+
+if triton is not None:
+    @triton.jit
+    def _sorted_rows_add_kernel(Grads, SortedRows, Order, Out, T, dim, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr):
+        """Out[SortedRows[j]] += Grads[Order[j]] for CHUNK consecutive j of the row indices sorted (Order: their
+        positions in Grads). A run of equal rows is summed in registers and added with one atomic add."""
+        start = tl.program_id(0) * CHUNK
+        cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        col_ok = cols < dim
+        current = tl.load(SortedRows + start)
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for i in range(CHUNK):
+            j = start + i
+            if j < T:
+                row = tl.load(SortedRows + j)
+                if row != current:
+                    tl.atomic_add(Out + current.to(tl.int64) * dim + cols, acc, mask=col_ok, sem="relaxed")
+                    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+                    current = row
+                position = tl.load(Order + j).to(tl.int64)
+                acc += tl.load(Grads + position * dim + cols, mask=col_ok, other=0.0)
+        tl.atomic_add(Out + current.to(tl.int64) * dim + cols, acc, mask=col_ok, sem="relaxed")
+
+# 1xH100, one packed forward (65,536 bench-stream tokens; tests/gpu/bench_rows.py, 2026-11-24): 0.86 ms for the
+# token, five value and bigram tables, against 2.47 ms with index_add_; chunks of 16-64 and other blocks within 15%.
+ROWS_CHUNK, ROWS_BLOCK_D, ROWS_WARPS = 64, 512, 4
+
+
+def add_rows_(tables_grads: list[Tensor], indices: Tensor, row_grads: list[Tensor], use_triton: bool) -> None:
+    """tables_grads[i][indices[t]] += row_grads[i][t] for every position t: the gradient of looking the rows up.
+
+    torch's index_add_ (what a sparse embedding gradient added into a dense .grad runs) makes one atomic add
+    per position and column, many of them on the same rows: a frequent token appears thousands of times in
+    a forward. The kernel sorts the indices once for all tables and sums each run of equal rows before adding
+    it."""
+    if not use_triton:
+        for grad, rows in zip(tables_grads, row_grads):
+            grad.index_add_(0, indices, rows.to(grad.dtype))
+        return
+    sorted_rows, order = torch.sort(indices)
+    T = indices.numel()
+    for grad, rows in zip(tables_grads, row_grads):
+        rows = rows.float().contiguous()
+        dim = rows.size(1)
+        grid = (triton.cdiv(T, ROWS_CHUNK), triton.cdiv(dim, ROWS_BLOCK_D))
+        _sorted_rows_add_kernel[grid](rows, sorted_rows, order, grad, T, dim, CHUNK=ROWS_CHUNK,
+                                      BLOCK_D=ROWS_BLOCK_D, num_warps=ROWS_WARPS)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1265,6 +1313,31 @@ class Block(nn.Module):
         return x + self.mlp(rms_norm(x))
 
 
+class _RowLookup(torch.autograd.Function):
+    """The rows of one or more [rows, dim] tables at the same indices (the token table and the value-embedding
+    tables all look up the tokens). The backward adds each table's row gradients straight into its .grad
+    (add_rows_), which GPT.prepare_grads keeps dense over a step's forwards, and hands autograd no gradient
+    for the tables: no sparse tensor is made, and only the rows a forward touched cost anything. Their
+    optimizer sees those gradients at step(), not from a backward hook (they are the backward's last anyway)."""
+
+    @staticmethod
+    def forward(ctx, indices: Tensor, use_triton: bool, *tables: Tensor):
+        ctx.save_for_backward(indices)
+        ctx.tables, ctx.use_triton = tables, use_triton
+        return tuple(F.embedding(indices, table) for table in tables)
+
+    @staticmethod
+    def backward(ctx, *row_grads: Tensor):
+        indices, = ctx.saved_tensors
+        for table in ctx.tables:
+            if table.grad is None:
+                table.grad = torch.zeros_like(table)
+        grads = [table.grad for table in ctx.tables]
+        use_triton = ctx.use_triton and all(grad.dtype == torch.float32 for grad in grads)
+        add_rows_(grads, indices, row_grads, use_triton)
+        return (None, None) + (None,) * len(ctx.tables)
+
+
 class GPT(nn.Module):
     def __init__(self, cfg: Config, attend, compute_dtype: torch.dtype, forward_micro_batches: int = 1):
         super().__init__()
@@ -1326,7 +1399,7 @@ class GPT(nn.Module):
 
     def prepare_grads(self):
         """Before a step's first backward. With row_embedding_grads each table gets a zeroed dense .grad for
-        its sparse gradients to be added into (autograd would make the first one itself the .grad). Under CUDA
+        its row gradients to be added into. Under CUDA
         graphs every parameter does: a first gradient kept as .grad would live in the graph's memory, which
         the next forward's replay overwrites."""
         if self.replays_cuda_graphs:
@@ -1341,12 +1414,16 @@ class GPT(nn.Module):
     def forward(self, tokens: Tensor, targets: Tensor, masks: dict, bigrams: Tensor | None = None) -> Tensor:
         """Mean cross-entropy over one forward's tokens (one or several packed micro-batches): tokens, targets
         and bigram rows are [T]. Call prepare_grads() before a step's first backward."""
-        sparse = self.cfg.row_embedding_grads
-        token_rows = F.embedding(tokens, self.embed.weight, sparse=sparse)
-        value_rows = [F.embedding(tokens, ve.weight, sparse=sparse) for ve in self.value_embeds]
-        bigram_rows = None
-        if self.bigram_embed is not None:
-            bigram_rows = F.embedding(bigrams, self.bigram_embed.weight, sparse=sparse)
+        token_tables = [self.embed.weight] + [ve.weight for ve in self.value_embeds]
+        if self.cfg.row_embedding_grads:
+            use_triton = tokens.is_cuda and triton is not None and self.cfg.triton_kernels
+            token_rows, *value_rows = _RowLookup.apply(tokens, use_triton, *token_tables)
+            bigram_rows = None
+            if self.bigram_embed is not None:
+                bigram_rows, = _RowLookup.apply(bigrams, use_triton, self.bigram_embed.weight)
+        else:
+            token_rows, *value_rows = [F.embedding(tokens, table) for table in token_tables]
+            bigram_rows = F.embedding(bigrams, self.bigram_embed.weight) if self.bigram_embed is not None else None
         return self.trunk(token_rows, value_rows, bigram_rows, targets, masks)
 
     def trunk(self, token_rows: Tensor, value_rows: list[Tensor], bigram_rows: Tensor | None, targets: Tensor,
@@ -2257,7 +2334,7 @@ def build_and_warm_up(cfg: Config, comm: Comm, log: RunLog) -> Trainer:
     model.replays_cuda_graphs = cfg.compile and compile_mode in CUDA_GRAPH_MODES
     if cfg.compile and scope == "whole":
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        if cfg.row_embedding_grads:  # inductor cannot produce sparse gradients: lookups stay eager
+        if cfg.row_embedding_grads:  # the lookups' backward writes .grad outside autograd: they stay eager
             model.trunk = torch.compile(model.trunk, dynamic=False, fullgraph=True, mode=mode)
         else:
             model.compile(dynamic=False, fullgraph=True, mode=mode)

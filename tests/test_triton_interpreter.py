@@ -1,5 +1,4 @@
-"""The fused cross-entropy kernels, run on the CPU by Triton's interpreter (TRITON_INTERPRET=1), against
-float64. The interpreter must be switched on before the kernels are defined, so this runs in a fresh
+"""The Triton kernels, run on the CPU by Triton's interpreter (TRITON_INTERPRET=1), against float64. The interpreter must be switched on before the kernels are defined, so this runs in a fresh
 process. tests/gpu checks the same kernels compiled on a GPU."""
 import os
 import subprocess
@@ -73,3 +72,27 @@ def test_fp8_gradient_kernel_matches_float64_and_its_transpose_keeps_the_bits_in
     error, same = done.stdout.split()
     assert float(error) < 0.06, done.stdout  # e5m2 keeps 2 mantissa bits: about 4% rms rounding error
     assert same == "True", "transpose_fp8 must give the bits of torch's transpose"
+
+
+ROWS_CHECK = textwrap.dedent("""
+    import torch, train_gpt as tg
+    g = torch.Generator().manual_seed(0)
+    # a run of one row longer than a chunk, a length that leaves a partial chunk, a dim that leaves a partial block
+    for T, rows, dim, frequent in ((1000, 50, 300, True), (33, 1000, 40, False)):
+        indices = torch.randint(0, rows, (T,), generator=g)
+        if frequent:
+            indices[torch.randperm(T, generator=g)[: T // 2]] = 3
+        row_grads = [torch.randn(T, dim, generator=g) for _ in range(3)]
+        grads = [torch.randn(rows, dim, generator=g) for _ in range(3)]
+        want = [grad.double().index_add(0, indices, rg.double()) for grad, rg in zip(grads, row_grads)]
+        tg.add_rows_(grads, indices, row_grads, use_triton=True)
+        print(max(((got.double() - ref).abs().max() / ref.abs().max()).item() for got, ref in zip(grads, want)))
+""")
+
+
+def test_sorted_row_gradient_kernel_matches_float64_in_the_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
+    done = subprocess.run([sys.executable, "-c", ROWS_CHECK], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    errors = [float(e) for e in done.stdout.split()]
+    assert len(errors) == 2 and max(errors) < 1e-6, done.stdout  # fp32 sums in another order

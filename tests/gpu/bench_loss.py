@@ -9,6 +9,8 @@ bandwidths.
     python tests/gpu/bench_loss.py            # the loss kernels
     python tests/gpu/bench_loss.py head       # bf16 head against the FP8 head
     python tests/gpu/bench_loss.py fp8_grad   # the FP8 gradient kernel's tiles and its transpose
+    python tests/gpu/bench_loss.py packed     # at a packed forward's 65,536 rows: the loss kernels' pieces, and
+                                              # the gradient kernel with a one-instruction sigmoid
 """
 import functools
 import sys
@@ -118,5 +120,72 @@ def fp8_grad():
               f"{'same bits' if same else 'DIFFERENT bits'}")
 
 
+@triton.jit
+def _tanh_sigmoid(x):
+    """sigmoid(x) = (1 + tanh(x / 2)) / 2 with the hardware's approximate tanh: one special-function instruction
+    where tl.sigmoid takes two (exp and a reciprocal); relative error about 2**-11."""
+    t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [0.5 * x], dtype=tl.float32, is_pure=True, pack=1)
+    return 0.5 + 0.5 * t
+
+
+@triton.jit
+def _grad_fp8_variant(Logits, Targets, Lse, GradLoss, GradScale, Out, T, V, stride, cap: tl.constexpr,
+                      BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, TANH: tl.constexpr):
+    """train_gpt._softcapped_ce_backward_fp8_kernel, with the tanh sigmoid when TANH."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    row_ok, col_ok = rows < T, cols < V
+    inside = row_ok[:, None] & col_ok[None, :]
+    a = tl.load(Logits + rows[:, None].to(tl.int64) * stride + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+    if TANH:
+        s = _tanh_sigmoid(a * (4.0 / cap))
+    else:
+        s = tl.sigmoid(a * (4.0 / cap))
+    lse = tl.load(Lse + rows, mask=row_ok, other=0.0)
+    target = tl.load(Targets + rows, mask=row_ok, other=-1)
+    grad = tl.load(GradLoss + rows, mask=row_ok, other=0.0) / tl.load(GradScale)
+    d = tl.exp(cap * s - lse[:, None]) - tl.where(cols[None, :] == target[:, None], 1.0, 0.0)
+    value = grad[:, None] * d * 4.0 * s * (1.0 - s)
+    tl.store(Out + rows[:, None].to(tl.int64) * V + cols[None, :], value.to(tl.float8e5), mask=inside)
+
+
+def packed():
+    rows, vocab, cap = 65536, 50304, 30.0
+    logits = (torch.randn(rows, vocab, device="cuda") * 4).to(torch.bfloat16)
+    targets = torch.randint(0, vocab, (rows,), device="cuda")
+    grad_loss = torch.full((rows,), 1.0 / rows, device="cuda")
+    grad_scale = grad_loss.abs().amax() / tg.GRAD_E5M2_MAX
+    copy = torch.empty_like(logits)
+    ms = median_ms(lambda: copy.copy_(logits))
+    print(f"{rows} rows. yardstick, a copy of the bf16 logits: {ms:.3f} ms ({4 * logits.numel() / ms / 1e6:.0f} GB/s)")
+    for block, warps in ((1024, 4), (2048, 8), (4096, 8), (1024, 8)):
+        tg.CE_BLOCK, tg.CE_WARPS = block, warps
+        ms = median_ms(lambda: tg._softcapped_ce_rows(logits, targets, cap))
+        print(f"forward kernel BLOCK={block} warps={warps}: {ms:.3f} ms ({2 * logits.numel() / ms / 1e6:.0f} GB/s)")
+    tg.CE_BLOCK, tg.CE_WARPS = 1024, 4
+    _, lse = tg._softcapped_ce_rows(logits, targets, cap)
+    grad_q = torch.empty(rows, vocab, device="cuda", dtype=torch.float8_e5m2)
+    ms = median_ms(lambda: tg.transpose_fp8(grad_q))
+    print(f"transpose_fp8: {ms:.3f} ms ({2 * grad_q.numel() / ms / 1e6:.0f} GB/s)")
+    # float64 reference of the dequantised gradient on the first rows
+    check = 256
+    z = cap * torch.sigmoid(logits[:check].double() * (4.0 / cap))
+    p = torch.softmax(z, dim=1)
+    p[torch.arange(check), targets[:check]] -= 1.0
+    s = torch.sigmoid(logits[:check].double() * (4.0 / cap))
+    exact = p * 4.0 * s * (1.0 - s) / rows
+    for tanh in (False, True):
+        for (block_t, block_v), warps in (((128, 64), 4), ((64, 128), 4), ((128, 128), 8), ((64, 64), 4)):
+            launch = lambda: _grad_fp8_variant[(triton.cdiv(rows, block_t), triton.cdiv(vocab, block_v))](  # noqa: E731
+                logits, targets, lse, grad_loss, grad_scale, grad_q, rows, vocab, logits.stride(0), cap,
+                BLOCK_T=block_t, BLOCK_V=block_v, TANH=tanh, num_warps=warps)
+            ms = median_ms(launch)
+            launch()
+            got = grad_q[:check].double() * grad_scale.double()
+            error = ((got - exact).norm() / exact.norm()).item()
+            print(f"gradient kernel {'tanh sigmoid' if tanh else 'tl.sigmoid  '} tile {block_t}x{block_v} warps={warps}: "
+                  f"{ms:.3f} ms ({3 * logits.numel() / ms / 1e6:.0f} GB/s), error against float64 {error:.4f}")
+
+
 if __name__ == "__main__":
-    {"head": head, "fp8_grad": fp8_grad}.get(sys.argv[1] if sys.argv[1:] else "", main)()
+    {"head": head, "fp8_grad": fp8_grad, "packed": packed}.get(sys.argv[1] if sys.argv[1:] else "", main)()

@@ -57,6 +57,7 @@ KERNEL_KINDS = [
     ("loss (Triton CE)", r"_softcapped_ce"),
     ("fused MLP (Triton)", r"_mlp_"),
     ("Newton-Schulz (Triton)", r"_symmetric_matmul"),
+    ("row gradients (Triton)", r"_sorted_rows_add"),
     ("Adam", r"adam"),
     ("communication", r"nccl"),
     ("inductor fused", r"^triton_"),
