@@ -570,12 +570,35 @@ if triton is not None:
                     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
                     current = row
                 position = tl.load(Order + j).to(tl.int64)
-                acc += tl.load(Grads + position * dim + cols, mask=col_ok, other=0.0)
+                acc += tl.load(Grads + position * dim + cols, mask=col_ok, other=0.0).to(tl.float32)
         tl.atomic_add(Out + current.to(tl.int64) * dim + cols, acc, mask=col_ok, sem="relaxed")
 
 # 1xH100, one packed forward (65,536 bench-stream tokens; tests/gpu/bench_rows.py, 2026-11-24): 0.86 ms for the
 # token, five value and bigram tables, against 2.47 ms with index_add_; chunks of 16-64 and other blocks within 15%.
 ROWS_CHUNK, ROWS_BLOCK_D, ROWS_WARPS = 64, 512, 4
+
+if triton is not None:
+    @triton.jit
+    def _gather_rows_kernel(Table, Indices, Out, T, dim, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+        """Out[t] = Table[Indices[t]] in Out's dtype, for a [BLOCK_T, BLOCK_D] tile of Out."""
+        positions = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        inside = (positions < T)[:, None] & (cols < dim)[None, :]
+        rows = tl.load(Indices + positions, mask=positions < T, other=0).to(tl.int64)
+        values = tl.load(Table + rows[:, None] * dim + cols[None, :], mask=inside)
+        tl.store(Out + positions[:, None].to(tl.int64) * dim + cols[None, :], values.to(Out.dtype.element_ty), mask=inside)
+
+
+def gather_rows(table: Tensor, indices: Tensor, dtype: torch.dtype, use_triton: bool) -> Tensor:
+    """table[indices] as dtype. The kernel converts as it copies: torch would write the rows in the table's
+    dtype and convert them in a second pass."""
+    if not use_triton or dtype == table.dtype:
+        return F.embedding(indices, table).to(dtype)
+    T, dim = indices.numel(), table.size(1)
+    out = table.new_empty(T, dim, dtype=dtype)
+    _gather_rows_kernel[(triton.cdiv(T, 16), triton.cdiv(dim, 256))](table, indices, out, T, dim, BLOCK_T=16,
+                                                                      BLOCK_D=256, num_warps=4)
+    return out
 
 
 def add_rows_(tables_grads: list[Tensor], indices: Tensor, row_grads: list[Tensor], use_triton: bool) -> None:
@@ -592,7 +615,7 @@ def add_rows_(tables_grads: list[Tensor], indices: Tensor, row_grads: list[Tenso
     sorted_rows, order = torch.sort(indices)
     T = indices.numel()
     for grad, rows in zip(tables_grads, row_grads):
-        rows = rows.float().contiguous()
+        rows = rows.contiguous()
         dim = rows.size(1)
         grid = (triton.cdiv(T, ROWS_CHUNK), triton.cdiv(dim, ROWS_BLOCK_D))
         _sorted_rows_add_kernel[grid](rows, sorted_rows, order, grad, T, dim, CHUNK=ROWS_CHUNK,
@@ -1315,16 +1338,17 @@ class Block(nn.Module):
 
 class _RowLookup(torch.autograd.Function):
     """The rows of one or more [rows, dim] tables at the same indices (the token table and the value-embedding
-    tables all look up the tokens). The backward adds each table's row gradients straight into its .grad
-    (add_rows_), which GPT.prepare_grads keeps dense over a step's forwards, and hands autograd no gradient
-    for the tables: no sparse tensor is made, and only the rows a forward touched cost anything. Their
-    optimizer sees those gradients at step(), not from a backward hook (they are the backward's last anyway)."""
+    tables all look up the tokens), each in its own dtype. The backward adds each table's row gradients
+    straight into its .grad (add_rows_), which GPT.prepare_grads keeps dense over a step's forwards, and hands
+    autograd no gradient for the tables: no sparse tensor is made, and only the rows a forward touched cost
+    anything. Their optimizer sees those gradients at step(), not from a backward hook (they are the
+    backward's last anyway)."""
 
     @staticmethod
-    def forward(ctx, indices: Tensor, use_triton: bool, *tables: Tensor):
+    def forward(ctx, indices: Tensor, use_triton: bool, dtypes: tuple, *tables: Tensor):
         ctx.save_for_backward(indices)
         ctx.tables, ctx.use_triton = tables, use_triton
-        return tuple(F.embedding(indices, table) for table in tables)
+        return tuple(gather_rows(table, indices, dtype, use_triton) for table, dtype in zip(tables, dtypes))
 
     @staticmethod
     def backward(ctx, *row_grads: Tensor):
@@ -1335,7 +1359,7 @@ class _RowLookup(torch.autograd.Function):
         grads = [table.grad for table in ctx.tables]
         use_triton = ctx.use_triton and all(grad.dtype == torch.float32 for grad in grads)
         add_rows_(grads, indices, row_grads, use_triton)
-        return (None, None) + (None,) * len(ctx.tables)
+        return (None, None, None) + (None,) * len(ctx.tables)
 
 
 class GPT(nn.Module):
@@ -1417,10 +1441,14 @@ class GPT(nn.Module):
         token_tables = [self.embed.weight] + [ve.weight for ve in self.value_embeds]
         if self.cfg.row_embedding_grads:
             use_triton = tokens.is_cuda and triton is not None and self.cfg.triton_kernels
-            token_rows, *value_rows = _RowLookup.apply(tokens, use_triton, *token_tables)
+            # The value and bigram rows go straight into the compute dtype, as the trunk would convert them
+            # (same values, half the bytes to write, copy into the CUDA graph and read back); the token rows
+            # are rms-normed in float32 first.
+            dtypes = (self.embed.weight.dtype,) + (self.compute_dtype,) * len(self.value_embeds)
+            token_rows, *value_rows = _RowLookup.apply(tokens, use_triton, dtypes, *token_tables)
             bigram_rows = None
             if self.bigram_embed is not None:
-                bigram_rows, = _RowLookup.apply(bigrams, use_triton, self.bigram_embed.weight)
+                bigram_rows, = _RowLookup.apply(bigrams, use_triton, (self.compute_dtype,), self.bigram_embed.weight)
         else:
             token_rows, *value_rows = [F.embedding(tokens, table) for table in token_tables]
             bigram_rows = F.embedding(bigrams, self.bigram_embed.weight) if self.bigram_embed is not None else None

@@ -87,12 +87,25 @@ ROWS_CHECK = textwrap.dedent("""
         want = [grad.double().index_add(0, indices, rg.double()) for grad, rg in zip(grads, row_grads)]
         tg.add_rows_(grads, indices, row_grads, use_triton=True)
         print(max(((got.double() - ref).abs().max() / ref.abs().max()).item() for got, ref in zip(grads, want)))
+    # bf16 row gradients (the value and bigram rows are looked up in bf16) are added in float32
+    row_grads = [torch.randn(300, 40, generator=g).to(torch.bfloat16)]
+    grads = [torch.zeros(20, 40)]
+    indices = torch.randint(0, 20, (300,), generator=g)
+    want = torch.zeros(20, 40, dtype=torch.float64).index_add(0, indices, row_grads[0].double())
+    tg.add_rows_(grads, indices, row_grads, use_triton=True)
+    print(((grads[0].double() - want).abs().max() / want.abs().max()).item())
+    table = torch.randn(1000, 300, generator=g)
+    indices = torch.randint(0, 1000, (77,), generator=g)
+    # the interpreter rounds float32 to bf16 toward zero (a GPU to nearest, tests/gpu checks the bits): one bf16 step
+    got, want = tg.gather_rows(table, indices, torch.bfloat16, True).float(), table[indices]
+    print(bool(((got - want).abs() <= want.abs() * 2 ** -7).all()))
 """)
 
 
-def test_sorted_row_gradient_kernel_matches_float64_in_the_interpreter():
+def test_row_gradient_and_gather_kernels_in_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
     done = subprocess.run([sys.executable, "-c", ROWS_CHECK], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
-    errors = [float(e) for e in done.stdout.split()]
-    assert len(errors) == 2 and max(errors) < 1e-6, done.stdout  # fp32 sums in another order
+    *errors, gathered_equal = done.stdout.split()
+    assert len(errors) == 3 and max(float(e) for e in errors) < 1e-6, done.stdout  # fp32 sums in another order
+    assert gathered_equal == "True", "gather_rows must give each looked-up row, converted to bf16"

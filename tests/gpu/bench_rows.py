@@ -3,7 +3,8 @@
 into the bigram table, with torch's index_add_ (what a sparse embedding gradient added into a dense .grad
 runs) against train_gpt.add_rows_ (sorted runs summed before one atomic add) over a sweep of its launch shape.
 Tokens from /tmp/bench (tests/gpu/unpack_bench.py) when present, else Zipf-like random ones. Prints median
-ms per forward and the largest error against a float64 index_add.
+ms per forward and the largest error against a float64 index_add; and the value tables' lookups in float32
+against bf16 (train_gpt.gather_rows).
 
     python tests/gpu/bench_rows.py
 """
@@ -64,12 +65,23 @@ def main():
             worst = max(worst, ((grad.double() - ref).abs().max() / ref.abs().max()).item())
         return worst
 
+    tables = [torch.randn(vocab, dim, device="cuda", generator=g) for _ in range(5)]
+    for name, dtype in (("float32 (F.embedding)", torch.float32), ("bf16 (the gather kernel)", torch.bfloat16)):
+        ms = median_ms(lambda: [tg.gather_rows(t, token_idx, dtype, use_triton=True) for t in tables])
+        print(f"lookup of the 5 value tables' rows in {name}: {ms:.3f} ms per forward")
+    chosen = (tg.ROWS_CHUNK, tg.ROWS_BLOCK_D, tg.ROWS_WARPS)
     print(f"index_add_ (the sparse-gradient path): {median_ms(index_add):.3f} ms per forward (7 tables)")
     for chunk in (16, 32, 64):
         for block_d, warps in ((256, 2), (256, 4), (128, 1), (512, 4), (1024, 4)):
             tg.ROWS_CHUNK, tg.ROWS_BLOCK_D, tg.ROWS_WARPS = chunk, block_d, warps
             print(f"add_rows_ chunk={chunk:3d} block_d={block_d:4d} warps={warps}: {median_ms(sorted_runs):.3f} ms, "
                   f"max error {error():.1e}")
+
+    tg.ROWS_CHUNK, tg.ROWS_BLOCK_D, tg.ROWS_WARPS = chosen
+    token_rows[1:] = [rows.to(torch.bfloat16) for rows in token_rows[1:]]
+    bigram_rows = bigram_rows.to(torch.bfloat16)
+    print(f"add_rows_ {chosen}, the value and bigram row gradients in bf16 (as the trainer looks them up): "
+          f"{median_ms(sorted_runs):.3f} ms, max error {error():.1e}")
 
 
 if __name__ == "__main__":

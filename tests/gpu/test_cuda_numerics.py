@@ -232,6 +232,47 @@ def test_row_gradient_kernel_matches_float64():
         assert ((got.double() - ref).abs().max() / ref.abs().max()).item() < 1e-6
 
 
+def test_gather_rows_converts_as_torch_does():
+    g = torch.Generator(device="cuda").manual_seed(6)
+    table = torch.randn(50304, 768, device="cuda", generator=g)
+    indices = torch.randint(0, 50304, (65536 + 5,), device="cuda", generator=g)  # a partial tile at the end
+    got = tg.gather_rows(table, indices, torch.bfloat16, use_triton=True)
+    assert torch.equal(got, table[indices].to(torch.bfloat16))
+
+
+def test_row_lookups_give_the_dense_embedding_gradients_on_the_gpu(tiny_data):
+    """--row_embedding_grads (the gather and row-gradient kernels, value and bigram rows looked up in bf16)
+    against plain dense embeddings, on a bf16 model: same loss, same table gradients up to summation order."""
+    import dataclasses
+    from test_train import tiny_config
+    cfg = tiny_config(*tiny_data, micro_batch_tokens=1024, max_doc_len=256)
+    results = {}
+    for rows in (False, True):
+        run_cfg = dataclasses.replace(cfg, row_embedding_grads=rows)
+        torch.manual_seed(0)
+        model = tg.GPT(run_cfg, tg.SdpaAttention(), torch.bfloat16).cuda()
+        with torch.no_grad():  # leave the zero init, so that gradients reach the tables
+            for p in model.parameters():
+                if p.ndim == 2:
+                    p.normal_(0, 0.02)
+        batches = tg.Prefetcher(tg.dummy_batches(run_cfg, seed=1), run_cfg.micro_batch_tokens, torch.device("cuda"),
+                                bigram_rows=run_cfg.bigram_rows)
+        model.prepare_grads()
+        try:
+            losses = [tg.forward_loss(model, batches.next(), (256, 512)) for _ in range(1)]
+            losses[0].backward()
+            second = tg.forward_loss(model, batches.next(), (256, 512))
+            second.backward()
+        finally:
+            batches.close()
+        results[rows] = (losses[0].item(), second.item(), [p.grad.clone() for p in model.embedding_tables()])
+    dense, by_rows = results[False], results[True]
+    assert dense[:2] == by_rows[:2]
+    for want, got in zip(dense[2], by_rows[2]):
+        assert want.abs().sum() > 0
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
 def test_loss_watch_times_each_step_on_the_gpu():
     """gpu_ms[s] spans the GPU work between the ends of steps s-1 and s; a step after validation has none."""
     watch = tg.LossWatch(tg.Comm(), torch.device("cuda"))
