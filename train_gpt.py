@@ -1341,8 +1341,9 @@ class _RowLookup(torch.autograd.Function):
     tables all look up the tokens), each in its own dtype. The backward adds each table's row gradients
     straight into its .grad (add_rows_), which GPT.prepare_grads keeps dense over a step's forwards, and hands
     autograd no gradient for the tables: no sparse tensor is made, and only the rows a forward touched cost
-    anything. Their optimizer sees those gradients at step(), not from a backward hook (they are the
-    backward's last anyway)."""
+    anything. Autograd still runs each table's AccumulateGrad node after this backward, with no gradient,
+    and with it the post-accumulate hooks that launch DistAdam's reduce-scatter (tests/test_train.py checks
+    they fire)."""
 
     @staticmethod
     def forward(ctx, indices: Tensor, use_triton: bool, dtypes: tuple, *tables: Tensor):

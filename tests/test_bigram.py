@@ -42,7 +42,7 @@ def test_tiny_model_uses_the_bigram_table():
     tokens = torch.randint(0, 1000, (256,), dtype=torch.int32)
     bigrams = torch.from_numpy(tg.bigram_hash(tokens.numpy(), cfg.bigram_rows))
     masks = model.prepare_masks(tokens, cu_seqlens_of(tokens), (16, 32))
-    model.prepare_grads()  # the tables' gradients arrive as sparse rows added into these dense zeros
+    model.prepare_grads()  # the tables' row gradients are added into these dense zeros
     model(tokens, tokens.long(), masks, bigrams).backward()
     grad_rows = model.bigram_embed.weight.grad.abs().sum(1).nonzero().flatten()
     assert set(grad_rows.tolist()) <= set(bigrams.tolist()) and len(grad_rows) > 0

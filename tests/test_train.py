@@ -475,6 +475,28 @@ def test_world_size_1_and_2_give_the_same_losses(tiny_data, tmp_path):
     np.testing.assert_allclose(two[0], single, rtol=1e-5)
 
 
+def _launched_before_step_on_rank(rank, world_size, cfg):
+    """For every optimizer step() of a run: had all of that optimizer's reduce-scatters been launched?"""
+    launched = []
+    for cls, units in ((tg.DistAdam, "buckets"), (tg.Muon, "groups")):
+        def checked(self, _step=cls.step, _units=units):
+            launched.append((type(self).__name__, all(unit.pending is not None for unit in getattr(self, _units))))
+            return _step(self)
+        cls.step = checked
+    _train_on_rank(rank, world_size, cfg)
+    return launched
+
+
+def test_every_reduce_scatter_is_on_the_wire_before_the_optimizers_step(tiny_data, tmp_path):
+    """The embedding tables' row gradients are written into .grad by _RowLookup, which hands autograd none: their
+    post-accumulate hooks must still fire, launching the reduce-scatter from the backward instead of leaving it
+    to DistAdam.step() (Muon steps first, and the largest transfer would not overlap its Newton-Schulz)."""
+    cfg = tiny_config(*tiny_data, num_iterations=2, val_loss_every=0, log_dir=str(tmp_path), micro_batch_tokens=128)
+    for launched in run_on_ranks(_launched_before_step_on_rank, 2, cfg):
+        assert {name for name, _ in launched} == {"DistAdam", "Muon"}
+        assert all(everything for _, everything in launched), launched
+
+
 def test_packed_forwards_train_as_separate_ones(tiny_data, tmp_path):
     """Micro-batches packed into one forward (--forward_micro_batches; auto packs up to 4 where the counts allow)
     give the training and validation losses of one forward each, at 1 process and at 2, and the logs say
