@@ -573,11 +573,6 @@ if triton is not None:
                 acc += tl.load(Grads + position * dim + cols, mask=col_ok, other=0.0).to(tl.float32)
         tl.atomic_add(Out + current.to(tl.int64) * dim + cols, acc, mask=col_ok, sem="relaxed")
 
-# 1xH100, one packed forward (65,536 bench-stream tokens; tests/gpu/bench_rows.py, 2026-11-24): 0.86 ms for the
-# token, five value and bigram tables, against 2.47 ms with index_add_; chunks of 16-64 and other blocks within 15%.
-ROWS_CHUNK, ROWS_BLOCK_D, ROWS_WARPS = 64, 512, 4
-
-if triton is not None:
     @triton.jit
     def _gather_rows_kernel(Table, Indices, Out, T, dim, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
         """Out[t] = Table[Indices[t]] in Out's dtype, for a [BLOCK_T, BLOCK_D] tile of Out."""
@@ -587,6 +582,10 @@ if triton is not None:
         rows = tl.load(Indices + positions, mask=positions < T, other=0).to(tl.int64)
         values = tl.load(Table + rows[:, None] * dim + cols[None, :], mask=inside)
         tl.store(Out + positions[:, None].to(tl.int64) * dim + cols[None, :], values.to(Out.dtype.element_ty), mask=inside)
+
+# 1xH100, one packed forward (65,536 bench-stream tokens; tests/gpu/bench_rows.py, 2026-11-24): 0.86 ms for the
+# token, five value and bigram tables, against 2.47 ms with index_add_; chunks of 16-64 and other blocks within 15%.
+ROWS_CHUNK, ROWS_BLOCK_D, ROWS_WARPS = 64, 512, 4
 
 
 def gather_rows(table: Tensor, indices: Tensor, dtype: torch.dtype, use_triton: bool) -> Tensor:
@@ -1424,9 +1423,8 @@ class GPT(nn.Module):
 
     def prepare_grads(self):
         """Before a step's first backward. With row_embedding_grads each table gets a zeroed dense .grad for
-        its row gradients to be added into. Under CUDA
-        graphs every parameter does: a first gradient kept as .grad would live in the graph's memory, which
-        the next forward's replay overwrites."""
+        its row gradients to be added into. Under CUDA graphs every parameter does: a first gradient kept as
+        .grad would live in the graph's memory, which the next forward's replay overwrites."""
         if self.replays_cuda_graphs:
             params = list(self.parameters())
         elif self.cfg.row_embedding_grads:
