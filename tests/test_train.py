@@ -571,34 +571,42 @@ def test_out_of_memory_in_the_warm_up_names_the_flags(tiny_data, tmp_path, monke
         "memory. Tried to allocate 2.00 GiB): lower --forward_micro_batches or --micro_batch_tokens")
 
 
+def table_grads_after_two_forwards(cfg, device, dtype, windows):
+    """Losses of two forwards (each followed by its backward) of a model whose matrices are random, and the
+    embedding tables' gradients accumulated over both."""
+    torch.manual_seed(0)
+    model = tg.GPT(cfg, tg.SdpaAttention(), dtype).to(device)
+    with torch.no_grad():  # leave the zero init, so that gradients reach the tables
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.normal_(0, 0.02)
+    batches = tg.Prefetcher(tg.dummy_batches(cfg, seed=1), cfg.micro_batch_tokens, device, bigram_rows=cfg.bigram_rows)
+    model.prepare_grads()
+    losses = []
+    try:
+        for _ in range(2):
+            loss = tg.forward_loss(model, batches.next(), windows)
+            loss.backward()
+            losses.append(loss.item())
+    finally:
+        batches.close()
+    return losses, [p.grad.clone() for p in model.embedding_tables()]
+
+
 def test_row_embedding_grads_equal_dense_ones(tiny_data, tmp_path):
-    """--row_embedding_grads=1 (sparse rows added into a kept dense .grad) against the default dense
-    gradients: the same table gradients after two micro-batches, and the same losses over three steps
-    at world size 2."""
+    """--row_embedding_grads=1 (looked-up rows' gradients added into a kept dense .grad) against the dense
+    gradients: the same table gradients after two forwards, and the same losses over three steps at world
+    size 2."""
     cfg = tiny_config(*tiny_data, num_iterations=3, val_loss_every=0, log_dir=str(tmp_path), micro_batch_tokens=128)
     grads, losses = {}, {}
     for rows in (False, True):
         run_cfg = dataclasses.replace(cfg, row_embedding_grads=rows, run_id=f"rows{int(rows)}")
-        torch.manual_seed(0)
-        model = tg.GPT(run_cfg, tg.SdpaAttention(), torch.float32)
-        with torch.no_grad():  # leave the zero init, so that gradients reach the tables
-            for p in model.parameters():
-                if p.ndim == 2:
-                    p.normal_(0, 0.02)
-        batches = tg.Prefetcher(tg.dummy_batches(run_cfg, seed=1), run_cfg.micro_batch_tokens, torch.device("cpu"),
-                                bigram_rows=run_cfg.bigram_rows)
-        model.prepare_grads()
-        try:
-            for _ in range(2):
-                tg.forward_loss(model, batches.next(), (32, 64)).backward()
-        finally:
-            batches.close()
-        assert all(not p.grad.is_sparse for p in model.embedding_tables())
-        grads[rows] = [p.grad.clone() for p in model.embedding_tables()]
+        _, grads[rows] = table_grads_after_two_forwards(run_cfg, torch.device("cpu"), torch.float32, (32, 64))
+        assert all(not g.is_sparse for g in grads[rows])
         losses[rows] = run_on_ranks(_train_on_rank, 2, run_cfg)[0]
     assert any(g.abs().sum() > 0 for g in grads[False])
-    for dense, sparse in zip(grads[False], grads[True]):
-        torch.testing.assert_close(sparse, dense, rtol=1e-5, atol=1e-7)
+    for dense, rows in zip(grads[False], grads[True]):
+        torch.testing.assert_close(rows, dense, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(losses[True], losses[False], rtol=1e-5)
 
 
