@@ -1,5 +1,6 @@
-"""The Triton kernels, run on the CPU by Triton's interpreter (TRITON_INTERPRET=1), against float64. The interpreter must be switched on before the kernels are defined, so this runs in a fresh
-process. tests/gpu checks the same kernels compiled on a GPU."""
+"""The Triton kernels, run on the CPU by Triton's interpreter (TRITON_INTERPRET=1), against float64. The
+interpreter must be switched on before the kernels are defined, so each check runs in a fresh process.
+tests/gpu checks the same kernels compiled on a GPU."""
 import os
 import subprocess
 import sys
@@ -10,6 +11,14 @@ import pytest
 pytest.importorskip("triton", reason="Triton is not installed")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_in_interpreter(script: str) -> str:
+    """Run a check script in a fresh process with the interpreter on; its standard output."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
 
 CHECK = textwrap.dedent("""
     import torch, train_gpt as tg
@@ -29,10 +38,8 @@ CHECK = textwrap.dedent("""
 
 
 def test_softcapped_cross_entropy_kernels_match_float64_in_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
-    done = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = done.stdout.split("\n")[:2]
+    stdout = run_in_interpreter(CHECK)
+    lines = stdout.split("\n")[:2]
     for line in lines:
         rows, vocab, loss, ref, grad_error = line.split()
         assert abs(float(loss) - float(ref)) < 1e-5 * float(ref), line
@@ -66,11 +73,9 @@ FP8_GRAD_CHECK = textwrap.dedent("""
 
 
 def test_fp8_gradient_kernel_matches_float64_and_its_transpose_keeps_the_bits_in_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
-    done = subprocess.run([sys.executable, "-c", FP8_GRAD_CHECK], env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
-    error, same = done.stdout.split()
-    assert float(error) < 0.06, done.stdout  # e5m2 keeps 2 mantissa bits: about 4% rms rounding error
+    stdout = run_in_interpreter(FP8_GRAD_CHECK)
+    error, same = stdout.split()
+    assert float(error) < 0.06, stdout  # e5m2 keeps 2 mantissa bits: about 4% rms rounding error
     assert same == "True", "transpose_fp8 must give the bits of torch's transpose"
 
 
@@ -103,9 +108,7 @@ ROWS_CHECK = textwrap.dedent("""
 
 
 def test_row_gradient_and_gather_kernels_in_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
-    done = subprocess.run([sys.executable, "-c", ROWS_CHECK], env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
-    *errors, gathered_equal = done.stdout.split()
-    assert len(errors) == 3 and max(float(e) for e in errors) < 1e-6, done.stdout  # fp32 sums in another order
+    stdout = run_in_interpreter(ROWS_CHECK)
+    *errors, gathered_equal = stdout.split()
+    assert len(errors) == 3 and max(float(e) for e in errors) < 1e-6, stdout  # fp32 sums in another order
     assert gathered_equal == "True", "gather_rows must give each looked-up row, converted to bf16"
