@@ -74,7 +74,7 @@ class Config:
     # warm-up is logged as a warning) | max-autotune
     compile_mode: str = "auto"
     attn_backend: str = "auto"  # auto | fa3 | flex | sdpa
-    triton_kernels: bool = True  # 0: plain torch for Newton-Schulz and the loss even where Triton is present (A/B)
+    triton_kernels: bool = True  # 0: plain torch for Newton-Schulz, the loss and the MLP even where Triton is present (A/B)
     # The lm_head's three matmuls in FP8 (e4m3 activations and weights, e5m2 logit gradients, scaled per
     # tensor; speedrun 2024-12 idea, scales ours): Hopper runs them at about twice the bf16 rate, and
     # validation goes through the same FP8 forward. GPUs older than Ada/Hopper need --fp8_head=0; CPUs run
@@ -102,6 +102,9 @@ class Config:
     # (_RowLookup), instead of a dense [rows, dim] gradient per forward plus a dense accumulation; the
     # lookups then run outside the compiled graph (1xH100: 2-3% faster steps).
     row_embedding_grads: bool = True
+    # The MLP's ReLU^2 in the epilogues of two Triton matmuls (_FusedReLU2MLP) on CUDA with --triton_kernels;
+    # 0: cuBLAS matmuls and inductor's elementwise kernels (A/B).
+    fused_mlp: bool = True
     # batch: every micro-batch is micro_batch_tokens tokens, the unit of data and of the loss, and every
     # forward/backward packs the same number of them, so there is one compiled shape; the batch-size
     # schedule only changes how many micro-batches make a step.
@@ -619,6 +622,97 @@ def add_rows_(tables_grads: list[Tensor], indices: Tensor, row_grads: list[Tenso
         grid = (triton.cdiv(T, ROWS_CHUNK), triton.cdiv(dim, ROWS_BLOCK_D))
         _sorted_rows_add_kernel[grid](rows, sorted_rows, order, grad, T, dim, CHUNK=ROWS_CHUNK,
                                       BLOCK_D=ROWS_BLOCK_D, num_warps=ROWS_WARPS)
+
+
+if triton is not None:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    @triton.jit
+    def _relu2_epilogue(acc, post_desc, out_desc, row0, col0, GRAD: tl.constexpr):
+        if GRAD:
+            acc = acc * 2.0 * tl.sqrt(post_desc.load([row0, col0]).to(tl.float32))
+        else:
+            acc = tl.maximum(acc, 0.0)
+            acc = acc * acc
+        out_desc.store([row0, col0], acc.to(out_desc.dtype))
+
+    @triton.jit
+    def _relu2_matmul_kernel(a_desc, b_desc, out_desc, post_desc, M, N, K, GRAD: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             GROUP_M: tl.constexpr, SPLIT: tl.constexpr, PROGRAMS: tl.constexpr):
+        """A [M, K] @ B [N, K]^T with the MLP's activation in the epilogue: relu(.)^2, or with GRAD the gradient
+        through it, . * 2 sqrt(post) where post = relu(h)^2 is the forward's output (relu(h) = sqrt(post)).
+        Persistent: PROGRAMS programs walk the tiles, GROUP_M row blocks per column block so that the tiles in
+        flight share their operands in L2; the operands come in by TMA (tensor descriptors). SPLIT=2 finishes
+        each tile in two halves (half the registers and staging memory for the epilogue)."""
+        tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+        per_group = GROUP_M * tiles_n
+        half: tl.constexpr = BLOCK_N // 2
+        for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, PROGRAMS, flatten=True):
+            first_m = (tile // per_group) * GROUP_M
+            group_rows = min(tiles_m - first_m, GROUP_M)
+            row0 = (first_m + (tile % per_group) % group_rows) * BLOCK_M
+            col0 = ((tile % per_group) // group_rows) * BLOCK_N
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                acc = tl.dot(a_desc.load([row0, k0]), b_desc.load([col0, k0]).T, acc)
+            if SPLIT == 2:
+                left, right = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, half)), (0, 2, 1)))
+                _relu2_epilogue(left, post_desc, out_desc, row0, col0, GRAD)
+                _relu2_epilogue(right, post_desc, out_desc, row0, col0 + half, GRAD)
+            else:
+                _relu2_epilogue(acc, post_desc, out_desc, row0, col0, GRAD)
+
+    # The op's namespace follows the module's name: run as a script and imported, the file is two modules.
+    @torch.library.custom_op(f"{__name__.replace('.', '_')}::relu2_matmul", mutates_args=())
+    def relu2_matmul(a: Tensor, b: Tensor, post: Tensor | None = None) -> Tensor:
+        """relu(a @ b^T)^2, or given post (that of the forward) the gradient through the activation,
+        (a @ b^T) * 2 sqrt(post): _relu2_matmul_kernel; a [M, K] and b [N, K] contiguous. A custom op, so that
+        torch.compile calls it as it is instead of tracing the tensor descriptors."""
+        M, K = a.shape
+        N = b.size(0)
+        out = a.new_empty(M, N)
+        block_m, block_n, block_k, group_m, split, warps, stages = RELU2_MM_CONFIG
+        tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+        sms = torch.cuda.get_device_properties(a.device).multi_processor_count if a.is_cuda else 4
+        out_desc = TensorDescriptor.from_tensor(out, [block_m, block_n // split])
+        _relu2_matmul_kernel[(min(tiles, sms),)](
+            TensorDescriptor.from_tensor(a, [block_m, block_k]), TensorDescriptor.from_tensor(b, [block_n, block_k]),
+            out_desc, TensorDescriptor.from_tensor(post, [block_m, block_n // split]) if post is not None else out_desc,
+            M, N, K, GRAD=post is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
+            SPLIT=split, PROGRAMS=min(tiles, sms), num_warps=warps, num_stages=stages)
+        return out
+
+    @relu2_matmul.register_fake
+    def _(a: Tensor, b: Tensor, post: Tensor | None = None) -> Tensor:
+        return a.new_empty(a.size(0), b.size(0))
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT, warps, stages) of the MLP kernel, forward and backward. 1xH100, [65536,
+# 768] @ [768, 3072] (tests/gpu/bench_mlp.py, 2026-11-24): forward 0.64 ms, backward 0.77-0.82 ms, against 0.47 ms
+# for cuBLAS's matmul alone and 0.77 / 0.94 ms with inductor's elementwise pass after it; of the tiles that fit in
+# shared memory none was faster in both of two sweeps.
+RELU2_MM_CONFIG = (128, 256, 64, 8, 2, 8, 3)
+
+
+class _FusedReLU2MLP(torch.autograd.Function):
+    """relu(x @ fc_w^T)^2 @ proj_w with the activation in the epilogues of two Triton matmuls (the speedrun
+    fused its MLP likewise in 2025; the kernel is ours): the forward's fc matmul writes relu(h)^2 and nothing
+    else, which the backward keeps (relu(h) is its square root), and the backward's first matmul multiplies
+    by the activation's derivative as it writes. No separate elementwise pass reads or writes a [T, hidden]
+    tensor. The other four matmuls are cuBLAS's."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, fc_w: Tensor, proj_w: Tensor) -> Tensor:
+        post = relu2_matmul(x, fc_w)
+        ctx.save_for_backward(x, fc_w, proj_w, post)
+        return post @ proj_w
+
+    @staticmethod
+    def backward(ctx, grad_y: Tensor):
+        x, fc_w, proj_w, post = ctx.saved_tensors
+        grad_y = grad_y.contiguous()
+        grad_h = relu2_matmul(grad_y, proj_w, post)
+        return grad_h @ fc_w, grad_h.t() @ x, post.t() @ grad_y
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1306,21 +1400,24 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, dim: int, hidden: int):
+    def __init__(self, dim: int, hidden: int, fused: bool = True):
         super().__init__()
         self.fc_w = nn.Parameter(torch.empty(hidden, dim))  # out x in
         self.proj_w = nn.Parameter(torch.empty(hidden, dim))  # in x out: stored transposed, same shape as fc_w
+        self.fused = fused  # _FusedReLU2MLP on CUDA when Triton imports
 
     def forward(self, x: Tensor) -> Tensor:
-        h = F.relu(x @ self.fc_w.to(x.dtype).T).square()  # ReLU^2 (So et al. 2021)
-        return h @ self.proj_w.to(x.dtype)
+        fc_w, proj_w = self.fc_w.to(x.dtype), self.proj_w.to(x.dtype)
+        if x.is_cuda and triton is not None and self.fused:
+            return _FusedReLU2MLP.apply(x, fc_w, proj_w)
+        return F.relu(x @ fc_w.T).square() @ proj_w  # ReLU^2 (So et al. 2021)
 
 
 class Block(nn.Module):
     def __init__(self, cfg: Config, has_attention: bool):
         super().__init__()
         self.attn = CausalSelfAttention(cfg.model_dim, cfg.num_heads, cfg.head_dim) if has_attention else None
-        self.mlp = MLP(cfg.model_dim, cfg.mlp_ratio * cfg.model_dim)
+        self.mlp = MLP(cfg.model_dim, cfg.mlp_ratio * cfg.model_dim, cfg.fused_mlp and cfg.triton_kernels)
         # [residual scale, embedding (x0) scale, value scale, value-embedding scale, bigram scale]
         self.lambdas = nn.Parameter(torch.tensor([1.0, 0.0, 0.5, 0.5, 0.1]))
         self.attend = None  # the attention backend, set by GPT

@@ -112,3 +112,30 @@ def test_row_gradient_and_gather_kernels_in_the_interpreter():
     *errors, gathered_equal = stdout.split()
     assert len(errors) == 3 and max(float(e) for e in errors) < 1e-6, stdout  # fp32 sums in another order
     assert gathered_equal == "True", "gather_rows must give each looked-up row, converted to bf16"
+
+
+MLP_CHECK = textwrap.dedent("""
+    import torch, train_gpt as tg
+    g = torch.Generator().manual_seed(0)
+    # float32 (the interpreter's bf16 tl.dot is not the GPU's); rows that leave a partial tile, both epilogue splits
+    for rows, dim, hidden, split in ((300, 64, 256, 1), (200, 96, 512, 2)):
+        tg.RELU2_MM_CONFIG = (64, 64, 32, 2, split, 4, 2)
+        inputs = [torch.randn(rows, dim, generator=g), torch.randn(hidden, dim, generator=g) * 0.2,
+                  torch.randn(hidden, dim, generator=g) * 0.2]
+        grad_y = torch.randn(rows, dim, generator=g)
+        ref = [t.double().requires_grad_() for t in inputs]
+        (torch.relu(ref[0] @ ref[1].t()).square() @ ref[2]).backward(grad_y.double())
+        got = [t.clone().requires_grad_() for t in inputs]
+        y = tg._FusedReLU2MLP.apply(*got)
+        y.backward(grad_y)
+        y_ref = torch.relu(ref[0] @ ref[1].t()).square() @ ref[2]
+        pairs = [(y, y_ref)] + [(a.grad, b.grad) for a, b in zip(got, ref)]
+        print(max(((a.double() - b).norm() / b.norm()).item() for a, b in pairs))
+""")
+
+
+def test_fused_mlp_kernel_matches_float64_in_the_interpreter():
+    """The MLP's Triton matmul (relu^2 in the forward's epilogue, its derivative in the backward's) inside
+    _FusedReLU2MLP, output and the three gradients against the plain MLP in float64."""
+    errors = run_in_interpreter(MLP_CHECK).split()
+    assert len(errors) == 2 and max(float(e) for e in errors) < 1e-5, errors

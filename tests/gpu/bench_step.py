@@ -55,7 +55,7 @@ KERNEL_KINDS = [
     ("matmul (cuBLAS)", r"gemm|nvjet|cutlass|xmma|sm90_|cublas"),
     ("attention (flex)", r"flex_attention|triton_tem_fused_flex"),
     ("loss (Triton CE)", r"_softcapped_ce"),
-    ("fused MLP (Triton)", r"_mlp_"),
+    ("MLP matmuls + ReLU^2 (Triton)", r"_relu2_matmul"),
     ("Newton-Schulz (Triton)", r"_symmetric_matmul"),
     ("row gradients (Triton)", r"_sorted_rows_add"),
     ("Adam", r"adam"),

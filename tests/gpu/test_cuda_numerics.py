@@ -268,3 +268,34 @@ def test_loss_watch_times_each_step_on_the_gpu():
     watch.flush()
     assert sorted(watch.gpu_ms) == [2, 3] and watch.losses == [1.0] * 4
     assert watch.gpu_ms[2] > 2.5 * watch.gpu_ms[3], watch.gpu_ms
+
+
+@pytest.mark.parametrize("rows", [16384, 1000])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_fused_mlp_matches_float64(rows, compiled):
+    """_FusedReLU2MLP (two Triton matmuls with the activation in their epilogues, three of cuBLAS's) against
+    the plain MLP in float64, output and the three gradients, at a micro-batch's rows and at a count that
+    leaves partial tiles; in bf16, as close as the unfused bf16 MLP is."""
+    g = torch.Generator(device="cuda").manual_seed(11)
+    dim, hidden = 768, 3072
+    x = torch.randn(rows, dim, device="cuda", generator=g).to(torch.bfloat16)
+    fc_w = torch.randn(hidden, dim, device="cuda", generator=g) * dim ** -0.5
+    proj_w = torch.randn(hidden, dim, device="cuda", generator=g) * hidden ** -0.5
+    grad_y = torch.randn(rows, dim, device="cuda", generator=g).to(torch.bfloat16)
+    ref = [t.double().requires_grad_() for t in (x, fc_w, proj_w)]
+    y_ref = torch.relu(ref[0] @ ref[1].t()).square() @ ref[2]
+    y_ref.backward(grad_y.double())
+    results = {}
+    for fused in (True, False):
+        mlp = tg.MLP(dim, hidden, fused=fused).cuda()
+        with torch.no_grad():
+            mlp.fc_w.copy_(fc_w)
+            mlp.proj_w.copy_(proj_w)
+        run = torch.compile(mlp, dynamic=False, fullgraph=True) if compiled else mlp
+        xin = x.clone().requires_grad_()
+        y = run(xin)
+        y.backward(grad_y)
+        results[fused] = [relative_error(got, want) for got, want in
+                          zip((y, xin.grad, mlp.fc_w.grad, mlp.proj_w.grad), (y_ref, ref[0].grad, ref[1].grad, ref[2].grad))]
+    for fused_error, plain_error in zip(results[True], results[False]):
+        assert fused_error < max(2 * plain_error, 1e-2), (results, rows, compiled)
