@@ -443,21 +443,31 @@ def softcapped_cross_entropy(logits: Tensor, targets: Tensor, cap: float, use_tr
 
 if triton is not None:
     @triton.jit
-    def _softcapped_ce_backward_fp8_kernel(Logits, Targets, Lse, GradLoss, GradScale, Out, T, V, stride,
-                                           cap: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr):
-        """The backward above for a [BLOCK_T, BLOCK_V] tile, written as e5m2 divided by GradScale."""
-        rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-        cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-        row_ok, col_ok = rows < T, cols < V
-        inside = row_ok[:, None] & col_ok[None, :]
-        s = tl.sigmoid(tl.load(Logits + rows[:, None].to(tl.int64) * stride + cols[None, :], mask=inside,
-                               other=0.0).to(tl.float32) * (4.0 / cap))
-        lse = tl.load(Lse + rows, mask=row_ok, other=0.0)
-        target = tl.load(Targets + rows, mask=row_ok, other=-1)
-        grad = tl.load(GradLoss + rows, mask=row_ok, other=0.0) / tl.load(GradScale)
-        d = tl.exp(cap * s - lse[:, None]) - tl.where(cols[None, :] == target[:, None], 1.0, 0.0)
-        value = grad[:, None] * d * 4.0 * s * (1.0 - s)
-        tl.store(Out + rows[:, None].to(tl.int64) * V + cols[None, :], value.to(tl.float8e5), mask=inside)
+    def _softcapped_ce_fp8_kernel(Logits, Targets, Loss, Grad, V, stride, cap: tl.constexpr, grad_max: tl.constexpr,
+                                  BLOCK: tl.constexpr):
+        """One row per program: the loss as _softcapped_ce_forward_kernel, then a second pass over the row that
+        writes the loss's gradient for an upstream gradient of grad_max in Grad's dtype (e5m2 in the trainer):
+        grad_max * (softmax(z) - onehot) * dz/dlogit, with dz/dlogit = 4 s (1 - s) <= 1, so that no value
+        exceeds grad_max."""
+        row = tl.program_id(0).to(tl.int64)
+        Logits += row * stride
+        Grad += row * V
+        cols = tl.arange(0, BLOCK)
+        # z lies in (0, cap), so exp(z - cap) <= 1 and the sum cannot overflow: no running max is needed.
+        total = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, V, BLOCK):
+            inside = start + cols < V
+            z = cap * tl.sigmoid(tl.load(Logits + start + cols, mask=inside, other=0.0).to(tl.float32) * (4.0 / cap))
+            total += tl.where(inside, tl.exp(z - cap), 0.0)
+        lse = cap + tl.log(tl.sum(total, axis=0))
+        target = tl.load(Targets + row)
+        z_target = cap * tl.sigmoid(tl.load(Logits + target).to(tl.float32) * (4.0 / cap))
+        tl.store(Loss + row, lse - z_target)
+        for start in range(0, V, BLOCK):
+            inside = start + cols < V
+            s = tl.sigmoid(tl.load(Logits + start + cols, mask=inside, other=0.0).to(tl.float32) * (4.0 / cap))
+            d = tl.exp(cap * s - lse) - tl.where(start + cols == target, 1.0, 0.0)
+            tl.store(Grad + start + cols, (grad_max * d * 4.0 * s * (1.0 - s)).to(Grad.dtype.element_ty), mask=inside)
 
     @triton.jit
     def _transpose_kernel(In, Out, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -481,20 +491,34 @@ def transpose_fp8(x: Tensor, block_m: int = 64, block_n: int = 128, warps: int =
 
 # The FP8 logit gradient is needed in two layouts: [T, V] for the input gradient's matmul and [V, T] for the
 # weight gradient's (FP8 matmuls on Hopper take both operands contiguous along the reduced dimension). The
-# kernel writes [T, V] (tile 128x64, 4 warps: 1.12 ms for [16384, 50304] logits on 1xH100) and transpose_fp8
-# makes [V, T] from it (0.64 ms), bit for bit what a second launch recomputing it from the logits in [V, T]
-# order wrote in 1.10 ms (tests/gpu/bench_loss.py fp8_grad, 2026-11-23).
-CE_FP8_TILE = (128, 64)  # (BLOCK_T, BLOCK_V)
+# forward's kernel writes [T, V] and transpose_fp8 makes [V, T] from it in the backward (0.64 ms for [16384,
+# 50304] on 1xH100, bit for bit what a second launch recomputing it from the logits in [V, T] order wrote in 1.10
+# ms: tests/gpu/bench_loss.py fp8_grad, 2026-11-23).
 E4M3_MAX = 448.0
-GRAD_E5M2_MAX = 2.0 ** 15  # the largest |gradient| lands here, under e5m2's 57344: no overflow, 2**31 of range
+GRAD_E5M2_MAX = 2.0 ** 15  # the largest |gradient| lands at most here, under e5m2's 57344: no overflow, 2**31 of range
+# The fused loss kernel's launch shape. 1xH100, one packed forward's [65536, 50304] logits (tests/gpu/bench_loss.py
+# packed, 2026-11-24): 6.3-6.6 ms, against 7.1 ms for the loss kernel and the backward's gradient kernel it replaced;
+# 2048 x 8 warps the same, longer blocks slower. The second pass reads the row from memory again (about 2.6 TB/s
+# of reads and writes): with all rows in flight they do not stay in L2, and a persistent grid of 1-8 programs per
+# SM that would keep them there ran 8.2-17.9 ms.
+CE_FP8_BLOCK, CE_FP8_WARPS = 1024, 4
+
+
+def softcapped_ce_fp8(logits: Tensor, targets: Tensor, cap: float, losses: Tensor, grad: Tensor) -> None:
+    """_softcapped_ce_fp8_kernel: each row's loss into losses [T], its gradient into grad [T, V]."""
+    rows, vocab = logits.shape
+    _softcapped_ce_fp8_kernel[(rows,)](logits, targets, losses, grad, vocab, logits.stride(0), cap, GRAD_E5M2_MAX,
+                                       BLOCK=CE_FP8_BLOCK, num_warps=CE_FP8_WARPS)
 
 
 class _Fp8SoftcappedHead(torch.autograd.Function):
-    """Per-row softcapped cross-entropy of x @ weight.T with the three matmuls in FP8, scaled per tensor.
+    """Mean softcapped cross-entropy of x @ weight.T over the rows, with the three matmuls in FP8, scaled per tensor.
 
-    Forward: x (rms-normed, so |x| <= sqrt(dim)) and weight (scaled by its absolute max) as e4m3, bf16
-    logits. Backward: the logit gradient as e5m2 scaled so that its largest value is GRAD_E5M2_MAX, then
-    grad_x = g @ w and grad_w = g^T @ x, the latter straight into float32. `fast`: torch._scaled_mm and
+    Forward: x (rms-normed, so |x| <= sqrt(dim)) and weight (scaled by its absolute max) as e4m3, bf16 logits,
+    then one kernel that reads them twice: the losses, and the logit gradient of the mean for an upstream
+    gradient of rows * GRAD_E5M2_MAX, as e5m2. Only that gradient is kept for the backward (half the logits'
+    bytes), which reads no logits: its upstream gradient g only sets the scale, g / rows / GRAD_E5M2_MAX, of
+    grad_x = grad @ w and grad_w = grad^T @ x (the latter straight into float32). `fast`: torch._scaled_mm and
     the Triton kernels; otherwise the same quantised arithmetic in plain torch (CPUs, tests)."""
 
     @staticmethod
@@ -503,31 +527,32 @@ class _Fp8SoftcappedHead(torch.autograd.Function):
         w_scale = (weight.detach().abs().amax().float() / E4M3_MAX).clamp(min=1e-30)
         x_q = (x.float() / x_scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
         w_q = (weight.detach().float() / w_scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+        rows = x.size(0)
         if fast:
             logits = torch._scaled_mm(x_q, w_q.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=torch.bfloat16,
                                       use_fast_accum=True)
-            loss, lse = _softcapped_ce_rows(logits, targets, cap)
+            vocab = logits.size(1)
+            losses = logits.new_empty(rows, dtype=torch.float32)
+            grad_q = logits.new_empty(rows, vocab, dtype=torch.float8_e5m2)
+            softcapped_ce_fp8(logits, targets, cap, losses, grad_q)
         else:
             logits = (x_q.float() * x_scale) @ (w_q.float() * w_scale).t()
-            z = cap * torch.sigmoid(logits * (4.0 / cap))
+            s = torch.sigmoid(logits * (4.0 / cap))
+            z = cap * s
             lse = torch.logsumexp(z, dim=1)
-            loss = lse - z.gather(1, targets[:, None].long())[:, 0]
-        ctx.save_for_backward(x_q, w_q, x_scale, w_scale, logits, targets, lse)
-        ctx.cap, ctx.fast, ctx.x_dtype, ctx.w_dtype = cap, fast, x.dtype, weight.dtype
-        return loss
+            losses = lse - z.gather(1, targets[:, None].long())[:, 0]
+            d = torch.exp(z - lse[:, None])
+            d[torch.arange(rows, device=d.device), targets.long()] -= 1.0
+            grad_q = (GRAD_E5M2_MAX * d * 4.0 * s * (1.0 - s)).to(torch.float8_e5m2)
+        ctx.save_for_backward(x_q, w_q, x_scale, w_scale, grad_q)
+        ctx.fast, ctx.x_dtype, ctx.w_dtype = fast, x.dtype, weight.dtype
+        return losses.mean()
 
     @staticmethod
     def backward(ctx, grad_loss: Tensor):
-        x_q, w_q, x_scale, w_scale, logits, targets, lse = ctx.saved_tensors
-        grad_loss = grad_loss.float().contiguous()
-        grad_scale = (grad_loss.abs().amax() / GRAD_E5M2_MAX).clamp(min=1e-30)
-        rows, vocab = logits.shape
+        x_q, w_q, x_scale, w_scale, grad_q = ctx.saved_tensors
+        grad_scale = grad_loss.float() / grad_q.size(0) / GRAD_E5M2_MAX
         if ctx.fast:
-            grad_q = logits.new_empty(rows, vocab, dtype=torch.float8_e5m2)
-            block_t, block_v = CE_FP8_TILE
-            _softcapped_ce_backward_fp8_kernel[(triton.cdiv(rows, block_t), triton.cdiv(vocab, block_v))](
-                logits, targets, lse, grad_loss, grad_scale, grad_q, rows, vocab, logits.stride(0), ctx.cap,
-                BLOCK_T=block_t, BLOCK_V=block_v, num_warps=4)
             grad_qt = transpose_fp8(grad_q)
             # _scaled_mm wants its second operand column-major: the transposed copies are small.
             grad_x = torch._scaled_mm(grad_q, w_q.t().contiguous().t(), scale_a=grad_scale, scale_b=w_scale,
@@ -535,11 +560,6 @@ class _Fp8SoftcappedHead(torch.autograd.Function):
             grad_w = torch._scaled_mm(grad_qt, x_q.t().contiguous().t(), scale_a=grad_scale, scale_b=x_scale,
                                       out_dtype=torch.float32)
         else:
-            cap = ctx.cap
-            s = torch.sigmoid(logits.float() * (4.0 / cap))
-            d = torch.exp(cap * s - lse[:, None])
-            d[torch.arange(rows, device=d.device), targets.long()] -= 1.0
-            grad_q = ((grad_loss / grad_scale)[:, None] * d * 4.0 * s * (1.0 - s)).to(torch.float8_e5m2)
             grad = grad_q.float() * grad_scale
             grad_x = (grad @ (w_q.float() * w_scale)).to(ctx.x_dtype)
             grad_w = grad.t() @ (x_q.float() * x_scale)
@@ -551,7 +571,7 @@ def fp8_softcapped_head(x: Tensor, weight: Tensor, targets: Tensor, cap: float, 
     FP8 matmuls: _Fp8SoftcappedHead. On CUDA with Triton the fast kernels, otherwise plain torch."""
     if use_triton is None:
         use_triton = x.is_cuda and triton is not None
-    return _Fp8SoftcappedHead.apply(x, weight, targets, cap, use_triton).mean()
+    return _Fp8SoftcappedHead.apply(x, weight, targets, cap, use_triton)
 
 
 if triton is not None:
@@ -675,12 +695,13 @@ if triton is not None:
         block_m, block_n, block_k, group_m, split, warps, stages = RELU2_MM_CONFIG
         tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
         sms = torch.cuda.get_device_properties(a.device).multi_processor_count if a.is_cuda else 4
+        programs = min(tiles, sms)
         out_desc = TensorDescriptor.from_tensor(out, [block_m, block_n // split])
-        _relu2_matmul_kernel[(min(tiles, sms),)](
+        _relu2_matmul_kernel[(programs,)](
             TensorDescriptor.from_tensor(a, [block_m, block_k]), TensorDescriptor.from_tensor(b, [block_n, block_k]),
             out_desc, TensorDescriptor.from_tensor(post, [block_m, block_n // split]) if post is not None else out_desc,
             M, N, K, GRAD=post is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
-            SPLIT=split, PROGRAMS=min(tiles, sms), num_warps=warps, num_stages=stages)
+            SPLIT=split, PROGRAMS=programs, num_warps=warps, num_stages=stages)
         return out
 
     @relu2_matmul.register_fake
@@ -688,9 +709,10 @@ if triton is not None:
         return a.new_empty(a.size(0), b.size(0))
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT, warps, stages) of the MLP kernel, forward and backward. 1xH100, [65536,
-# 768] @ [768, 3072] (tests/gpu/bench_mlp.py, 2026-11-24): forward 0.64 ms, backward 0.77-0.82 ms, against 0.47 ms
-# for cuBLAS's matmul alone and 0.77 / 0.94 ms with inductor's elementwise pass after it; of the tiles that fit in
-# shared memory none was faster in both of two sweeps.
+# 768] @ [768, 3072] (tests/gpu/bench_mlp.py, three calls of 2026-11-24): forward 0.59-0.64 ms, backward 0.72-0.82
+# ms, against 0.46-0.49 ms for cuBLAS's matmul alone and 0.77-0.88 / 0.94-1.01 ms with inductor's elementwise pass
+# after it. No other tile that fits in shared memory was faster in both directions, nor 2 programs per SM with
+# smaller tiles (0.79-1.01 / 0.85-0.95 ms).
 RELU2_MM_CONFIG = (128, 256, 64, 8, 2, 8, 3)
 
 

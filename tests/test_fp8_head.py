@@ -17,38 +17,39 @@ def head_inputs(rows=96, dim=64, vocab=1000, seed=0):
     x = tg.rms_norm(torch.randn(rows, dim, generator=g))
     weight = torch.randn(vocab, dim, generator=g) * 0.3
     targets = torch.randint(0, vocab, (rows,), generator=g)
-    grad_loss = torch.rand(rows, generator=g) / rows  # per-row upstream gradients, not all equal
-    return x, weight, targets, grad_loss
+    return x, weight, targets
 
 
-def run_head(x, weight, targets, grad_loss, cap=30.0):
+def run_head(x, weight, targets, grad_loss: float, cap=30.0):
+    """The head's mean loss and its gradients for an upstream gradient of grad_loss, on the plain-torch path."""
     x, weight = x.clone().requires_grad_(), weight.clone().requires_grad_()
-    losses = tg._Fp8SoftcappedHead.apply(x, weight, targets, cap, False)
-    losses.backward(grad_loss)
-    return losses.detach(), x.grad, weight.grad
+    loss = tg._Fp8SoftcappedHead.apply(x, weight, targets, cap, False)
+    loss.backward(torch.tensor(grad_loss))
+    return loss.detach(), x.grad, weight.grad
 
 
 def test_plain_fp8_head_matches_the_float64_reference():
-    x, weight, targets, grad_loss = head_inputs()
-    losses, grad_x, grad_w = run_head(x, weight, targets, grad_loss)
-    ref_losses, ref_x, ref_w = fp8_head_reference(x, weight, targets, 30.0, grad_loss)
-    torch.testing.assert_close(losses.double(), ref_losses, rtol=1e-5, atol=1e-5)
+    x, weight, targets = head_inputs()
+    loss, grad_x, grad_w = run_head(x, weight, targets, 0.7)
+    per_row = torch.full((x.size(0),), 0.7 / x.size(0))  # the mean's upstream gradient, row by row
+    ref_losses, ref_x, ref_w = fp8_head_reference(x, weight, targets, 30.0, per_row)
+    torch.testing.assert_close(loss.double(), ref_losses.mean(), rtol=1e-5, atol=1e-5)
     assert relative_error(grad_x, ref_x) < 1e-3  # a few e5m2 roundings may land on the other side
     assert relative_error(grad_w, ref_w) < 1e-3
     # and FP8 stays close to the unquantised head: a wrong scale anywhere would be far off
-    exact, exact_x, exact_w = unquantised_head_reference(x, weight, targets, 30.0, grad_loss)
-    assert relative_error(losses, exact) < 2e-2
+    exact, exact_x, exact_w = unquantised_head_reference(x, weight, targets, 30.0, per_row)
+    assert relative_error(loss, exact.mean()) < 2e-2
     assert relative_error(grad_x, exact_x) < 0.15 and relative_error(grad_w, exact_w) < 0.15
 
 
 def test_fp8_head_gradient_scale_follows_the_upstream_gradient():
-    """The e5m2 gradient is scaled by the largest upstream gradient, so tiny and huge loss scales give the
-    same quantised values (up to the rounding of the scale): gradients proportional, none flushed to zero,
-    none infinite."""
-    x, weight, targets, _ = head_inputs(seed=1)
+    """The e5m2 gradient is quantised once, in the forward, for a fixed upstream gradient; the real one only
+    scales the backward's matmuls, so tiny and huge loss scales give proportional gradients: none flushed to
+    zero, none infinite."""
+    x, weight, targets = head_inputs(seed=1)
     grads = {}
     for scale in (1e-12, 1.0, 1e6):
-        _, grad_x, grad_w = run_head(x, weight, targets, torch.full((x.size(0),), scale))
+        _, grad_x, grad_w = run_head(x, weight, targets, scale)
         assert torch.isfinite(grad_x).all() and torch.isfinite(grad_w).all()
         assert (grad_w != 0).float().mean() > 0.99
         grads[scale] = (grad_x / scale, grad_w / scale)

@@ -1,16 +1,16 @@
 """Device benchmark of the loss head's cross-entropy (not part of the tests): the fused Triton kernels vs
 the plain-torch expression compiled by inductor, forward + backward on [16384, 50304] bf16 logits, plus a
 sweep of the kernels' block size and warp count (eager); then the whole head (matmul + loss, gradients for
-the activations and the weight) in bf16 against --fp8_head's FP8 version; then the FP8 head's gradient kernel
-alone per tile, and ways to make the weight gradient's [V, T] layout from its [T, V] output (the trainer's
-transpose_fp8 per tile, and torch's copy). Prints median milliseconds (CUDA events, warm-up excluded) and effective memory
-bandwidths.
+the activations and the weight) in bf16 against --fp8_head's FP8 version; then ways to make the FP8 weight
+gradient's [V, T] layout from its [T, V] output (the trainer's transpose_fp8 per tile, and torch's copy); then
+the FP8 head's fused loss-and-gradient kernel. Prints median milliseconds (CUDA events, warm-up excluded) and
+effective memory bandwidths.
 
     python tests/gpu/bench_loss.py            # the loss kernels
     python tests/gpu/bench_loss.py head       # bf16 head against the FP8 head
-    python tests/gpu/bench_loss.py fp8_grad   # the FP8 gradient kernel's tiles and its transpose
-    python tests/gpu/bench_loss.py packed     # at a packed forward's 65,536 rows: the loss kernels' pieces, and
-                                              # the gradient kernel with a one-instruction sigmoid
+    python tests/gpu/bench_loss.py fp8_grad   # ways to make the FP8 gradient's [V, T] layout from [T, V]
+    python tests/gpu/bench_loss.py packed     # at a packed forward's 65,536 rows: the FP8 head's fused loss and
+                                              # gradient kernel, against the two kernels it replaced
 """
 import functools
 import sys
@@ -82,29 +82,8 @@ def head():
 
 
 def fp8_grad():
-    rows, vocab, cap = 16384, 50304, 30.0
-    logits = (torch.randn(rows, vocab, device="cuda") * 4).to(torch.bfloat16)
-    targets = torch.randint(0, vocab, (rows,), device="cuda")
-    grad_loss = torch.full((rows,), 1.0 / rows, device="cuda")
-    _, lse = tg._softcapped_ce_rows(logits, targets, cap)
-    grad_scale = grad_loss.abs().amax() / tg.GRAD_E5M2_MAX
-    copy = torch.empty_like(logits)
-    ms = median_ms(lambda: copy.copy_(logits))
-    print(f"yardstick, a copy of the bf16 logits: {ms:.3f} ms ({4 * logits.numel() / ms / 1e6:.0f} GB/s)")
-    grad = torch.empty_like(logits)
-    ms = median_ms(lambda: tg._softcapped_ce_backward_kernel[(rows,)](
-        logits, targets, lse, grad_loss, grad, vocab, logits.stride(0), grad.stride(0), cap, BLOCK=tg.CE_BLOCK,
-        num_warps=tg.CE_WARPS))
-    print(f"yardstick, the bf16 gradient kernel: {ms:.3f} ms ({4 * logits.numel() / ms / 1e6:.0f} GB/s)")
-    grad_q = torch.empty(rows, vocab, device="cuda", dtype=torch.float8_e5m2)
-    for block_t, block_v in ((128, 64), (64, 128), (64, 64), (128, 128)):
-        ms = median_ms(lambda: tg._softcapped_ce_backward_fp8_kernel[
-            (triton.cdiv(rows, block_t), triton.cdiv(vocab, block_v))](
-            logits, targets, lse, grad_loss, grad_scale, grad_q, rows, vocab, logits.stride(0), cap,
-            BLOCK_T=block_t, BLOCK_V=block_v, num_warps=4))
-        chosen = " (the trainer's)" if tg.CE_FP8_TILE == (block_t, block_v) else ""
-        print(f"fp8 gradient [T, V] tile {block_t}x{block_v}: {ms:.3f} ms ({3 * logits.numel() / ms / 1e6:.0f} GB/s)"
-              f"{chosen}")
+    rows, vocab = 16384, 50304
+    grad_q = (torch.randn(rows, vocab, device="cuda") * 100).to(torch.float8_e5m2)
     # The weight gradient's [V, T] layout, made from [T, V]; each way must give torch's bits.
     as_bytes = lambda t: t.view(torch.uint8)  # noqa: E731  (fp8 has no equality kernel everywhere)
     reference = as_bytes(grad_q).t().contiguous()
@@ -121,26 +100,16 @@ def fp8_grad():
 
 
 @triton.jit
-def _tanh_sigmoid(x):
-    """sigmoid(x) = (1 + tanh(x / 2)) / 2 with the hardware's approximate tanh: one special-function instruction
-    where tl.sigmoid takes two (exp and a reciprocal); relative error about 2**-11."""
-    t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [0.5 * x], dtype=tl.float32, is_pure=True, pack=1)
-    return 0.5 + 0.5 * t
-
-
-@triton.jit
-def _grad_fp8_variant(Logits, Targets, Lse, GradLoss, GradScale, Out, T, V, stride, cap: tl.constexpr,
-                      BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, TANH: tl.constexpr):
-    """train_gpt._softcapped_ce_backward_fp8_kernel, with the tanh sigmoid when TANH."""
+def _two_kernel_gradient(Logits, Targets, Lse, GradLoss, GradScale, Out, T, V, stride, cap: tl.constexpr,
+                         BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr):
+    """The FP8 head's gradient kernel before 2026-11-24, launched in the backward after the forward's loss kernel
+    (_softcapped_ce_forward_kernel) had kept each row's logsumexp: the yardstick for the fused kernel."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     row_ok, col_ok = rows < T, cols < V
     inside = row_ok[:, None] & col_ok[None, :]
-    a = tl.load(Logits + rows[:, None].to(tl.int64) * stride + cols[None, :], mask=inside, other=0.0).to(tl.float32)
-    if TANH:
-        s = _tanh_sigmoid(a * (4.0 / cap))
-    else:
-        s = tl.sigmoid(a * (4.0 / cap))
+    s = tl.sigmoid(tl.load(Logits + rows[:, None].to(tl.int64) * stride + cols[None, :], mask=inside,
+                           other=0.0).to(tl.float32) * (4.0 / cap))
     lse = tl.load(Lse + rows, mask=row_ok, other=0.0)
     target = tl.load(Targets + rows, mask=row_ok, other=-1)
     grad = tl.load(GradLoss + rows, mask=row_ok, other=0.0) / tl.load(GradScale)
@@ -150,41 +119,53 @@ def _grad_fp8_variant(Logits, Targets, Lse, GradLoss, GradScale, Out, T, V, stri
 
 
 def packed():
+    """At a packed forward's 65,536 rows: the fused loss-and-gradient kernel over a sweep of launch shapes, against
+    the two kernels it replaced (loss forward, then the gradient from the kept logsumexp), with the error of the
+    dequantised gradient against float64 on the first rows."""
     rows, vocab, cap = 65536, 50304, 30.0
     logits = (torch.randn(rows, vocab, device="cuda") * 4).to(torch.bfloat16)
     targets = torch.randint(0, vocab, (rows,), device="cuda")
-    grad_loss = torch.full((rows,), 1.0 / rows, device="cuda")
-    grad_scale = grad_loss.abs().amax() / tg.GRAD_E5M2_MAX
     copy = torch.empty_like(logits)
     ms = median_ms(lambda: copy.copy_(logits))
     print(f"{rows} rows. yardstick, a copy of the bf16 logits: {ms:.3f} ms ({4 * logits.numel() / ms / 1e6:.0f} GB/s)")
-    for block, warps in ((1024, 4), (2048, 8), (4096, 8), (1024, 8)):
-        tg.CE_BLOCK, tg.CE_WARPS = block, warps
-        ms = median_ms(lambda: tg._softcapped_ce_rows(logits, targets, cap))
-        print(f"forward kernel BLOCK={block} warps={warps}: {ms:.3f} ms ({2 * logits.numel() / ms / 1e6:.0f} GB/s)")
-    tg.CE_BLOCK, tg.CE_WARPS = 1024, 4
-    _, lse = tg._softcapped_ce_rows(logits, targets, cap)
-    grad_q = torch.empty(rows, vocab, device="cuda", dtype=torch.float8_e5m2)
-    ms = median_ms(lambda: tg.transpose_fp8(grad_q))
-    print(f"transpose_fp8: {ms:.3f} ms ({2 * grad_q.numel() / ms / 1e6:.0f} GB/s)")
-    # float64 reference of the dequantised gradient on the first rows
     check = 256
     z = cap * torch.sigmoid(logits[:check].double() * (4.0 / cap))
     p = torch.softmax(z, dim=1)
     p[torch.arange(check), targets[:check]] -= 1.0
     s = torch.sigmoid(logits[:check].double() * (4.0 / cap))
-    exact = p * 4.0 * s * (1.0 - s) / rows
-    for tanh in (False, True):
-        for (block_t, block_v), warps in (((128, 64), 4), ((64, 128), 4), ((128, 128), 8), ((64, 64), 4)):
-            launch = lambda: _grad_fp8_variant[(triton.cdiv(rows, block_t), triton.cdiv(vocab, block_v))](  # noqa: E731
-                logits, targets, lse, grad_loss, grad_scale, grad_q, rows, vocab, logits.stride(0), cap,
-                BLOCK_T=block_t, BLOCK_V=block_v, TANH=tanh, num_warps=warps)
-            ms = median_ms(launch)
-            launch()
-            got = grad_q[:check].double() * grad_scale.double()
-            error = ((got - exact).norm() / exact.norm()).item()
-            print(f"gradient kernel {'tanh sigmoid' if tanh else 'tl.sigmoid  '} tile {block_t}x{block_v} warps={warps}: "
-                  f"{ms:.3f} ms ({3 * logits.numel() / ms / 1e6:.0f} GB/s), error against float64 {error:.4f}")
+    exact = p * 4.0 * s * (1.0 - s)  # d loss_row / d logits
+    exact_loss = torch.logsumexp(z, dim=1) - z.gather(1, targets[:check, None])[:, 0]
+    grad_q = torch.empty(rows, vocab, device="cuda", dtype=torch.float8_e5m2)
+
+    def report(name, ms, scale):
+        got = grad_q[:check].double() * scale
+        error = ((got - exact).norm() / exact.norm()).item()
+        print(f"{name}: {ms:.3f} ms ({3 * logits.numel() / ms / 1e6:.0f} GB/s of one read and the fp8 write), "
+              f"gradient error against float64 {error:.4f}", flush=True)
+
+    forward_ms = median_ms(lambda: tg._softcapped_ce_rows(logits, targets, cap))
+    _, lse = tg._softcapped_ce_rows(logits, targets, cap)
+    grad_loss = torch.full((rows,), 1.0 / rows, device="cuda")
+    grad_scale = grad_loss.abs().amax() / tg.GRAD_E5M2_MAX
+    gradient = lambda: _two_kernel_gradient[(triton.cdiv(rows, 128), triton.cdiv(vocab, 64))](  # noqa: E731
+        logits, targets, lse, grad_loss, grad_scale, grad_q, rows, vocab, logits.stride(0), cap,
+        BLOCK_T=128, BLOCK_V=64, num_warps=4)
+    gradient_ms = median_ms(gradient)
+    gradient()
+    print(f"before: loss kernel {forward_ms:.3f} ms + gradient kernel {gradient_ms:.3f} ms = "
+          f"{forward_ms + gradient_ms:.3f} ms")
+    report("before, the gradient kernel's output", gradient_ms, grad_scale.double() * rows)
+    losses = torch.empty(rows, device="cuda")
+    chosen = (tg.CE_FP8_BLOCK, tg.CE_FP8_WARPS)
+    for config in ((1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16)):
+        tg.CE_FP8_BLOCK, tg.CE_FP8_WARPS = config
+        launch = lambda: tg.softcapped_ce_fp8(logits, targets, cap, losses, grad_q)  # noqa: E731
+        ms = median_ms(launch)
+        launch()
+        loss_error = ((losses[:check].double() - exact_loss).abs().max() / exact_loss.abs().max()).item()
+        report(f"fused kernel BLOCK, warps {config}{' (the trainer' + chr(39) + 's)' if config == chosen else ''}"
+               f" (loss error {loss_error:.1e})", ms, 1.0 / tg.GRAD_E5M2_MAX)
+    tg.CE_FP8_BLOCK, tg.CE_FP8_WARPS = chosen
 
 
 if __name__ == "__main__":

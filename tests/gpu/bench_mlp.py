@@ -25,10 +25,11 @@ T, DIM, HIDDEN = 65536, 768, 3072
 CHECK_ROWS = 4096
 # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT, warps, stages), as train_gpt.RELU2_MM_CONFIG. Tried and dropped
 # (2026-11-24, 1xH100): loading the backward's post tile before the K loop (3-50 ms: the tile sat in registers
-# through the loop) and tl.range(warp_specialize=True) (no faster); tiles over 232 KB of shared memory fail.
+# through the loop), tl.range(warp_specialize=True) (no faster), 2 programs per SM with tiles small enough for two
+# (slower); tiles over 232 KB of shared memory fail.
 CONFIGS = [
-    (128, 256, 64, 8, 2, 8, 3), (128, 256, 64, 16, 2, 8, 3), (128, 256, 64, 32, 2, 8, 3), (256, 128, 64, 16, 2, 8, 3),
-    (128, 128, 64, 16, 2, 4, 5), (128, 128, 64, 16, 1, 4, 4), (64, 256, 64, 16, 1, 4, 4),
+    (128, 256, 64, 8, 2, 8, 3), (128, 256, 64, 16, 2, 8, 3), (256, 128, 64, 16, 2, 8, 3), (128, 128, 64, 8, 2, 4, 3),
+    (128, 128, 64, 8, 2, 8, 4), (64, 256, 64, 8, 1, 4, 4),
 ]
 
 
