@@ -358,10 +358,8 @@ def symmetric_matmul(X: Tensor, out: Tensor, alpha: float = 1.0, beta: float = 0
 
 if triton is not None:
     @triton.jit
-    def _softcapped_ce_forward_kernel(Logits, Targets, Loss, Lse, V, stride, cap: tl.constexpr, BLOCK: tl.constexpr):
-        """One row per program: loss = logsumexp(z) - z[target], z = cap * sigmoid(4 * logit / cap)."""
-        row = tl.program_id(0).to(tl.int64)
-        Logits += row * stride
+    def _softcapped_row_loss(Logits, target, V, cap: tl.constexpr, BLOCK: tl.constexpr):
+        """(logsumexp(z), its loss logsumexp(z) - z[target]) of one row of logits, z = cap * sigmoid(4 * logit / cap)."""
         cols = tl.arange(0, BLOCK)
         # z lies in (0, cap), so exp(z - cap) <= 1 and the sum cannot overflow: no running max is needed.
         total = tl.zeros([BLOCK], dtype=tl.float32)
@@ -370,9 +368,14 @@ if triton is not None:
             z = cap * tl.sigmoid(tl.load(Logits + start + cols, mask=inside, other=0.0).to(tl.float32) * (4.0 / cap))
             total += tl.where(inside, tl.exp(z - cap), 0.0)
         lse = cap + tl.log(tl.sum(total, axis=0))
-        target = tl.load(Targets + row)
-        z_target = cap * tl.sigmoid(tl.load(Logits + target).to(tl.float32) * (4.0 / cap))
-        tl.store(Loss + row, lse - z_target)
+        return lse, lse - cap * tl.sigmoid(tl.load(Logits + target).to(tl.float32) * (4.0 / cap))
+
+    @triton.jit
+    def _softcapped_ce_forward_kernel(Logits, Targets, Loss, Lse, V, stride, cap: tl.constexpr, BLOCK: tl.constexpr):
+        """One row per program: each row's loss and logsumexp."""
+        row = tl.program_id(0).to(tl.int64)
+        lse, loss = _softcapped_row_loss(Logits + row * stride, tl.load(Targets + row), V, cap, BLOCK)
+        tl.store(Loss + row, loss)
         tl.store(Lse + row, lse)
 
     @triton.jit
@@ -445,24 +448,17 @@ if triton is not None:
     @triton.jit
     def _softcapped_ce_fp8_kernel(Logits, Targets, Loss, Grad, V, stride, cap: tl.constexpr, grad_max: tl.constexpr,
                                   BLOCK: tl.constexpr):
-        """One row per program: the loss as _softcapped_ce_forward_kernel, then a second pass over the row that
+        """One row per program: the loss (_softcapped_row_loss), then a second pass over the row that
         writes the loss's gradient for an upstream gradient of grad_max in Grad's dtype (e5m2 in the trainer):
         grad_max * (softmax(z) - onehot) * dz/dlogit, with dz/dlogit = 4 s (1 - s) <= 1, so that no value
         exceeds grad_max."""
         row = tl.program_id(0).to(tl.int64)
         Logits += row * stride
         Grad += row * V
-        cols = tl.arange(0, BLOCK)
-        # z lies in (0, cap), so exp(z - cap) <= 1 and the sum cannot overflow: no running max is needed.
-        total = tl.zeros([BLOCK], dtype=tl.float32)
-        for start in range(0, V, BLOCK):
-            inside = start + cols < V
-            z = cap * tl.sigmoid(tl.load(Logits + start + cols, mask=inside, other=0.0).to(tl.float32) * (4.0 / cap))
-            total += tl.where(inside, tl.exp(z - cap), 0.0)
-        lse = cap + tl.log(tl.sum(total, axis=0))
         target = tl.load(Targets + row)
-        z_target = cap * tl.sigmoid(tl.load(Logits + target).to(tl.float32) * (4.0 / cap))
-        tl.store(Loss + row, lse - z_target)
+        lse, loss = _softcapped_row_loss(Logits, target, V, cap, BLOCK)
+        tl.store(Loss + row, loss)
+        cols = tl.arange(0, BLOCK)
         for start in range(0, V, BLOCK):
             inside = start + cols < V
             s = tl.sigmoid(tl.load(Logits + start + cols, mask=inside, other=0.0).to(tl.float32) * (4.0 / cap))
