@@ -1157,7 +1157,8 @@ class Muon(torch.optim.Optimizer):
                 work.wait()
             for p, update in zip(group.params, updates):
                 settings = self.group_of[p]
-                p.mul_(1 - settings["lr"] * settings["weight_decay"])
+                if settings["weight_decay"]:  # without it the multiply is by 1: a pass over the weights for nothing
+                    p.mul_(1 - settings["lr"] * settings["weight_decay"])
                 p.add_(update.to(p.dtype), alpha=-settings["lr"])
 
 
