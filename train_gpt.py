@@ -2436,10 +2436,17 @@ def resolve_compile_mode(cfg: Config, comm: Comm, device: torch.device) -> str:
     return "reduce-overhead" if single_gpu else "default"
 
 
-def check_fp8_support(cfg: Config, device: torch.device) -> None:
-    if cfg.fp8_head and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+def check_gpu_features(cfg: Config, device: torch.device) -> None:
+    """The default kernels need a recent GPU: one line naming the GPU and the flag that turns each one off."""
+    if device.type != "cuda":
+        return
+    capability, name = torch.cuda.get_device_capability(device), torch.cuda.get_device_name(device)
+    if cfg.fp8_head and capability < (8, 9):
         raise UserError(f"the FP8 head (--fp8_head, on by default) needs FP8 matmuls (compute capability 8.9 or "
-                        f"newer: Ada, Hopper); {torch.cuda.get_device_name(device)} has none: pass --fp8_head=0")
+                        f"newer: Ada, Hopper); {name} has none: pass --fp8_head=0")
+    if cfg.fused_mlp and cfg.triton_kernels and triton is not None and capability < (9, 0):
+        raise UserError(f"the fused MLP (--fused_mlp, on by default) needs the TMA copy engine (compute capability "
+                        f"9.0 or newer: Hopper); {name} has none: pass --fused_mlp=0")
 
 
 def build_and_warm_up(cfg: Config, comm: Comm, log: RunLog) -> Trainer:
@@ -2450,7 +2457,7 @@ def build_and_warm_up(cfg: Config, comm: Comm, log: RunLog) -> Trainer:
     packed = resolve_forward_micro_batches(cfg, comm.world_size)
     attend = make_attention(cfg, device, packed * cfg.micro_batch_tokens)
     compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    check_fp8_support(cfg, device)
+    check_gpu_features(cfg, device)
     model = GPT(cfg, attend, compute_dtype, forward_micro_batches=packed).to(device)
     if comm.distributed:  # same seed gives the same init, but make certain
         for t in model.state_dict().values():
@@ -2809,7 +2816,7 @@ def check_inputs(cfg: Config) -> None:
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device=cuda, but torch sees no CUDA GPU; pass --device=cpu to run on the CPU")
     if cfg.device == "cuda":
-        check_fp8_support(cfg, torch.device("cuda", 0))
+        check_gpu_features(cfg, torch.device("cuda", 0))
     shard_paths(cfg.train_files, "train_files")
     next(val_batches_for_rank(shard_paths(cfg.val_files, "val_files"), cfg, Comm()))  # enough val tokens?
     if cfg.diloco:  # before minutes of compiling, not after

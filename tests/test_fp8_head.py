@@ -67,15 +67,23 @@ def test_tiny_model_trains_with_the_fp8_head_on_one_and_two_processes(tiny_data,
     np.testing.assert_allclose(two[0], single, rtol=1e-5)
 
 
-def test_gpus_without_fp8_matmuls_are_told_to_turn_the_head_off(monkeypatch):
-    """The FP8 head is on by default; on a GPU older than Ada/Hopper the check before a launch names the GPU
-    and the flag, instead of _scaled_mm failing deep inside the first forward."""
+def test_gpus_without_fp8_matmuls_or_tma_are_told_which_kernel_to_turn_off(monkeypatch):
+    """The FP8 head and the fused MLP are on by default; on a GPU older than Ada/Hopper (FP8 matmuls) or Hopper (the
+    MLP kernel's TMA loads) the check before a launch names the GPU and the flag, instead of a kernel failing deep
+    inside the first forward."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
     cfg = tg.Config()
-    assert cfg.fp8_head
+    assert cfg.fp8_head and cfg.fused_mlp
+    cuda = torch.device("cuda", 0)
     with pytest.raises(tg.UserError, match=r"A100.*pass --fp8_head=0"):
-        tg.check_fp8_support(cfg, torch.device("cuda", 0))
-    tg.check_fp8_support(dataclasses.replace(cfg, fp8_head=False), torch.device("cuda", 0))  # bf16 head: fine
+        tg.check_gpu_features(cfg, cuda)
+    no_fp8 = dataclasses.replace(cfg, fp8_head=False)
+    if tg.triton is not None:
+        with pytest.raises(tg.UserError, match=r"A100.*pass --fused_mlp=0"):
+            tg.check_gpu_features(no_fp8, cuda)
+    tg.check_gpu_features(dataclasses.replace(no_fp8, fused_mlp=False), cuda)  # bf16 head, unfused MLP: fine
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))  # Ada: FP8, no TMA
+    tg.check_gpu_features(dataclasses.replace(cfg, fused_mlp=False), cuda)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    tg.check_fp8_support(cfg, torch.device("cuda", 0))
+    tg.check_gpu_features(cfg, cuda)
