@@ -109,10 +109,11 @@ class Config:
     # forward/backward packs the same number of them, so there is one compiled shape; the batch-size
     # schedule only changes how many micro-batches make a step.
     micro_batch_tokens: int = 16 * 1024
-    # Micro-batches of one rank packed into each forward/backward; 0: auto, the most (up to 4) that divides
-    # every stage's and the validation's micro-batches per rank. Each micro-batch starts a document and its
-    # positions, so a packed forward computes the same losses. Fewer, larger kernels: 1xH100, last stage,
-    # 763 ms per step at 1, 728 at 2, 711 at 4, for a peak memory of 17.4, 24.8 and 39.7 GiB (README, Speed).
+    # Micro-batches of one rank packed into each forward/backward; 0: auto, the most (up to 8 on a GPU of at least
+    # PACK_8_MIN_GIB, else 4) that divides every stage's and the validation's micro-batches per rank. Each
+    # micro-batch starts a document and its positions, so a packed forward computes the same losses. Fewer,
+    # larger kernels: 1xH100, last stage, 763 ms per step at 1, 728 at 2, 711 at 4 (session h); 665 at 4 and
+    # 649 at 8 with session j's kernels, for a peak memory of 37.2 and 64.3 GiB (README, Speed).
     forward_micro_batches: int = 0
     max_doc_len: int = 2048  # longer documents are cut
     # Schedules over equal stages of training (comma separated, one entry per stage):
@@ -2409,15 +2410,22 @@ class Trainer:
         return self.schedule.micro_batches(step) // world_size // self.packed
 
 
-def resolve_forward_micro_batches(cfg: Config, world_size: int) -> int:
-    """--forward_micro_batches, or for 0 the most micro-batches, up to 4, that every stage's and the
-    validation's micro-batches per rank divide into (default schedule: 4 on 1 or 2 processes, 2 on 4, 1 on
-    8). Past 4 the gain shrinks (1xH100: 4.7% from 1 to 2, 2.3% from 2 to 4) while the activations grow by
-    7.4 GiB per micro-batch."""
+# Auto packs up to 8 micro-batches per forward only on a GPU with at least this much memory (GiB). Default config,
+# FP8 head, 1xH100 (session j): peak allocated 37.2 GiB with 4 per forward, 64.3 GiB with 8.
+PACK_8_MIN_GIB = 72
+
+
+def resolve_forward_micro_batches(cfg: Config, world_size: int, device_memory_gib: float | None = None) -> int:
+    """--forward_micro_batches, or for 0 the most micro-batches that every stage's and the validation's
+    micro-batches per rank divide into: up to 8 on a GPU of at least PACK_8_MIN_GIB, up to 4 otherwise (default
+    schedule: 8 on one such GPU, 4 on 1 smaller GPU or 2 processes, 2 on 4, 1 on 8). 1xH100, last stage: 4.7%
+    faster from 1 to 2, 2.3% from 2 to 4 (session h), 2.3% from 4 to 8 (session j); the activations grow by
+    about 7 GiB per micro-batch."""
     per_rank = {f"stage {i}": n // world_size for i, n in enumerate(_parse_stage_list(cfg, "batch_schedule", int))}
     per_rank["validation"] = val_micro_batches_per_rank(cfg, world_size)
     if cfg.forward_micro_batches == 0:
-        return next(k for k in (4, 2, 1) if all(n % k == 0 for n in per_rank.values()))
+        most = 8 if device_memory_gib is not None and device_memory_gib >= PACK_8_MIN_GIB else 4
+        return next(k for k in (8, 4, 2, 1) if k <= most and all(n % k == 0 for n in per_rank.values()))
     uneven = [f"{name}: {n}" for name, n in per_rank.items() if n % cfg.forward_micro_batches]
     if cfg.forward_micro_batches < 0 or uneven:
         raise UserError(f"--forward_micro_batches={cfg.forward_micro_batches} must divide the micro-batches per rank "
@@ -2454,7 +2462,8 @@ def build_and_warm_up(cfg: Config, comm: Comm, log: RunLog) -> Trainer:
     device = torch.device("cuda", comm.local_rank) if cfg.device == "cuda" else torch.device("cpu")
     torch.manual_seed(cfg.seed)
     schedule = Schedule(cfg)
-    packed = resolve_forward_micro_batches(cfg, comm.world_size)
+    memory_gib = torch.cuda.get_device_properties(device).total_memory / 2 ** 30 if device.type == "cuda" else None
+    packed = resolve_forward_micro_batches(cfg, comm.world_size, memory_gib)
     attend = make_attention(cfg, device, packed * cfg.micro_batch_tokens)
     compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     check_gpu_features(cfg, device)

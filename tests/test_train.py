@@ -498,7 +498,8 @@ def test_every_reduce_scatter_is_on_the_wire_before_the_optimizers_step(tiny_dat
 
 
 def test_packed_forwards_train_as_separate_ones(tiny_data, tmp_path):
-    """Micro-batches packed into one forward (--forward_micro_batches; auto packs up to 4 where the counts allow)
+    """Micro-batches packed into one forward (--forward_micro_batches; auto packs up to 4, or 8 on a large GPU, where
+    the counts allow)
     give the training and validation losses of one forward each, at 1 process and at 2, and the logs say
     how many were packed. Validation chunks do not start at a BOS: packed, each must still see only its own
     tokens."""
@@ -555,8 +556,12 @@ def test_forward_micro_batches_must_divide_the_counts(tiny_data):
     with pytest.raises(tg.UserError, match=r"--forward_micro_batches=3 must divide the micro-batches per rank at 1 "
                                            r"process\(es\) \(stage 0: 8, stage 1: 8, stage 2: 16, validation: 8\)"):
         tg.resolve_forward_micro_batches(cfg, 1)
-    assert tg.resolve_forward_micro_batches(dataclasses.replace(cfg, forward_micro_batches=0), 1) == 4
-    assert tg.resolve_forward_micro_batches(dataclasses.replace(cfg, forward_micro_batches=0, batch_schedule="8,8,24"), 8) == 1
+    auto = dataclasses.replace(cfg, forward_micro_batches=0)
+    assert tg.resolve_forward_micro_batches(auto, 1) == 4  # no GPU memory known: up to 4
+    assert tg.resolve_forward_micro_batches(auto, 1, device_memory_gib=40.0) == 4
+    assert tg.resolve_forward_micro_batches(auto, 1, device_memory_gib=79.6) == 8  # an 80 GB H100
+    assert tg.resolve_forward_micro_batches(auto, 2, device_memory_gib=79.6) == 4  # stage 0 has 4 per rank
+    assert tg.resolve_forward_micro_batches(dataclasses.replace(auto, batch_schedule="8,8,24"), 8) == 1
 
 
 def test_out_of_memory_in_the_warm_up_names_the_flags(tiny_data, tmp_path, monkeypatch, capsys):
