@@ -706,8 +706,8 @@ if triton is not None:
         return a.new_empty(a.size(0), b.size(0))
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT, warps, stages) of the MLP kernel, forward and backward. 1xH100, [65536,
-# 768] @ [768, 3072] (tests/gpu/bench_mlp.py, three calls of 2026-11-24): forward 0.59-0.64 ms, backward 0.72-0.82
-# ms, against 0.46-0.49 ms for cuBLAS's matmul alone and 0.77-0.88 / 0.94-1.01 ms with inductor's elementwise pass
+# 768] @ [768, 3072] (tests/gpu/bench_mlp.py, four calls of 2026-11-24): forward 0.57-0.64 ms, backward 0.69-0.82
+# ms, against 0.45-0.49 ms for cuBLAS's matmul alone and 0.75-0.88 / 0.87-1.01 ms with inductor's elementwise pass
 # after it. No other tile that fits in shared memory was faster in both directions (BLOCK_K 32 with 5-6 stages tied:
 # 0.548 + 0.709 against 0.570 + 0.691 ms), nor 2 programs per SM with smaller tiles (0.79-1.01 / 0.85-0.95 ms).
 RELU2_MM_CONFIG = (128, 256, 64, 8, 2, 8, 3)
