@@ -498,10 +498,9 @@ def test_every_reduce_scatter_is_on_the_wire_before_the_optimizers_step(tiny_dat
 
 
 def test_packed_forwards_train_as_separate_ones(tiny_data, tmp_path):
-    """Micro-batches packed into one forward (--forward_micro_batches; auto packs up to 4, or 8 on a large GPU, where
-    the counts allow)
-    give the training and validation losses of one forward each, at 1 process and at 2, and the logs say
-    how many were packed. Validation chunks do not start at a BOS: packed, each must still see only its own
+    """Micro-batches packed into one forward (--forward_micro_batches; auto packs up to 4, or 8 on a large GPU,
+    where the counts allow) give the training and validation losses of one forward each, at 1 process and at 2,
+    and the logs say how many were packed. Validation chunks do not start at a BOS: packed, each must still see only its own
     tokens."""
     cfg = tiny_config(*tiny_data, num_iterations=3, val_loss_every=3, log_dir=str(tmp_path), micro_batch_tokens=128)
     results = {}

@@ -122,11 +122,11 @@ MLP_CHECK = textwrap.dedent("""
                   torch.randn(hidden, dim, generator=g) * 0.2]
         grad_y = torch.randn(rows, dim, generator=g)
         ref = [t.double().requires_grad_() for t in inputs]
-        (torch.relu(ref[0] @ ref[1].t()).square() @ ref[2]).backward(grad_y.double())
+        y_ref = torch.relu(ref[0] @ ref[1].t()).square() @ ref[2]
+        y_ref.backward(grad_y.double())
         got = [t.clone().requires_grad_() for t in inputs]
         y = tg._FusedReLU2MLP.apply(*got)
         y.backward(grad_y)
-        y_ref = torch.relu(ref[0] @ ref[1].t()).square() @ ref[2]
         pairs = [(y, y_ref)] + [(a.grad, b.grad) for a, b in zip(got, ref)]
         print(max(((a.double() - b).norm() / b.norm()).item() for a, b in pairs))
 """)
