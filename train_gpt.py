@@ -73,6 +73,10 @@ class Config:
     # and backward replay as CUDA graphs: no per-kernel launch cost on the host; every graph recorded after the
     # warm-up is logged as a warning) | max-autotune
     compile_mode: str = "auto"
+    # Inductor tunes the block sizes of each Triton kernel it generates by coordinate descent (CUDA only). 1xH100,
+    # last stage, one call: 648.3 -> 640.6 ms per step (inductor's kernels 100.0 -> 92.4 ms); a cold compile takes
+    # 80-90 s instead of 50 (the inductor cache keeps the tuned configs).
+    tune_kernels: bool = True
     attn_backend: str = "auto"  # auto | fa3 | flex | sdpa
     triton_kernels: bool = True  # 0: plain torch for Newton-Schulz, the loss and the MLP even where Triton is present (A/B)
     # The lm_head's three matmuls in FP8 (e4m3 activations and weights, e5m2 logit gradients, scaled per
@@ -2204,6 +2208,12 @@ def warm_up(model: GPT, optimizers, cfg: Config, comm: Comm, schedule: Schedule,
         opt.state.clear()
 
 
+def configure_inductor(cfg: Config, device: torch.device) -> None:
+    """Inductor's options for our graphs, set before they compile (torch keeps them process-wide)."""
+    import torch._inductor.config as inductor
+    inductor.coordinate_descent_tuning = cfg.tune_kernels and device.type == "cuda"
+
+
 def compiled_graph_count() -> int:
     from torch._dynamo.utils import counters
     return int(counters["stats"]["unique_graphs"])
@@ -2478,6 +2488,8 @@ def build_and_warm_up(cfg: Config, comm: Comm, log: RunLog) -> Trainer:
     # Untimed warm-up: compile and tune every kernel, then start over from the same weights.
     start = time.perf_counter()
     optimizers = build_optimizers(model, cfg)
+    if cfg.compile:
+        configure_inductor(cfg, device)
     cache = CompileCache(cfg.compile_cache, log, comm) if cfg.compile and cfg.compile_cache else None
     if cache is not None:
         cache.load()

@@ -104,3 +104,15 @@ def test_recompile_watch_reports_a_backward_compiled_at_its_first_call():
             watch.close()
     assert len(first) == 1 and first[0].startswith("backward compiled lazily for compiled graph "), first
     assert second == [] and watch.since_warm_up() == 1
+
+
+def test_kernel_tuning_is_for_gpus_and_can_be_turned_off():
+    import dataclasses
+
+    import torch
+    import train_gpt as tg
+
+    with torch._inductor.config.patch(coordinate_descent_tuning=False):
+        for tune, device, want in ((True, "cuda", True), (True, "cpu", False), (False, "cuda", False)):
+            tg.configure_inductor(dataclasses.replace(tg.Config(), tune_kernels=tune), torch.device(device))
+            assert torch._inductor.config.coordinate_descent_tuning is want, (tune, device)
