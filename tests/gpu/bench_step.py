@@ -8,6 +8,9 @@ attention windows), a few untimed steps and then N timed ones, and prints per st
 tokens/s, MFU, the slowest step against the median, the per-phase split from CUDA events (forward,
 backward, each optimizer; comm waits sit inside the optimizers), and graphs compiled in the timed
 region. BENCH_SYNC_DEBUG=1 turns on torch's sync debug mode there: a warning at every host sync.
+FLEX_KERNEL_OPTIONS='{"bwd_num_stages":2,...}' passes flex attention these kernel_options (an A/B of flex's tiles in
+the whole model; 1xH100, 2026-11-24: torch's defaults were fastest, 651.9 ms per last-stage step against 655.0 with
+2 backward stages and 657.4 with backward tiles of 32 x 128 and 128 x 32).
 Then two torch.profiler windows over the last stage (GPU only, then host and GPU): GPU time by kind of
 kernel, idle gaps split into host-late and not, the host ops the GPU waited on, the longest kernels.
 Real text from --train_files when it matches, else random tokens.
@@ -18,6 +21,7 @@ attended (12 * layers * window * dim per token): an upper bound on useful attent
 """
 import bisect
 import dataclasses
+import functools
 import gc
 import glob
 import json
@@ -192,6 +196,10 @@ def main() -> int:
     argv = [a for a in sys.argv[1:] if not a.startswith("--bench_steps=")]
     steps = next((int(a.split("=", 1)[1]) for a in sys.argv[1:] if a.startswith("--bench_steps=")), 10)
     cfg, _ = tg.parse_cli(argv)
+    if os.environ.get("FLEX_KERNEL_OPTIONS"):  # FlexAttention takes the function from this module when built
+        import torch.nn.attention.flex_attention as flex_module
+        flex_module.flex_attention = functools.partial(flex_module.flex_attention,
+                                                       kernel_options=json.loads(os.environ["FLEX_KERNEL_OPTIONS"]))
     comm = tg.init_distributed(cfg)
 
     def say(text: str):
