@@ -364,6 +364,22 @@ def test_rotary_tables_follow_window_history():
     assert torch.equal(rotary.cos, fresh[0]) and rotary.attn_scale.item() == fresh[1]
 
 
+def test_rotary_rotates_half_pairs_and_keeps_relative_positions():
+    rotary = tg.Rotary(head_dim=16, max_len=64)
+    rotary.set_window_history([8, 32])
+    cos, sin, _ = rotary.tables()
+    x = torch.randn(64, 2, 16, generator=torch.Generator().manual_seed(0))
+    x1, x2 = x[..., :8], x[..., 8:]
+    angle_cos, angle_sin = cos[:, None], sin[:, None, 0]
+    explicit = torch.cat([x1 * angle_cos + x2 * angle_sin, x2 * angle_cos - x1 * angle_sin], dim=-1)
+    torch.testing.assert_close(tg.apply_rotary(x, cos, sin), explicit, rtol=0, atol=0)
+    # the same q and k vectors at every position: their rotated dot product depends only on the distance
+    q, k = (tg.apply_rotary(v.expand(64, 2, 16), cos, sin) for v in torch.randn(2, 1, 2, 16))
+    dots = (q[:, None] * k[None]).sum(-1)  # [query position, key position, head]
+    torch.testing.assert_close(dots[10, 3], dots[40, 33], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(dots[10, 3], dots[10, 4], rtol=1e-3, atol=1e-3)
+
+
 def test_orthogonalize_gives_near_orthogonal_matrices():
     g = torch.randn(3, 48, 96, generator=torch.Generator().manual_seed(0))
     singular_values = torch.linalg.svdvals(tg.orthogonalize(g))
