@@ -1,4 +1,4 @@
-"""pytest setup: the repository and tests/ on sys.path, and a tiny-data fixture."""
+"""pytest setup: the repository and tests/ on sys.path, and tiny-data fixtures."""
 import sys
 from pathlib import Path
 
@@ -10,13 +10,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # helpers
 from helpers import learnable_documents, write_shard  # noqa: E402
 
 
-@pytest.fixture
-
-def tiny_data(tmp_path):
-    """Two train shards and a val shard; returns the (train, val) glob patterns."""
-    data = tmp_path / "data"
+def write_tiny_data(data: Path) -> tuple[str, str]:
+    """Two train shards and a val shard in data/; returns the (train, val) glob patterns."""
     data.mkdir()
     write_shard(data / "tiny_train_000001.bin", learnable_documents(60_000, seed=1))
     write_shard(data / "tiny_train_000002.bin", learnable_documents(60_000, seed=2))
     write_shard(data / "tiny_val_000000.bin", learnable_documents(8_000, seed=3))
     return str(data / "tiny_train_*.bin"), str(data / "tiny_val_*.bin")
+
+
+@pytest.fixture
+def tiny_data(tmp_path):
+    """Two train shards and a val shard; returns the (train, val) glob patterns."""
+    return write_tiny_data(tmp_path / "data")
+
+
+@pytest.fixture(scope="module")
+def module_tiny_data(tmp_path_factory):
+    """The same data, written once for a test module whose tests share runs on it."""
+    return write_tiny_data(tmp_path_factory.mktemp("shared") / "data")

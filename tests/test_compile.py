@@ -1,9 +1,13 @@
 """Compilation on the CPU (whole-model and regional): same losses as eager, and --compile_cache reused across
 fresh runs."""
+import contextlib
 import os
 import re
+import shutil
 import subprocess
 import sys
+
+import pytest
 
 from helpers import REPO
 
@@ -11,26 +15,87 @@ VAL = re.compile(r"^step:1/1 val_loss:(\S+)", re.M)
 CHECKSUM = re.compile(r"^final weights: float64 sum (\S+), sum of squares (\S+)$", re.M)
 
 
-def run_tiny(tmp_path, train, val, run_id, *extra, inductor_dir=None):
+def copy_kernels(src, dst):
+    """Inductor's compiled C++ kernels (<cache>/<2 characters>/<hash>.main.cpp and .so) that dst lacks, copied from
+    src. Each is named by the hash of its source and compile command, so a run loads one only for the very kernel it
+    generated (g++ takes most of a cold compile on a CPU); the graph caches (fxgraph/, aotautograd/) are not copied,
+    so every graph is still traced, lowered and generated, or served by --compile_cache."""
+    for path in src.glob("??/*.main.*"):
+        if path.suffix in (".cpp", ".so") and not (dst / path.parent.name / path.name).exists():
+            (dst / path.parent.name).mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, dst / path.parent.name / path.name)
+
+
+@pytest.fixture(scope="module")
+def kernels(tmp_path_factory):
+    """The C++ kernels compiled so far by this module's runs (see copy_kernels)."""
+    return tmp_path_factory.mktemp("kernels")
+
+
+@contextlib.contextmanager
+def inductor_cache(path, kernels):
+    """A fresh local inductor cache for the runs inside the with: no graphs, so any graph hit must come from
+    --compile_cache, but the module's kernels so far; the kernels they compile go back to the module's at the end
+    (after the runs: a library still being written must not be copied)."""
+    path.mkdir()
+    copy_kernels(kernels, path)
+    yield path
+    copy_kernels(path, kernels)
+
+
+def start_tiny(tmp_path, train, val, run_id, *extra, inductor_dir=None):
+    """Start a one-step tiny run; returns a function that waits for it and returns its log."""
     env = dict(os.environ)
-    if inductor_dir is not None:  # an empty local inductor cache, so any hit must come from --compile_cache
+    if inductor_dir is not None:
         env["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_dir)
     args = ["--device=cpu", "--preset=tiny", f"--train_files={train}", f"--val_files={val}", "--num_iterations=1",
             "--val_loss_every=0", "--micro_batch_tokens=128", f"--run_id={run_id}", *extra]
-    result = subprocess.run([sys.executable, str(REPO / "train_gpt.py"), *args], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return (tmp_path / "logs" / f"{run_id}.txt").read_text()
+    proc = subprocess.Popen([sys.executable, str(REPO / "train_gpt.py"), *args], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def finish() -> str:
+        try:
+            _, stderr = proc.communicate(timeout=900)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, stderr = proc.communicate()
+        assert proc.returncode == 0, stderr[-3000:]
+        return (tmp_path / "logs" / f"{run_id}.txt").read_text()
+    return finish
 
 
-def test_compiled_runs_match_eager_and_reuse_the_cache_file(tiny_data, tmp_path):
-    train, val = tiny_data
+def run_tiny(*args, **kwargs) -> str:
+    return start_tiny(*args, **kwargs)()
+
+
+def finish_all(runs) -> list[str]:
+    """The logs of runs started together; every run is waited for before the first failure is raised."""
+    logs, failures = [], []
+    for finish in runs:
+        try:
+            logs.append(finish())
+        except AssertionError as e:
+            failures.append(e)
+    if failures:
+        raise failures[0]
+    return logs
+
+
+@pytest.fixture(scope="module")
+def eager(module_tiny_data, tmp_path_factory):
+    """The eager run both compiled tests compare with: its log."""
+    return run_tiny(tmp_path_factory.mktemp("eager"), *module_tiny_data, "eager", "--compile=0")
+
+
+def test_compiled_runs_match_eager_and_reuse_the_cache_file(module_tiny_data, eager, kernels, tmp_path):
+    train, val = module_tiny_data
     cache = tmp_path / "compile_cache.bin"
     cache.write_bytes(b"this is not a compile cache")
     compiled = ["--compile=1", f"--compile_cache={cache}"]
-    first = run_tiny(tmp_path, train, val, "first", *compiled, inductor_dir=tmp_path / "inductor1")
-    second = run_tiny(tmp_path, train, val, "second", *compiled, inductor_dir=tmp_path / "inductor2")
-    eager = run_tiny(tmp_path, train, val, "eager", "--compile=0")
+    with inductor_cache(tmp_path / "inductor1", kernels) as inductor:
+        first = run_tiny(tmp_path, train, val, "first", *compiled, inductor_dir=inductor)
+    with inductor_cache(tmp_path / "inductor2", kernels) as inductor:
+        second = run_tiny(tmp_path, train, val, "second", *compiled, inductor_dir=inductor)
 
     assert re.search(rf"^warning: compile cache {re.escape(str(cache))} ignored", first, re.M)
     # auto picks one whole-model graph where windows are tensors, and no CUDA graphs on a CPU
@@ -48,16 +113,17 @@ def test_compiled_runs_match_eager_and_reuse_the_cache_file(tiny_data, tmp_path)
     assert abs(checksums[0][1] - checksums[2][1]) < 1e-5 * checksums[2][1]
 
 
-def test_regional_compile_and_dense_embedding_grads_match_eager(tiny_data, tmp_path):
+def test_regional_compile_and_dense_embedding_grads_match_eager(module_tiny_data, eager, kernels, tmp_path):
     """Each block and the loss head compiled on its own (the scope FA3 runs use; here in the CUDA-graph mode,
     which zeroes every .grad before a step), and --row_embedding_grads=0 (the lookups and their dense
     gradients inside the one graph), give eager's losses."""
-    train, val = tiny_data
-    regional = run_tiny(tmp_path, train, val, "regional", "--compile=1", "--compile_scope=regional",
-                        "--compile_mode=reduce-overhead", inductor_dir=tmp_path / "inductor")
-    rows = run_tiny(tmp_path, train, val, "rows", "--compile=1", "--row_embedding_grads=0",
-                    inductor_dir=tmp_path / "inductor")
-    eager = run_tiny(tmp_path, train, val, "eager", "--compile=0")
+    train, val = module_tiny_data
+    with inductor_cache(tmp_path / "inductor", kernels) as inductor:
+        # Both at once: much of a compile runs in one Python thread, so on 2 cores the two overlap well.
+        regional, rows = finish_all([
+            start_tiny(tmp_path, train, val, "regional", "--compile=1", "--compile_scope=regional",
+                       "--compile_mode=reduce-overhead", inductor_dir=inductor),
+            start_tiny(tmp_path, train, val, "rows", "--compile=1", "--row_embedding_grads=0", inductor_dir=inductor)])
     assert "compile scope: regional, mode: reduce-overhead;" in regional  # no graphs on a CPU, same losses
     assert "compile scope: whole, mode: default (auto);" in rows and "\ngraphs compiled in the timed region: 0\n" in rows
     losses = [float(VAL.search(log).group(1)) for log in (regional, rows, eager)]
