@@ -454,18 +454,102 @@ def softcapped_cross_entropy(logits: Tensor, targets: Tensor, cap: float, use_tr
 
 
 if triton is not None:
+    # Single MUFU instructions for the FP8 loss kernel, without the range fix-ups tl.exp and tl.sigmoid's
+    # division put around them; exact formulas where there is no GPU (the interpreter).
     @triton.jit
-    def _softcapped_ce_fp8_kernel(Logits, Targets, Loss, Grad, V, stride, cap: tl.constexpr, grad_max: tl.constexpr,
-                                  BLOCK: tl.constexpr):
-        """One row per program: the loss (_softcapped_row_loss), then a second pass over the row that writes
-        the loss's gradient for an upstream gradient of grad_max (_softcapped_row_grad) in Grad's dtype (e5m2 in
-        the trainer), where no value exceeds grad_max."""
+    def _exp2_mufu(x, PTX: tl.constexpr):
+        if PTX:
+            return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
+                                             is_pure=True, pack=1)
+        else:
+            return tl.exp2(x)
+
+    @triton.jit
+    def _rcp_mufu(x, PTX: tl.constexpr):
+        if PTX:
+            return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
+                                             is_pure=True, pack=1)
+        else:
+            return 1.0 / x
+
+    @triton.jit
+    def _tanh_mufu(x, PTX: tl.constexpr):
+        """tanh(x); on the GPU tanh.approx, relative error 2^-11."""
+        if PTX:
+            return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
+                                             is_pure=True, pack=1)
+        else:
+            return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+    @triton.jit
+    def _exp2_on_fma_units(x):
+        """2^x for x <= 15 with no MUFU or conversion instruction (FlashAttention-4 computes part of its softmax
+        so): adding 1.5 * 2^23 rounds x to an integer j held in the low mantissa bits, a cubic gives 2^(x - j)
+        on [-1/2, 1/2] (relative error 1e-4), and an integer add puts j into the exponent. Below 2^-125: 2^-125."""
+        x = tl.maximum(x, -125.0)
+        shifted = x + 12582912.0
+        frac = x - (shifted - 12582912.0)
+        p = 1.0 + frac * (0.6932829280948685 + frac * (0.2422109718288663 + frac * 0.055008933087581535))
+        bits = p.to(tl.int32, bitcast=True) + (shifted.to(tl.int32, bitcast=True) << 23)
+        return bits.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _softcap_sigmoid(x, cap: tl.constexpr, PTX: tl.constexpr):
+        """s = sigmoid(4 x / cap), so that z = cap * s: two MUFU instructions (ex2, rcp)."""
+        return _rcp_mufu(1.0 + _exp2_mufu(x * (-4.0 / cap * 1.4426950408889634), PTX), PTX)
+
+    @triton.jit
+    def _scaled_softmax_grad(x, shift, cap: tl.constexpr, PTX: tl.constexpr):
+        """2^GRAD_EXP softmax(z) dz/dlogit (the target's -1 left out), shift = (cap / 2 - lse) log2(e) + GRAD_EXP.
+        With t = tanh(2 x / cap): z = cap / 2 (1 + t) and dz/dlogit = 1 - t^2, so one MUFU instruction."""
+        t = _tanh_mufu(x * (2.0 / cap), PTX)
+        return _exp2_on_fma_units(t * (0.5 * cap * 1.4426950408889634) + shift) * (1.0 - t * t)
+
+    @triton.jit
+    def _softcapped_ce_fp8_kernel(Logits, Targets, Loss, Grad, V, stride, cap: tl.constexpr, GRAD_EXP: tl.constexpr,
+                                  BLOCK: tl.constexpr, TAIL: tl.constexpr, PTX: tl.constexpr):
+        """One row per program, two passes over it: the first sums exp(z - cap) for the loss (z < cap, so no
+        running max is needed), the second writes the loss's gradient for an upstream gradient of 2^GRAD_EXP in
+        Grad's dtype (e5m2 in the trainer), where no value exceeds 2^GRAD_EXP.
+
+        With tl.sigmoid and tl.exp this took six MUFU (special function unit) operations per logit, which
+        bounded it as much as memory did. The loss pass takes three single instructions (loss within 1e-6 of
+        float64); the gradient pass, whose output keeps 3 significant bits, one (tanh.approx), its exp on the FMA
+        units. Blocks of BLOCK logits by 16 warps leave fewer rows in flight than small blocks did, so the second
+        pass finds more of its row still in L2; the row's tail goes in masked blocks of TAIL, and the target's -1
+        is written once, after the pass, instead of being compared for at every logit."""
         row = tl.program_id(0).to(tl.int64)
         Logits += row * stride
+        Grad += row * V
+        cols = tl.arange(0, BLOCK)
+        tail_cols = tl.arange(0, TAIL)
+        full = V // BLOCK * BLOCK
+        total = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, full, BLOCK):
+            s = _softcap_sigmoid(tl.load(Logits + start + cols).to(tl.float32), cap, PTX)
+            total += _exp2_mufu((s - 1.0) * (cap * 1.4426950408889634), PTX)
+        tail_total = tl.zeros([TAIL], dtype=tl.float32)
+        for start in range(full, V, TAIL):
+            inside = start + tail_cols < V
+            s = _softcap_sigmoid(tl.load(Logits + start + tail_cols, mask=inside, other=0.0).to(tl.float32), cap, PTX)
+            tail_total += tl.where(inside, _exp2_mufu((s - 1.0) * (cap * 1.4426950408889634), PTX), 0.0)
+        lse = cap + tl.log(tl.sum(total, axis=0) + tl.sum(tail_total, axis=0))
         target = tl.load(Targets + row)
-        lse, loss = _softcapped_row_loss(Logits, target, V, cap, BLOCK)
-        tl.store(Loss + row, loss)
-        _softcapped_row_grad(Logits, Grad + row * V, target, lse, grad_max, V, cap, BLOCK)
+        x_target = tl.load(Logits + target).to(tl.float32)
+        tl.store(Loss + row, lse - cap * _softcap_sigmoid(x_target, cap, PTX))
+        shift = (0.5 * cap - lse) * 1.4426950408889634 + GRAD_EXP
+        for start in range(0, full, BLOCK):
+            grad = _scaled_softmax_grad(tl.load(Logits + start + cols).to(tl.float32), shift, cap, PTX)
+            tl.store(Grad + start + cols, grad.to(Grad.dtype.element_ty))
+        for start in range(full, V, TAIL):
+            inside = start + tail_cols < V
+            x = tl.load(Logits + start + tail_cols, mask=inside, other=0.0).to(tl.float32)
+            tl.store(Grad + start + tail_cols, _scaled_softmax_grad(x, shift, cap, PTX).to(Grad.dtype.element_ty),
+                     mask=inside)
+        tl.debug_barrier()  # the target's entry again, now with its -1: after the barrier it lands last
+        t = _tanh_mufu(x_target * (2.0 / cap), PTX)
+        grad = (_exp2_on_fma_units(t * (0.5 * cap * 1.4426950408889634) + shift) - 2.0 ** GRAD_EXP) * (1.0 - t * t)
+        tl.store(Grad + target, grad.to(Grad.dtype.element_ty))
 
     @triton.jit
     def _transpose_kernel(In, Out, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -493,20 +577,22 @@ def transpose_fp8(x: Tensor, block_m: int = 64, block_n: int = 128, warps: int =
 # 50304] on 1xH100, bit for bit what a second launch recomputing it from the logits in [V, T] order wrote in 1.10
 # ms: tests/gpu/bench_loss.py fp8_grad, 2026-11-23).
 E4M3_MAX = 448.0
-GRAD_E5M2_MAX = 2.0 ** 15  # the largest |gradient| lands at most here, under e5m2's 57344: no overflow, 2**31 of range
-# The fused loss kernel's launch shape. 1xH100, one packed forward's [65536, 50304] logits (tests/gpu/bench_loss.py
-# packed, 2026-11-24): 6.3-6.6 ms, against 7.1 ms for the loss kernel and the backward's gradient kernel it replaced;
-# 2048 x 8 warps the same, longer blocks slower. The second pass reads the row from memory again (about 2.6 TB/s
-# of reads and writes): with all rows in flight they do not stay in L2, and a persistent grid of 1-8 programs per
-# SM that would keep them there ran 8.2-17.9 ms.
-CE_FP8_BLOCK, CE_FP8_WARPS = 1024, 4
+# The largest |gradient| lands at most at 2**15, under e5m2's 57344: no overflow, 2**31 of range.
+GRAD_E5M2_EXP = 15
+GRAD_E5M2_MAX = 2.0 ** GRAD_E5M2_EXP
+# The fused loss kernel's launch shape. 1xH100, one packed forward's [65536, 50304] logits
+# (tests/gpu/bench_ce_fp8.py, three interleaved rounds): 4.51-4.52 ms, against 6.29 ms for the previous kernel
+# (1024 x 4 warps, tl.sigmoid and tl.exp in both passes) and 4.07 ms for the same loads and stores around no
+# arithmetic at 8192 x 32. 8192 x 16 took 4.8-4.9 ms, 16384 x 32 4.7, 4096 x 8 5.5, 32768 x 32 9.4.
+CE_FP8_BLOCK, CE_FP8_WARPS, CE_FP8_TAIL = 16384, 16, 1024
 
 
 def softcapped_ce_fp8(logits: Tensor, targets: Tensor, cap: float, losses: Tensor, grad: Tensor) -> None:
     """_softcapped_ce_fp8_kernel: each row's loss into losses [T], its gradient into grad [T, V]."""
     rows, vocab = logits.shape
-    _softcapped_ce_fp8_kernel[(rows,)](logits, targets, losses, grad, vocab, logits.stride(0), cap, GRAD_E5M2_MAX,
-                                       BLOCK=CE_FP8_BLOCK, num_warps=CE_FP8_WARPS)
+    _softcapped_ce_fp8_kernel[(rows,)](logits, targets, losses, grad, vocab, logits.stride(0), cap, GRAD_E5M2_EXP,
+                                       BLOCK=CE_FP8_BLOCK, TAIL=min(CE_FP8_TAIL, CE_FP8_BLOCK), PTX=logits.is_cuda,
+                                       num_warps=CE_FP8_WARPS)
 
 
 class _Fp8SoftcappedHead(torch.autograd.Function):

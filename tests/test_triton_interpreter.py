@@ -57,7 +57,7 @@ FP8_GRAD_CHECK = textwrap.dedent("""
     # a float32 gradient: the interpreter's float32 -> e5m2 conversion drops the carry of a mantissa rounded up
     # (124.5 becomes 64; a GPU gives 128), so the e5m2 output is checked on the GPU (tests/gpu)
     grad = torch.zeros(rows, vocab)
-    tg.CE_FP8_BLOCK = 256
+    tg.CE_FP8_BLOCK, tg.CE_FP8_TAIL = 256, 128  # 1001 = 3 blocks and a tail of 233 in two masked pieces
     tg.softcapped_ce_fp8(logits, targets, cap, losses, grad)
     x = logits.double().requires_grad_()
     ref = torch.nn.functional.cross_entropy(cap * torch.sigmoid(x / (cap / 4)), targets, reduction="none")

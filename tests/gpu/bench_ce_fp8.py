@@ -1,0 +1,130 @@
+"""Device benchmark (not part of the tests): the FP8 head's fused loss-and-gradient kernel at a packed forward's
+65,536 rows, over launch shapes, against the kernel it replaced (session j's, kept here) and against that
+kernel's loads and stores around no arithmetic (the memory floor of two passes over the row); with the loss's
+and the gradient's error against float64 on two kinds of logits (Gaussian, and model-like: most logits low, a
+few dozen candidates per row above them), and how many e5m2 values differ from session j's kernel. Prints
+median milliseconds (CUDA events, warm-up excluded), three interleaved rounds.
+
+    python tests/gpu/bench_ce_fp8.py
+"""
+import functools
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import train_gpt as tg  # noqa: E402
+from bench_optimizers import kernel_median_ms as median_ms  # noqa: E402
+
+
+@triton.jit
+def _session_j_kernel(Logits, Targets, Loss, Grad, V, stride, cap: tl.constexpr, grad_max: tl.constexpr,
+                      BLOCK: tl.constexpr, MEMORY_ONLY: tl.constexpr):
+    """The kernel before this one: tl.sigmoid and tl.exp in both passes (six MUFU operations per logit), the
+    target's -1 compared for at every logit. MEMORY_ONLY: its loads and stores around no arithmetic."""
+    row = tl.program_id(0).to(tl.int64)
+    Logits += row * stride
+    Grad += row * V
+    target = tl.load(Targets + row)
+    cols = tl.arange(0, BLOCK)
+    total = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, V, BLOCK):
+        inside = start + cols < V
+        x = tl.load(Logits + start + cols, mask=inside, other=0.0).to(tl.float32)
+        if MEMORY_ONLY:
+            total += x
+        else:
+            total += tl.where(inside, tl.exp(cap * tl.sigmoid(x * (4.0 / cap)) - cap), 0.0)
+    lse = cap + tl.log(tl.sum(total, axis=0))
+    tl.store(Loss + row, lse - cap * tl.sigmoid(tl.load(Logits + target).to(tl.float32) * (4.0 / cap)))
+    for start in range(0, V, BLOCK):
+        inside = start + cols < V
+        x = tl.load(Logits + start + cols, mask=inside, other=0.0).to(tl.float32)
+        hit = tl.where(start + cols == target, 1.0, 0.0)
+        if MEMORY_ONLY:
+            grad = x + hit
+        else:
+            s = tl.sigmoid(x * (4.0 / cap))
+            grad = grad_max * (tl.exp(cap * s - lse) - hit) * 4.0 * s * (1.0 - s)
+        tl.store(Grad + start + cols, grad.to(Grad.dtype.element_ty), mask=inside)
+
+
+def session_j(logits, targets, cap, losses, grad_q, block=1024, warps=4, memory_only=False):
+    rows, vocab = logits.shape
+    _session_j_kernel[(rows,)](logits, targets, losses, grad_q, vocab, logits.stride(0), cap, tg.GRAD_E5M2_MAX,
+                               BLOCK=block, MEMORY_ONLY=memory_only, num_warps=warps)
+
+
+def trainer(logits, targets, cap, losses, grad_q, block=None, warps=None):
+    chosen = tg.CE_FP8_BLOCK, tg.CE_FP8_WARPS
+    tg.CE_FP8_BLOCK, tg.CE_FP8_WARPS = block or chosen[0], warps or chosen[1]
+    try:
+        tg.softcapped_ce_fp8(logits, targets, cap, losses, grad_q)
+    finally:
+        tg.CE_FP8_BLOCK, tg.CE_FP8_WARPS = chosen
+
+
+def float64_reference(logits, targets, cap):
+    z = cap * torch.sigmoid(logits.double() * (4.0 / cap))
+    p = torch.softmax(z, dim=1)
+    loss = torch.logsumexp(z, dim=1) - z.gather(1, targets[:, None])[:, 0]
+    p[torch.arange(len(targets)), targets] -= 1.0
+    s = torch.sigmoid(logits.double() * (4.0 / cap))
+    return loss, p * 4.0 * s * (1.0 - s)
+
+
+def make_logits(kind, rows, vocab, gen):
+    if kind == "randn*4":
+        return (torch.randn(rows, vocab, device="cuda", generator=gen) * 4).to(torch.bfloat16)
+    # model-like: most logits low, a few dozen candidates per row well above them
+    logits = torch.randn(rows, vocab, device="cuda", generator=gen) * 2 - 4
+    top = torch.randint(0, vocab, (rows, 32), device="cuda", generator=gen)
+    logits.scatter_(1, top, torch.rand(rows, 32, device="cuda", generator=gen) * 14 + 2)
+    return logits.to(torch.bfloat16)
+
+
+def main():
+    rows, vocab, cap = 65536, 50304, 30.0
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    losses = torch.empty(rows, device="cuda")
+    grad_q = torch.empty(rows, vocab, device="cuda", dtype=torch.float8_e5m2)
+    check = 1024
+    for kind in ("randn*4", "model-like"):
+        logits = make_logits(kind, rows, vocab, gen)
+        targets = torch.randint(0, vocab, (rows,), device="cuda", generator=gen)
+        if kind == "model-like":  # the target is usually among the candidates
+            targets = logits.float().argmax(dim=1)
+        ref_loss, ref_grad = float64_reference(logits[:check], targets[:check], cap)
+        session_j(logits, targets, cap, losses, grad_q)
+        before = grad_q[:check].double() / tg.GRAD_E5M2_MAX
+        print(f"{kind}: mean float64 loss of {check} rows {ref_loss.mean().item():.6f}", flush=True)
+        for name, run in (("session j's kernel", session_j), ("the trainer's kernel", trainer)):
+            grad_q.zero_()
+            run(logits, targets, cap, losses, grad_q)
+            got = grad_q[:check].double() / tg.GRAD_E5M2_MAX
+            grad_err = ((got - ref_grad).norm() / ref_grad.norm()).item()
+            bias = (losses[:check].double() - ref_loss).mean().item()
+            worst = (losses[:check].double() - ref_loss).abs().max().item()
+            print(f"  {name:20s} loss bias {bias:+.2e}, max {worst:.2e}; gradient error {grad_err:.4f}, "
+                  f"{(got != before).double().mean().item():.4%} of e5m2 values differ from session j's", flush=True)
+    copy = torch.empty_like(logits)
+    print(f"yardstick, a copy of the bf16 logits: {median_ms(lambda: copy.copy_(logits)):.3f} ms")
+    runs = {"session j's kernel (1024, 4)": lambda: session_j(logits, targets, cap, losses, grad_q),
+            "memory only, session j's loops (8192, 32)": lambda: session_j(logits, targets, cap, losses, grad_q,
+                                                                            8192, 32, memory_only=True)}
+    for block, warps in ((4096, 8), (8192, 16), (8192, 32), (16384, 16), (16384, 32)):
+        runs[f"trainer's kernel ({block}, {warps})"] = functools.partial(trainer, logits, targets, cap, losses,
+                                                                        grad_q, block, warps)
+    times = {name: [] for name in runs}
+    for _ in range(3):  # interleaved rounds: the spread across rounds shows the noise
+        for name, run in runs.items():
+            times[name].append(median_ms(run))
+    for name, ms in times.items():
+        print(f"{name}: " + " / ".join(f"{m:.3f}" for m in ms) + " ms", flush=True)
+
+
+if __name__ == "__main__":
+    main()
