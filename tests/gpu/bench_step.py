@@ -171,7 +171,7 @@ def trace_summary(trace: dict, steps: int) -> list[str]:
 
 
 class EventMarks:
-    """CUDA events recorded at each phase end; read once per step after the step's synchronize."""
+    """CUDA events recorded at one step's start and each phase end; read after the timed steps' synchronize."""
 
     def __init__(self):
         self.events = []
@@ -223,7 +223,6 @@ def main() -> int:
         peak = peak_flops(device)
         cuda = device.type == "cuda"  # the CPU runs it too, as a smoke test of this script
         synchronize = torch.cuda.synchronize if cuda else (lambda: None)
-        marks = EventMarks() if cuda else None
         if cuda and os.environ.get("BENCH_SYNC_DEBUG") == "1":
             torch.cuda.set_sync_debug_mode("warn")
         say(f"{trainer.packed} micro-batch(es) of {cfg.micro_batch_tokens} tokens per forward")
@@ -234,17 +233,31 @@ def main() -> int:
                 step = next(s for s in range(cfg.num_iterations) if schedule.stage(s) == stage)  # its first step
                 windows, micro = schedule.windows(step), schedule.micro_batches(step) // comm.world_size
                 forwards = trainer.forwards(step, comm.world_size)
-                times, splits = [], []
-                for i in range(3 + steps):
-                    synchronize()
+                # The timed steps run back to back, as in training (the host queues step n + 1 while the GPU
+                # runs step n), and are timed by CUDA events at each step's start: a step's time is the GPU's
+                # from its start to the next one's, idle waiting for the host included. (Until session l each
+                # step was timed alone between two synchronizes, which also counted the GPU waiting for the
+                # host's first launches: on 1xH100 the last stage 629.8 / 631.8 against 625.3 / 629.1 ms.)
+                for _ in range(3):
+                    tg.train_step(model, optimizers, batches, windows, forwards)
+                synchronize()
+                step_marks, wall_times = [], []
+                for _ in range(steps):
                     clock = time.perf_counter()
-                    if marks:
-                        marks.start()
-                    tg.train_step(model, optimizers, batches, windows, forwards, mark=marks)
+                    step_marks.append(EventMarks() if cuda else None)
+                    if cuda:
+                        step_marks[-1].start()
+                    tg.train_step(model, optimizers, batches, windows, forwards, mark=step_marks[-1])
+                    wall_times.append(1000 * (time.perf_counter() - clock))  # the CPU's: it runs synchronously
+                if cuda:
+                    end = torch.cuda.Event(enable_timing=True)
+                    end.record()
                     synchronize()
-                    if i >= 3:
-                        times.append(1000 * (time.perf_counter() - clock))
-                        splits.append(marks.split_ms() if marks else {})
+                    starts = [m.events[0][1] for m in step_marks] + [end]
+                    times = [a.elapsed_time(b) for a, b in zip(starts, starts[1:])]
+                    splits = [m.split_ms() for m in step_marks]
+                else:
+                    times, splits = wall_times, [{}]
                 median = statistics.median(times)
                 tokens_per_s = micro * comm.world_size * cfg.micro_batch_tokens / (median / 1000)
                 mfu = tokens_per_s * flops_per_token(model, cfg, windows) / (peak * comm.world_size) if peak else None
