@@ -581,9 +581,10 @@ E4M3_MAX = 448.0
 GRAD_E5M2_EXP = 15
 GRAD_E5M2_MAX = 2.0 ** GRAD_E5M2_EXP
 # The fused loss kernel's launch shape. 1xH100, one packed forward's [65536, 50304] logits
-# (tests/gpu/bench_ce_fp8.py, three interleaved rounds): 4.51-4.52 ms, against 6.29 ms for the previous kernel
-# (1024 x 4 warps, tl.sigmoid and tl.exp in both passes) and 4.07 ms for the same loads and stores around no
-# arithmetic at 8192 x 32. 8192 x 16 took 4.8-4.9 ms, 16384 x 32 4.7, 4096 x 8 5.5, 32768 x 32 9.4.
+# (tests/gpu/bench_ce_fp8.py, two calls of three interleaved rounds): 4.51-4.68 ms, against 6.29-6.54 ms for the
+# previous kernel (1024 x 4 warps, tl.sigmoid and tl.exp in both passes) and 4.01-4.07 ms for that kernel's loads
+# and stores around no arithmetic at 8192 x 32. 8192 x 16 took 4.8-5.1 ms, 16384 x 32 4.7-5.0, 4096 x 8 5.4-5.5,
+# 32768 x 32 9.1-9.5; at 131,072 rows 16384 x 16 stays the fastest (9.3-9.5 ms against 12.6-13.2).
 CE_FP8_BLOCK, CE_FP8_WARPS, CE_FP8_TAIL = 16384, 16, 1024
 
 
