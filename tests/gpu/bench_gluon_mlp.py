@@ -15,8 +15,11 @@ matmul alone. A consumer's whole fp32 accumulator must fit its 4 warps' register
 the tiles cannot grow to the Triton kernel's 128 x 256, and at 128 x 128 each tile reads 64 FLOPs per byte of
 operands from L2. Tiles of 128 x (128 + 64) in two accumulators (77 FLOPs per byte; Gluon wants power-of-two
 shapes) were slower still: 0.747 ms (BK 64, 3 stages) and 0.688 ms (BK 32, 6 stages), so L2 traffic is not what
-holds it back. Left to find: the per-step cost of the consumers' barrier handshake (a thread barrier and an
-mbarrier arrive after every MMA wait), and TMA multicast over a 2-CTA cluster, which Gluon 3.6 lacks.
+holds it back. A third call (another machine: Triton kernel 0.531 ms, cuBLAS 0.480) gave 128 x 128 with 4 stages
+0.559 ms but 5 stages 0.663, and BK 32 with 8 stages 0.765: the kernel's speed swings more between runs than the
+Triton kernel's. Dropping the thread barrier before each stage release (a race, timed only to price it) did not
+help (0.601 ms). Left to find: why the hand-off between the consumers is this uneven, and TMA multicast over a
+2-CTA cluster (to halve operand traffic), which Gluon 3.6 lacks.
 """
 import sys
 from pathlib import Path
