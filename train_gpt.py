@@ -499,11 +499,16 @@ if triton is not None:
         return _rcp_mufu(1.0 + _exp2_mufu(x * (-4.0 / cap * 1.4426950408889634), PTX), PTX)
 
     @triton.jit
-    def _scaled_softmax_grad(x, shift, cap: tl.constexpr, PTX: tl.constexpr):
-        """2^GRAD_EXP softmax(z) dz/dlogit (the target's -1 left out), shift = (cap / 2 - lse) log2(e) + GRAD_EXP.
+    def _exp_z_minus_cap(x, cap: tl.constexpr, PTX: tl.constexpr):
+        """exp(z - cap), the loss pass's term: three MUFU instructions (ex2, rcp, ex2)."""
+        return _exp2_mufu((_softcap_sigmoid(x, cap, PTX) - 1.0) * (cap * 1.4426950408889634), PTX)
+
+    @triton.jit
+    def _scaled_softmax_grad(x, shift, one_hot, cap: tl.constexpr, PTX: tl.constexpr):
+        """2^GRAD_EXP (softmax(z) - one_hot / 2^GRAD_EXP) dz/dlogit, shift = (cap / 2 - lse) log2(e) + GRAD_EXP.
         With t = tanh(2 x / cap): z = cap / 2 (1 + t) and dz/dlogit = 1 - t^2, so one MUFU instruction."""
         t = _tanh_mufu(x * (2.0 / cap), PTX)
-        return _exp2_on_fma_units(t * (0.5 * cap * 1.4426950408889634) + shift) * (1.0 - t * t)
+        return (_exp2_on_fma_units(t * (0.5 * cap * 1.4426950408889634) + shift) - one_hot) * (1.0 - t * t)
 
     @triton.jit
     def _softcapped_ce_fp8_kernel(Logits, Targets, Loss, Grad, V, stride, cap: tl.constexpr, GRAD_EXP: tl.constexpr,
@@ -526,29 +531,27 @@ if triton is not None:
         full = V // BLOCK * BLOCK
         total = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, full, BLOCK):
-            s = _softcap_sigmoid(tl.load(Logits + start + cols).to(tl.float32), cap, PTX)
-            total += _exp2_mufu((s - 1.0) * (cap * 1.4426950408889634), PTX)
+            total += _exp_z_minus_cap(tl.load(Logits + start + cols).to(tl.float32), cap, PTX)
         tail_total = tl.zeros([TAIL], dtype=tl.float32)
         for start in range(full, V, TAIL):
             inside = start + tail_cols < V
-            s = _softcap_sigmoid(tl.load(Logits + start + tail_cols, mask=inside, other=0.0).to(tl.float32), cap, PTX)
-            tail_total += tl.where(inside, _exp2_mufu((s - 1.0) * (cap * 1.4426950408889634), PTX), 0.0)
+            x = tl.load(Logits + start + tail_cols, mask=inside, other=0.0).to(tl.float32)
+            tail_total += tl.where(inside, _exp_z_minus_cap(x, cap, PTX), 0.0)
         lse = cap + tl.log(tl.sum(total, axis=0) + tl.sum(tail_total, axis=0))
         target = tl.load(Targets + row)
         x_target = tl.load(Logits + target).to(tl.float32)
         tl.store(Loss + row, lse - cap * _softcap_sigmoid(x_target, cap, PTX))
         shift = (0.5 * cap - lse) * 1.4426950408889634 + GRAD_EXP
         for start in range(0, full, BLOCK):
-            grad = _scaled_softmax_grad(tl.load(Logits + start + cols).to(tl.float32), shift, cap, PTX)
+            grad = _scaled_softmax_grad(tl.load(Logits + start + cols).to(tl.float32), shift, 0.0, cap, PTX)
             tl.store(Grad + start + cols, grad.to(Grad.dtype.element_ty))
         for start in range(full, V, TAIL):
             inside = start + tail_cols < V
             x = tl.load(Logits + start + tail_cols, mask=inside, other=0.0).to(tl.float32)
-            tl.store(Grad + start + tail_cols, _scaled_softmax_grad(x, shift, cap, PTX).to(Grad.dtype.element_ty),
-                     mask=inside)
+            grad = _scaled_softmax_grad(x, shift, 0.0, cap, PTX)
+            tl.store(Grad + start + tail_cols, grad.to(Grad.dtype.element_ty), mask=inside)
         tl.debug_barrier()  # the target's entry again, now with its -1: after the barrier it lands last
-        t = _tanh_mufu(x_target * (2.0 / cap), PTX)
-        grad = (_exp2_on_fma_units(t * (0.5 * cap * 1.4426950408889634) + shift) - 2.0 ** GRAD_EXP) * (1.0 - t * t)
+        grad = _scaled_softmax_grad(x_target, shift, 2.0 ** GRAD_EXP, cap, PTX)
         tl.store(Grad + target, grad.to(Grad.dtype.element_ty))
 
     @triton.jit
