@@ -15,9 +15,10 @@ matmul alone. A consumer's whole fp32 accumulator must fit its 4 warps' register
 the tiles cannot grow to the Triton kernel's 128 x 256, and at 128 x 128 each tile reads 64 FLOPs per byte of
 operands from L2. Tiles of 128 x (128 + 64) in two accumulators (77 FLOPs per byte; Gluon wants power-of-two
 shapes) were slower still: 0.747 ms (BK 64, 3 stages) and 0.688 ms (BK 32, 6 stages), so L2 traffic is not what
-holds it back. A third call (another machine: Triton kernel 0.531 ms, cuBLAS 0.480) gave 128 x 128 with 4 stages
-0.559 ms but 5 stages 0.663, and BK 32 with 8 stages 0.765: the kernel's speed swings more between runs than the
-Triton kernel's. Dropping the thread barrier before each stage release (a race, timed only to price it) did not
+holds it back (that variant, a second copy of the loader, consumer and kernel with two B descriptors and two
+accumulators, is in the history at commit dbda030). A third call (another machine: Triton kernel 0.531 ms,
+cuBLAS 0.480) gave 128 x 128 with 4 stages 0.559 ms but 5 stages 0.663, and BK 32 with 8 stages 0.765: the
+kernel's speed swings more between runs than the Triton kernel's. Dropping the thread barrier before each stage release (a race, timed only to price it) did not
 help (0.601 ms). Left to find: why the hand-off between the consumers is this uneven, and TMA multicast over a
 2-CTA cluster (to halve operand traffic), which Gluon 3.6 lacks.
 """
@@ -127,120 +128,6 @@ def _relu2_pingpong_kernel(a_desc, b_desc, out_desc, M, N, K, BM: gl.constexpr, 
     ], [4, 1], [232, 24])
 
 
-@gluon.jit
-def _loader_wide(a_desc, b0_desc, b1_desc, a_bufs, b0_bufs, b1_bufs, ready, empty, M, N, K, BM: gl.constexpr,
-                 BN0: gl.constexpr, BN1: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-                 GROUP_M: gl.constexpr, PROGRAMS: gl.constexpr):
-    tiles_m = gl.cdiv(M, BM)
-    tiles_n = gl.cdiv(N, BN0 + BN1)
-    count = 0
-    for tile in range(gl.program_id(0), tiles_m * tiles_n, PROGRAMS):
-        row0, col0 = _tile_origin(tile, tiles_m, tiles_n, BM, BN0 + BN1, GROUP_M)
-        for k in range(0, K, BK):
-            slot = count % STAGES
-            mbarrier.wait(empty.index(slot), ((count // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(slot), a_desc.block_type.nbytes + b0_desc.block_type.nbytes
-                            + b1_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(a_desc, [row0, k], ready.index(slot), a_bufs.index(slot))
-            tma.async_copy_global_to_shared(b0_desc, [col0, k], ready.index(slot), b0_bufs.index(slot))
-            tma.async_copy_global_to_shared(b1_desc, [col0 + BN0, k], ready.index(slot), b1_bufs.index(slot))
-            count += 1
-
-
-@gluon.jit
-def _consumer_wide(a_bufs, b0_bufs, b1_bufs, ready, empty, turn, out0_desc, out1_desc, out0_buf, out1_buf, M, N, K,
-                   BM: gl.constexpr, BN0: gl.constexpr, BN1: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-                   GROUP_M: gl.constexpr, PROGRAMS: gl.constexpr, ME: gl.constexpr):
-    """As _consumer, with a BN0 + BN1 wide tile in two accumulators (power-of-two shapes only)."""
-    layout0: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN0, 16])
-    layout1: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN1, 16])
-    tiles_m = gl.cdiv(M, BM)
-    tiles_n = gl.cdiv(N, BN0 + BN1)
-    steps = gl.cdiv(K, BK)
-    mine = 0
-    for tile in range(gl.program_id(0) + ME * PROGRAMS, tiles_m * tiles_n, 2 * PROGRAMS):
-        row0, col0 = _tile_origin(tile, tiles_m, tiles_n, BM, BN0 + BN1, GROUP_M)
-        mbarrier.wait(turn.index(ME), (mine & 1) ^ (1 - ME))
-        count = (2 * mine + ME) * steps
-        acc0 = gl.zeros([BM, BN0], gl.float32, layout0)
-        acc1 = gl.zeros([BM, BN1], gl.float32, layout1)
-        previous = 0
-        for step in range(steps):
-            slot = count % STAGES
-            mbarrier.wait(ready.index(slot), (count // STAGES) & 1)
-            a = a_bufs.index(slot)
-            acc0 = warpgroup_mma(a, b0_bufs.index(slot).permute((1, 0)), acc0, is_async=True)
-            acc1 = warpgroup_mma(a, b1_bufs.index(slot).permute((1, 0)), acc1, is_async=True)
-            acc0, acc1, _, _, _ = warpgroup_mma_wait(2, deps=(acc0, acc1, a, b0_bufs.index(slot),
-                                                              b1_bufs.index(slot)))
-            if step > 0:
-                gl.thread_barrier()
-                mbarrier.arrive(empty.index(previous))
-            previous = slot
-            count += 1
-        acc0, acc1 = warpgroup_mma_wait(0, deps=(acc0, acc1))
-        gl.thread_barrier()
-        mbarrier.arrive(empty.index(previous))
-        mbarrier.arrive(turn.index(1 - ME))
-        tma.store_wait(0)
-        post0 = gl.maximum(acc0, 0.0)
-        out0_buf.store((post0 * post0).to(gl.bfloat16))
-        post1 = gl.maximum(acc1, 0.0)
-        out1_buf.store((post1 * post1).to(gl.bfloat16))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(out0_desc, [row0, col0], out0_buf)
-        tma.async_copy_shared_to_global(out1_desc, [row0, col0 + BN0], out1_buf)
-        mine += 1
-    tma.store_wait(0)
-
-
-@gluon.jit
-def _relu2_pingpong_wide_kernel(a_desc, b0_desc, b1_desc, out0_desc, out1_desc, M, N, K, BM: gl.constexpr,
-                                BN0: gl.constexpr, BN1: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-                                GROUP_M: gl.constexpr, PROGRAMS: gl.constexpr):
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
-    b0_bufs = gl.allocate_shared_memory(b0_desc.dtype, [STAGES, BN0, BK], b0_desc.layout)
-    b1_bufs = gl.allocate_shared_memory(b1_desc.dtype, [STAGES, BN1, BK], b1_desc.layout)
-    outs0 = gl.allocate_shared_memory(out0_desc.dtype, [2, BM, BN0], out0_desc.layout)
-    outs1 = gl.allocate_shared_memory(out1_desc.dtype, [2, BM, BN1], out1_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
-    for i in gl.static_range(2):
-        mbarrier.init(turn.index(i), count=1)
-    fence_async_shared()
-    gl.warp_specialize([
-        (_consumer_wide, (a_bufs, b0_bufs, b1_bufs, ready, empty, turn, out0_desc, out1_desc, outs0.index(0),
-                          outs1.index(0), M, N, K, BM, BN0, BN1, BK, STAGES, GROUP_M, PROGRAMS, 0)),
-        (_consumer_wide, (a_bufs, b0_bufs, b1_bufs, ready, empty, turn, out0_desc, out1_desc, outs0.index(1),
-                          outs1.index(1), M, N, K, BM, BN0, BN1, BK, STAGES, GROUP_M, PROGRAMS, 1)),
-        (_loader_wide, (a_desc, b0_desc, b1_desc, a_bufs, b0_bufs, b1_bufs, ready, empty, M, N, K, BM, BN0, BN1, BK,
-                        STAGES, GROUP_M, PROGRAMS)),
-    ], [4, 1], [232, 24])
-
-
-def relu2_pingpong_wide(a: torch.Tensor, b: torch.Tensor, bm=128, bn0=128, bn1=64, bk=64, stages=3,
-                        group_m=8) -> torch.Tensor:
-    """relu(a @ b^T)^2 with (bn0 + bn1)-wide tiles: 128 x 192 reads 77 FLOPs per operand byte instead of 64."""
-    M, K = a.shape
-    N = b.size(0)
-    out = a.new_empty(M, N)
-    layout = lambda shape: gl.NVMMASharedLayout.get_default_for(shape, gl.bfloat16)  # noqa: E731
-    programs = min(torch.cuda.get_device_properties(a.device).multi_processor_count,
-                   (M // bm) * (N // (bn0 + bn1)))
-    _relu2_pingpong_wide_kernel[(programs,)](
-        TensorDescriptor.from_tensor(a, [bm, bk], layout([bm, bk])),
-        TensorDescriptor.from_tensor(b, [bn0, bk], layout([bn0, bk])),
-        TensorDescriptor.from_tensor(b, [bn1, bk], layout([bn1, bk])),
-        TensorDescriptor.from_tensor(out, [bm, bn0], layout([bm, bn0])),
-        TensorDescriptor.from_tensor(out, [bm, bn1], layout([bm, bn1])),
-        M, N, K, bm, bn0, bn1, bk, stages, group_m, programs, num_warps=4)
-    return out
-
-
 def relu2_pingpong(a: torch.Tensor, b: torch.Tensor, bm=128, bn=128, bk=64, stages=4, group_m=8) -> torch.Tensor:
     """relu(a @ b^T)^2 in bf16: a [M, K], b [N, K] contiguous bf16."""
     M, K = a.shape
@@ -271,10 +158,7 @@ def main():
                       ("trainer's Triton relu2_matmul", lambda: tg.relu2_matmul(x, w)),
                       ("Gluon ping-pong 128x128x64, 4 stages", lambda: relu2_pingpong(x, w)),
                       ("Gluon ping-pong 128x128x64, 3 stages", lambda: relu2_pingpong(x, w, stages=3)),
-                      ("Gluon ping-pong 128x128x64, 5 stages", lambda: relu2_pingpong(x, w, stages=5)),
-                      ("Gluon ping-pong 128x(128+64)x64, 3 stages", lambda: relu2_pingpong_wide(x, w)),
-                      ("Gluon ping-pong 128x(128+64)x32, 6 stages", lambda: relu2_pingpong_wide(x, w, bk=32,
-                                                                                                  stages=6))):
+                      ("Gluon ping-pong 128x128x64, 5 stages", lambda: relu2_pingpong(x, w, stages=5))):
         try:
             out = run()
             torch.cuda.synchronize()
