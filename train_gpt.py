@@ -37,7 +37,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-BOS_TOKEN = 50256  # GPT-2's <|endoftext|>; every document in a shard starts with it
 SHARD_MAGIC, SHARD_VERSION, SHARD_HEADER_INTS = 20240520, 1, 256
 LOG_FORMAT_VERSION = 1
 
@@ -87,6 +86,7 @@ class Config:
     fp8_head: bool = True
     # model
     vocab_size: int = 50257  # padded to a multiple of 128 inside the model
+    bos_token: int = 50256  # starts every document of a shard: GPT-2's <|endoftext|>
     num_layers: int = 11
     model_dim: int = 768
     num_heads: int = 6
@@ -259,6 +259,9 @@ def validate_config(cfg: Config) -> None:
          "--value_embed_layout puts a value embedding on a layer without attention (- in --attn_layout)")
     need(0 <= cfg.skip_from < cfg.skip_to < cfg.num_layers,
          f"--skip_from={cfg.skip_from} --skip_to={cfg.skip_to}: need 0 <= skip_from < skip_to < num_layers")
+    need(2 <= cfg.vocab_size <= 65536, f"--vocab_size={cfg.vocab_size}: shards hold 16-bit tokens, use 2 .. 65536")
+    need(0 <= cfg.bos_token < cfg.vocab_size,
+         f"--bos_token={cfg.bos_token} must be a token of the vocabulary (below --vocab_size={cfg.vocab_size})")
     need(cfg.num_heads * cfg.head_dim == cfg.model_dim, "num_heads * head_dim must equal model_dim")
     need(cfg.head_dim % 4 == 0, "--head_dim must be a multiple of 4 (half-truncated rotary)")
     need(cfg.num_iterations >= 1, "--num_iterations must be at least 1")
@@ -1740,13 +1743,25 @@ def shard_paths(pattern: str, flag: str) -> list[str]:
     return paths
 
 
-def document_starts(path: str) -> tuple[np.ndarray, np.ndarray]:
-    """A shard's tokens (memory-mapped) and the offsets of its BOS tokens."""
+def check_vocabulary(tokens: np.ndarray, vocab_size: int, where: str) -> None:
+    """A token id past the model's tables (data from another tokenizer) is an error here, naming the data,
+    not an out-of-range embedding row later: the GPU's row gather does not check its indices."""
+    if len(tokens) and int(tokens.max()) >= vocab_size:
+        position = int(np.argmax(tokens >= vocab_size))
+        raise DataError(f"{where}: token {int(tokens[position])} at position {position:,} is not below "
+                        f"--vocab_size={vocab_size}; the data comes from another tokenizer (set --vocab_size and "
+                        "--bos_token to its own)")
+
+
+def document_starts(path: str, bos: int, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """A shard's tokens (memory-mapped), checked against the vocabulary, and the offsets of its BOS tokens."""
     tokens = read_shard(path)
-    return tokens, np.flatnonzero(tokens == BOS_TOKEN)
+    check_vocabulary(tokens, vocab_size, path)
+    return tokens, np.flatnonzero(tokens == bos)
 
 
-def bos_aligned_batches(paths: list[str], length: int, max_doc_len: int, repeat: bool, on_new_pass=None):
+def bos_aligned_batches(paths: list[str], length: int, max_doc_len: int, repeat: bool, on_new_pass=None, *,
+                        bos: int, vocab_size: int):
     """Yield (tokens, spans): each batch is `length` tokens made of whole documents from their BOS on,
     each cut at max_doc_len, the last one cut to fit (speedrun 2025-07: batches start at a BOS).
 
@@ -1764,12 +1779,12 @@ def bos_aligned_batches(paths: list[str], length: int, max_doc_len: int, repeat:
     order = shard_order()
     current, produced = next(order), False
     with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-index") as indexer:
-        job = indexer.submit(document_starts, current[1])
+        job = indexer.submit(document_starts, current[1], bos, vocab_size)
         while current is not None:
             following = next(order, None)
             tokens, starts = job.result()
             if following is not None:
-                job = indexer.submit(document_starts, following[1])
+                job = indexer.submit(document_starts, following[1], bos, vocab_size)
             ends = np.append(starts[1:], len(tokens))
             doc = 0
             while True:
@@ -1787,7 +1802,7 @@ def bos_aligned_batches(paths: list[str], length: int, max_doc_len: int, repeat:
             pass_ends = following is None or following[0] > current[0]
             if pass_ends and not produced:
                 raise DataError(f"no batch of {length} tokens could be built from {paths[0]}...: the shards need "
-                                f"documents that start with the BOS token {BOS_TOKEN}")
+                                f"documents that start with the BOS token {bos} (--bos_token)")
             if pass_ends and following is not None and on_new_pass is not None:
                 on_new_pass(following[0])
             current = following
@@ -1799,7 +1814,8 @@ def train_batches_for_rank(paths: list[str], cfg: Config, comm: Comm, on_new_pas
     interleave the same way, so no two replicas read the same micro-batch."""
     replicas, replica = (cfg.diloco_replicas, cfg.replica) if cfg.diloco else (1, 0)
     stride, offset = replicas * comm.world_size, replica * comm.world_size + comm.rank
-    batches = bos_aligned_batches(paths, cfg.micro_batch_tokens + 1, cfg.max_doc_len, cfg.train_repeat, on_new_pass)
+    batches = bos_aligned_batches(paths, cfg.micro_batch_tokens + 1, cfg.max_doc_len, cfg.train_repeat, on_new_pass,
+                                  bos=cfg.bos_token, vocab_size=cfg.vocab_size)
     for index, (tokens, spans) in enumerate(batches):
         if index % stride == offset:
             yield np.concatenate([tokens[start:end] for start, end in spans])
@@ -1818,12 +1834,13 @@ def val_batches_for_rank(paths: list[str], cfg: Config, comm: Comm):
         raise DataError(f"--val_files={cfg.val_files!r} hold {available:,} tokens, fewer than "
                         f"--val_tokens={cfg.val_tokens:,} (+1); lower --val_tokens")
     stream = shards[0] if len(shards) == 1 else np.concatenate(shards)
+    check_vocabulary(stream[: cfg.val_tokens + 1], cfg.vocab_size, f"--val_files={cfg.val_files!r}")
     T = cfg.micro_batch_tokens
     for index in range(comm.rank, cfg.val_tokens // T, comm.world_size):
         yield np.asarray(stream[index * T: index * T + T + 1])
 
 
-def bigram_hash(tokens: np.ndarray, rows: int) -> np.ndarray:
+def bigram_hash(tokens: np.ndarray, rows: int, bos: int) -> np.ndarray:
     """Row of the bigram embedding for each position: a multiplicative (Fibonacci) hash of the pair
     (previous token, token) into rows - 1 buckets. Positions without a previous token of their own
     document (the window's first position, and every BOS) get the reserved last row."""
@@ -1833,7 +1850,7 @@ def bigram_hash(tokens: np.ndarray, rows: int) -> np.ndarray:
     out = np.empty(len(tokens), dtype=np.int32)
     out[0] = rows - 1
     out[1:] = mixed % np.uint64(rows - 1)
-    out[tokens == BOS_TOKEN] = rows - 1
+    out[tokens == bos] = rows - 1
     return out
 
 
@@ -1843,10 +1860,10 @@ def max_documents(seq_len: int) -> int:
     return seq_len // 16 + 1
 
 
-def micro_batch_document_starts(inputs: np.ndarray) -> np.ndarray:
+def micro_batch_document_starts(inputs: np.ndarray, bos: int) -> np.ndarray:
     """Where the documents of one micro-batch start: at every BOS, and at position 0 even without one (a
     validation chunk begins mid-document)."""
-    starts = np.flatnonzero(inputs == BOS_TOKEN)
+    starts = np.flatnonzero(inputs == bos)
     return starts if len(starts) and starts[0] == 0 else np.insert(starts, 0, 0)
 
 
@@ -1863,8 +1880,9 @@ class ForwardBatch:
 class _Slot:
     """Host buffers for one forward: `packed` micro-batches of seq_len tokens, one after the other."""
 
-    def __init__(self, seq_len: int, pin: bool, bigram_rows: int = 0, packed: int = 1):
+    def __init__(self, seq_len: int, pin: bool, bos: int, bigram_rows: int = 0, packed: int = 1):
         length = seq_len * packed
+        self.bos = bos
         self.inputs = torch.empty(length, dtype=torch.int32, pin_memory=pin)
         self.targets = torch.empty(length, dtype=torch.int64, pin_memory=pin)
         self.cu_seqlens = torch.empty(max_documents(length) + 1, dtype=torch.int32, pin_memory=pin)
@@ -1884,8 +1902,8 @@ class _Slot:
             self.inputs.numpy()[offset:end] = inputs
             self.targets.numpy()[offset:end] = window[1:]
             if self.bigram_rows:
-                self.bigrams.numpy()[offset:end] = bigram_hash(inputs, self.bigram_rows)
-            starts.append(micro_batch_document_starts(inputs) + offset)
+                self.bigrams.numpy()[offset:end] = bigram_hash(inputs, self.bigram_rows, self.bos)
+            starts.append(micro_batch_document_starts(inputs, self.bos) + offset)
             offset = end
         if self.bigram_rows:
             self.bigram_rows_used = np.unique(self.bigrams.numpy())
@@ -1908,11 +1926,11 @@ class Prefetcher:
     """
 
     def __init__(self, batches, seq_len: int, device: torch.device, slots: int = 4, bigram_rows: int = 0,
-                 packed: int = 1):
+                 packed: int = 1, *, bos: int):
         self.device = device
         self.free, self.ready = queue.Queue(), queue.Queue()
         for _ in range(slots):
-            self.free.put(_Slot(seq_len, pin=device.type == "cuda", bigram_rows=bigram_rows, packed=packed))
+            self.free.put(_Slot(seq_len, pin=device.type == "cuda", bos=bos, bigram_rows=bigram_rows, packed=packed))
         self.closed = False
         self.thread = threading.Thread(target=self._fill, args=(batches, packed), daemon=True)
         self.thread.start()
@@ -2259,7 +2277,7 @@ def evaluate(model: GPT, cfg: Config, comm: Comm, val_paths: list[str], windows:
     of them (a third of the cold compile time); each forward's saved activations are freed as soon as
     its loss is read."""
     batches = Prefetcher(val_batches_for_rank(val_paths, cfg, comm), cfg.micro_batch_tokens, device,
-                         bigram_rows=cfg.bigram_rows, packed=packed)
+                         bigram_rows=cfg.bigram_rows, packed=packed, bos=cfg.bos_token)
     count = val_micro_batches_per_rank(cfg, comm.world_size) // packed
     total = torch.zeros((), device=device)
     try:
@@ -2277,9 +2295,11 @@ def dummy_batches(cfg: Config, seed: int):
     """Random token windows with documents of random length, for the warm-up."""
     rng = np.random.default_rng(seed)
     while True:
-        window = rng.integers(0, BOS_TOKEN, cfg.micro_batch_tokens + 1).astype(np.uint16)
-        window[0] = BOS_TOKEN
-        window[rng.integers(1, cfg.micro_batch_tokens, cfg.micro_batch_tokens // 512 + 1)] = BOS_TOKEN
+        window = rng.integers(0, cfg.vocab_size - 1, cfg.micro_batch_tokens + 1)
+        window += window >= cfg.bos_token  # any token but BOS, which marks the starts
+        window[0] = cfg.bos_token
+        window[rng.integers(1, cfg.micro_batch_tokens, cfg.micro_batch_tokens // 512 + 1)] = cfg.bos_token
+        window = window.astype(np.uint16)
         yield window
 
 
@@ -2289,7 +2309,7 @@ def warm_up(model: GPT, optimizers, cfg: Config, comm: Comm, schedule: Schedule,
     empty the optimizer state. Nothing here is timed."""
     initial = {name: t.detach().clone() for name, t in model.state_dict().items()}
     batches = Prefetcher(dummy_batches(cfg, seed=cfg.seed + 1 + comm.rank), cfg.micro_batch_tokens, device,
-                         bigram_rows=cfg.bigram_rows, packed=packed)
+                         bigram_rows=cfg.bigram_rows, packed=packed, bos=cfg.bos_token)
     try:
         for windows in schedule.all_windows():
             train_step(model, optimizers, batches, windows, forwards=1)
@@ -2636,7 +2656,7 @@ def train(cfg: Config, comm: Comm, log: RunLog) -> TrainResult:
         log(f"note: the training data starts over (pass {number}); later losses are on repeated data")
 
     batches = Prefetcher(train_batches_for_rank(train_paths, cfg, comm, note_new_pass), cfg.micro_batch_tokens, device,
-                         bigram_rows=cfg.bigram_rows, packed=trainer.packed)
+                         bigram_rows=cfg.bigram_rows, packed=trainer.packed, bos=cfg.bos_token)
     val_losses = []
     reported = 0
     history = None
@@ -2930,7 +2950,9 @@ def check_inputs(cfg: Config) -> None:
         raise UserError("--device=cuda, but torch sees no CUDA GPU; pass --device=cpu to run on the CPU")
     if cfg.device == "cuda":
         check_gpu_features(cfg, torch.device("cuda", 0))
-    shard_paths(cfg.train_files, "train_files")
+    # The first training shard in full (the loader checks the others as it reaches them): a shard from another
+    # tokenizer fails here, before minutes of compiling.
+    document_starts(shard_paths(cfg.train_files, "train_files")[0], cfg.bos_token, cfg.vocab_size)
     next(val_batches_for_rank(shard_paths(cfg.val_files, "val_files"), cfg, Comm()))  # enough val tokens?
     if cfg.diloco:  # before minutes of compiling, not after
         import_torchft()

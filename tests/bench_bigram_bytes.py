@@ -26,13 +26,14 @@ def main():
     print("world  micro/step  touched rows/rank  sparse MiB/rank  dense MiB/rank  ratio")
     for world in (8, 4, 2):
         for micro in tg._parse_stage_list(cfg, "batch_schedule", int):
-            batches = tg.bos_aligned_batches(paths, cfg.micro_batch_tokens + 1, cfg.max_doc_len, repeat=True)
+            batches = tg.bos_aligned_batches(paths, cfg.micro_batch_tokens + 1, cfg.max_doc_len, repeat=True,
+                                              bos=cfg.bos_token, vocab_size=cfg.vocab_size)
             per_rank = micro // world
             touched, sent = [], []
             for _ in range(steps):
                 for rank in range(world):
                     rows = np.unique(np.concatenate([
-                        tg.bigram_hash(np.concatenate([t[a:b] for a, b in spans])[:-1], cfg.bigram_rows)
+                        tg.bigram_hash(np.concatenate([t[a:b] for a, b in spans])[:-1], cfg.bigram_rows, cfg.bos_token)
                         for t, spans in (next(batches) for _ in range(per_rank))]))
                     owner = rows // (cfg.bigram_rows // world)
                     touched.append(len(rows))

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import train_gpt as tg
-from helpers import BOS, cu_seqlens_of, run_on_ranks
+from helpers import BOS, TINY, VOCAB, cu_seqlens_of, run_on_ranks
 
 ROWS, DIM, STEPS = 64, 128, 3
 
@@ -26,7 +26,7 @@ def test_loader_bigram_rows_equal_the_reference_hash():
     rng = np.random.default_rng(0)
     window = rng.integers(0, 50257, 257).astype(np.uint16)
     window[[0, 17, 18, 100]] = BOS  # document starts, two in a row
-    batches = tg.Prefetcher(iter([window]), 256, torch.device("cpu"), bigram_rows=4096)
+    batches = tg.Prefetcher(iter([window]), 256, torch.device("cpu"), bigram_rows=4096, bos=BOS)
     batch = batches.next()
     batches.close()
     want = reference_hash(window[:-1].tolist(), 4096)
@@ -36,12 +36,12 @@ def test_loader_bigram_rows_equal_the_reference_hash():
 
 
 def test_tiny_model_uses_the_bigram_table():
-    cfg, _ = tg.parse_cli(["--preset=tiny"])
+    cfg, _ = tg.parse_cli(TINY)
     model = tg.GPT(cfg, tg.SdpaAttention(), torch.float32)
     model.lm_head.weight.data.normal_()  # a zero head would give every earlier weight zero gradient
-    tokens = torch.randint(0, 1000, (256,), dtype=torch.int32)
-    bigrams = torch.from_numpy(tg.bigram_hash(tokens.numpy(), cfg.bigram_rows))
-    masks = model.prepare_masks(tokens, cu_seqlens_of(tokens), (16, 32))
+    tokens = torch.randint(0, VOCAB, (256,), dtype=torch.int32)
+    bigrams = torch.from_numpy(tg.bigram_hash(tokens.numpy(), cfg.bigram_rows, cfg.bos_token))
+    masks = model.prepare_masks(tokens, cu_seqlens_of(tokens, cfg.bos_token), (16, 32))
     model.prepare_grads()  # the tables' row gradients are added into these dense zeros
     model(tokens, tokens.long(), masks, bigrams).backward()
     grad_rows = model.bigram_embed.weight.grad.abs().sum(1).nonzero().flatten()

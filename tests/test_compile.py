@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from helpers import REPO
+from helpers import REPO, TINY
 
 VAL = re.compile(r"^step:1/1 val_loss:(\S+)", re.M)
 CHECKSUM = re.compile(r"^final weights: float64 sum (\S+), sum of squares (\S+)$", re.M)
@@ -49,7 +49,7 @@ def start_tiny(tmp_path, train, val, run_id, *extra, inductor_dir=None):
     env = dict(os.environ)
     if inductor_dir is not None:
         env["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_dir)
-    args = ["--device=cpu", "--preset=tiny", f"--train_files={train}", f"--val_files={val}", "--num_iterations=1",
+    args = ["--device=cpu", *TINY, f"--train_files={train}", f"--val_files={val}", "--num_iterations=1",
             "--val_loss_every=0", "--micro_batch_tokens=128", f"--run_id={run_id}", *extra]
     out = tmp_path / f"{run_id}.out"  # a file, not a pipe: a run waited for after another never blocks on a full one
     with open(out, "w") as f:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import train_gpt as tg
-from helpers import REPO, free_port
+from helpers import REPO, TINY, free_port
 
 torchft = pytest.importorskip("torchft", reason="torchft is not installed (pip install torchft): DiLoCo untested")
 from torchft.coordination import LighthouseServer  # noqa: E402
@@ -24,7 +24,7 @@ VAL = re.compile(r"^step:(\d+)/\d+ val_loss:(\S+)", re.M)
 
 
 def tiny_diloco_config(**overrides) -> tg.Config:
-    cfg, _ = tg.parse_cli(["--device=cpu", "--preset=tiny", "--diloco=1", "--sync_every=4",
+    cfg, _ = tg.parse_cli(["--device=cpu", *TINY, "--diloco=1", "--sync_every=4",
                             "--micro_batch_tokens=128"])
     return tg.dataclasses.replace(cfg, **overrides)
 
@@ -57,7 +57,7 @@ def test_outer_step_matches_hand_computation(lr, momentum):
         names = {id(p): name for name, p in model.named_parameters()}
         fragment_names = [{names[id(p)] for p in f.parameters()} for f in run.fragments]
         batches = tg.Prefetcher(tg.dummy_batches(cfg, seed=1), cfg.micro_batch_tokens, torch.device("cpu"),
-                                bigram_rows=cfg.bigram_rows)
+                                bigram_rows=cfg.bigram_rows, bos=cfg.bos_token)
         after = []
         run.__enter__()
         try:
@@ -97,7 +97,7 @@ def test_diloco_flags_are_checked():
 def test_missing_lighthouse_is_one_clear_error_before_compiling(tiny_data, monkeypatch, capsys):
     train, val = tiny_data
     monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
-    code = tg.main(["--device=cpu", "--preset=tiny", "--diloco=1", "--sync_every=4", f"--train_files={train}",
+    code = tg.main(["--device=cpu", *TINY, "--diloco=1", "--sync_every=4", f"--train_files={train}",
                     f"--val_files={val}"])
     assert code == 1 and capsys.readouterr().err.strip() == f"error: {tg.LIGHTHOUSE_MISSING}"
 
@@ -128,7 +128,7 @@ def start_replica(tmp_path, data, lighthouse, replica: int, run_id: str, *extra)
     train, val = data
     env = dict(os.environ, TORCHFT_LIGHTHOUSE=lighthouse.address(), OMP_NUM_THREADS="1")
     args = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={free_port()}",
-            str(REPO / "train_gpt.py"), "--device=cpu", "--preset=tiny", f"--train_files={train}",
+            str(REPO / "train_gpt.py"), "--device=cpu", *TINY, f"--train_files={train}",
             f"--val_files={val}", "--micro_batch_tokens=128", "--diloco=1", f"--replica={replica}",
             "--sync_every=4", "--num_fragments=2", f"--run_id={run_id}", *extra]  # later flags win
     out = open(tmp_path / f"{run_id}.out", "w")
@@ -185,9 +185,9 @@ def test_two_replicas_stay_in_sync_and_learn(tiny_data, tmp_path):
 
 def test_killed_replica_rejoins_with_the_weights_of_its_peer(tiny_data, tmp_path):
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=20000, heartbeat_timeout_ms=1000)
-    # The survivor trains on alone while the replica restarts (on 2 cores, its steps 5 to 11 of 24), then the two
-    # sync together to the end: with 24 steps a restart twice as slow still leaves them syncs together.
-    flags = ("--num_iterations=24", "--val_loss_every=0", "--train_repeat=1")
+    # The survivor trains on alone while the replica restarts (on 2 cores, its steps 5 to about 48 of 96), then the
+    # two sync together to the end: with 96 steps a restart twice as slow still leaves them syncs together.
+    flags = ("--num_iterations=96", "--val_loss_every=0", "--train_repeat=1")
     try:
         survivor = start_replica(tmp_path, tiny_data, lighthouse, 0, "survivor", *flags)
         doomed = start_replica(tmp_path, tiny_data, lighthouse, 1, "doomed", *flags)
@@ -206,7 +206,7 @@ def test_killed_replica_rejoins_with_the_weights_of_its_peer(tiny_data, tmp_path
         logs = {"survivor": finish(survivor, tmp_path, "survivor"), "restarted": finish(restarted, tmp_path, "restarted")}
     finally:
         lighthouse.shutdown()
-    assert "step:24/24 val_loss" in logs["survivor"]
+    assert "step:96/96 val_loss" in logs["survivor"]
     recovered = re.search(r"^diloco: recovered weights and optimizer state from a peer; step \d+ -> (\d+)$",
                           logs["restarted"], re.M)
     assert recovered and int(recovered.group(1)) > 4
@@ -220,7 +220,7 @@ def test_killed_replica_rejoins_with_the_weights_of_its_peer(tiny_data, tmp_path
 
 def test_torchft_is_not_imported_without_diloco(tiny_data, tmp_path):
     train, val = tiny_data
-    code = (f"import sys, train_gpt; code = train_gpt.main(['--device=cpu', '--preset=tiny', '--num_iterations=1', "
+    code = (f"import sys, train_gpt; code = train_gpt.main(['--device=cpu', *{TINY}, '--num_iterations=1', "
             f"'--val_loss_every=0', '--train_files={train}', '--val_files={val}', '--log_dir={tmp_path}']); "
             "assert code == 0; print('torchft' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)

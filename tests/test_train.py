@@ -14,13 +14,15 @@ import pytest
 import torch
 
 import train_gpt as tg
-from helpers import BOS, REPO, cu_seqlens_of, learnable_documents, run_on_ranks, write_shard
+from helpers import BOS, REPO, TINY, TOKENS, VOCAB, cu_seqlens_of, learnable_documents, run_on_ranks, write_shard
+
+BATCHES = dict(bos=BOS, vocab_size=VOCAB)  # bos_aligned_batches' arguments for these shards
 
 STEP_LINE = re.compile(r"^step:(\d+)/(\d+)( val_loss:(\S+))? train_time:(\d+)ms step_avg:(\S+)ms( train_loss:\S+)?$")
 
 
 def tiny_config(train, val, **overrides):
-    cfg, _ = tg.parse_cli(["--device=cpu", "--preset=tiny", f"--train_files={train}", f"--val_files={val}"]
+    cfg, _ = tg.parse_cli(["--device=cpu", *TINY, f"--train_files={train}", f"--val_files={val}"]
                           + [f"--{k}={v}" for k, v in overrides.items()])
     return cfg
 
@@ -47,6 +49,8 @@ def test_unknown_option_lists_valid_names():
     ("--batch_schedule=8,12,24", "multiple of 8"),
     ("--device=tpu", "--device=tpu"),
     ("--preset=huge", "unknown --preset=huge"),
+    ("--bos_token=50257", "--bos_token=50257 must be a token of the vocabulary (below --vocab_size=50257)"),
+    ("--vocab_size=70000", "--vocab_size=70000: shards hold 16-bit tokens"),
 ])
 def test_bad_values_are_named(arg, message):
     with pytest.raises(tg.UserError, match=re.escape(message)):
@@ -73,7 +77,7 @@ def test_cuda_requested_without_cuda_is_an_error(tiny_data, capsys):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     train, val = tiny_data
-    assert tg.main(["--preset=tiny", f"--train_files={train}", f"--val_files={val}"]) == 1
+    assert tg.main([*TINY, f"--train_files={train}", f"--val_files={val}"]) == 1
     assert "pass --device=cpu" in capsys.readouterr().err
 
 
@@ -89,7 +93,7 @@ def test_bos_aligned_batches(tmp_path):
     tokens = learnable_documents(20_000, seed=5)
     path = str(write_shard(tmp_path / "s.bin", tokens))
     length, max_doc_len = 257, 64
-    batches = list(tg.bos_aligned_batches([path], length, max_doc_len, repeat=False))
+    batches = list(tg.bos_aligned_batches([path], length, max_doc_len, repeat=False, **BATCHES))
     assert len(batches) > 10
     bos_positions = set(np.flatnonzero(tokens == BOS).tolist())
     previous_end = -1
@@ -109,19 +113,19 @@ def test_the_next_shard_is_indexed_while_this_one_is_read(tmp_path, monkeypatch)
     paths = [str(write_shard(tmp_path / f"s_{i}.bin", t)) for i, t in enumerate(shards)]
     length, max_doc_len = 257, 64
     expected = [(i, spans) for i, p in enumerate(paths)
-                for _, spans in tg.bos_aligned_batches([p], length, max_doc_len, repeat=False)]
+                for _, spans in tg.bos_aligned_batches([p], length, max_doc_len, repeat=False, **BATCHES)]
     started = [threading.Event() for _ in paths]
     threads = set()
     indexed = tg.document_starts
 
-    def watched(path):
+    def watched(path, *args):
         threads.add(threading.current_thread().name)
         started[paths.index(path)].set()
-        return indexed(path)
+        return indexed(path, *args)
 
     monkeypatch.setattr(tg, "document_starts", watched)
     got = []
-    for tokens, spans in tg.bos_aligned_batches(paths, length, max_doc_len, repeat=False):
+    for tokens, spans in tg.bos_aligned_batches(paths, length, max_doc_len, repeat=False, **BATCHES):
         shard = next(i for i, t in enumerate(shards) if np.array_equal(np.asarray(tokens), t))
         if not any(i == shard for i, _ in got) and shard + 1 < len(paths):
             assert started[shard + 1].wait(10), f"shard {shard + 1} not indexed while shard {shard} is read"
@@ -134,12 +138,12 @@ def test_shards_without_documents_are_named(tmp_path):
     path = str(write_shard(tmp_path / "s.bin", np.full(5_000, 7, dtype=np.uint16)))
     for repeat in (False, True):
         with pytest.raises(tg.DataError, match="no batch of 257 tokens could be built from .*s.bin"):
-            next(tg.bos_aligned_batches([path], 257, 64, repeat=repeat))
+            next(tg.bos_aligned_batches([path], 257, 64, repeat=repeat, **BATCHES))
 
 
 def test_ranks_split_the_global_batch_sequence(tmp_path):
     path = str(write_shard(tmp_path / "s.bin", learnable_documents(20_000, seed=6)))
-    cfg = tg.Config(micro_batch_tokens=128, max_doc_len=64)
+    cfg = tg.Config(micro_batch_tokens=128, max_doc_len=64, **TOKENS)
     single = list(tg.train_batches_for_rank([path], cfg, tg.Comm(0, 1)))
     ranks = [list(tg.train_batches_for_rank([path], cfg, tg.Comm(r, 2))) for r in range(2)]
     assert all(np.array_equal(single[2 * i + r], ranks[r][i]) for r in range(2) for i in range(len(ranks[1])))
@@ -179,6 +183,29 @@ def test_bad_shard_errors_name_file_and_problem(tmp_path, problem, message):
     assert str(err.value).startswith(str(path)) and message in str(err.value)
 
 
+def test_tokens_outside_the_vocabulary_are_named(tmp_path):
+    """Data from another tokenizer (here GPT-2's BOS, 50256, in a 128-token vocabulary): one error naming the
+    shard or the validation files and the first bad token, before a launch for the first training shard and the
+    validation tokens, and from the loader for a later training shard."""
+    good = learnable_documents(5_000, seed=8)
+    bad = good.copy()
+    bad[1234] = 50256
+    files = {name: str(write_shard(tmp_path / f"{name}.bin", tokens))
+             for name, tokens in (("good_train", good), ("bad_train", bad), ("good_val", good), ("bad_val", bad))}
+    message = "token 50256 at position 1,234 is not below --vocab_size=128"
+    cfg = tg.Config(**TOKENS, device="cpu", train_files=files["bad_train"], val_files=files["good_val"],
+                    val_tokens=4096)
+    with pytest.raises(tg.DataError, match=re.escape(f"{files['bad_train']}: {message}")):
+        tg.check_inputs(cfg)
+    cfg = dataclasses.replace(cfg, train_files=files["good_train"], val_files=files["bad_val"])
+    with pytest.raises(tg.DataError, match=re.escape(f"--val_files={files['bad_val']!r}: {message}")):
+        tg.check_inputs(cfg)
+    batches = tg.bos_aligned_batches([files["good_train"], files["bad_train"]], 257, 64, repeat=False, **BATCHES)
+    with pytest.raises(tg.DataError, match=re.escape(f"{files['bad_train']}: {message}")):
+        for _ in batches:
+            pass
+
+
 def test_empty_glob_is_named(tmp_path):
     with pytest.raises(tg.DataError, match=r"--val_files='.*none_\*\.bin' matches no files"):
         tg.shard_paths(str(tmp_path / "none_*.bin"), "val_files")
@@ -193,17 +220,16 @@ def test_too_little_validation_data(tiny_data):
 
 def test_running_out_of_training_data(tmp_path):
     path = str(write_shard(tmp_path / "s.bin", learnable_documents(2_000, seed=7)))
-    cfg = tg.Config(micro_batch_tokens=256, max_doc_len=128)
-    batches = tg.Prefetcher(tg.train_batches_for_rank([path], cfg, tg.Comm()), 256, torch.device("cpu"))
+    cfg = tg.Config(micro_batch_tokens=256, max_doc_len=128, **TOKENS)
+    batches = tg.Prefetcher(tg.train_batches_for_rank([path], cfg, tg.Comm()), 256, torch.device("cpu"), bos=BOS)
     with pytest.raises(tg.DataError, match="training data ran out"):
         for _ in range(100):
             batches.next()
     batches.close()
     passes = []
-    repeating = tg.Prefetcher(tg.train_batches_for_rank([path], tg.Config(micro_batch_tokens=256, max_doc_len=128,
-                                                                              train_repeat=True), tg.Comm(),
+    repeating = tg.Prefetcher(tg.train_batches_for_rank([path], dataclasses.replace(cfg, train_repeat=True), tg.Comm(),
                                                         on_new_pass=passes.append),
-                              256, torch.device("cpu"))
+                              256, torch.device("cpu"), bos=BOS)
     for _ in range(100):
         repeating.next()
     repeating.close()
@@ -212,10 +238,10 @@ def test_running_out_of_training_data(tmp_path):
 
 def test_prefetcher_delivers_every_window_intact(tmp_path):
     rng = np.random.default_rng(0)
-    windows = [rng.integers(0, 50000, 129).astype(np.uint16) for _ in range(20)]
+    windows = [rng.integers(0, BOS, 129).astype(np.uint16) for _ in range(20)]
     for w in windows:
         w[[0, 50, 51]] = BOS
-    batches = tg.Prefetcher(iter(windows), 128, torch.device("cpu"), slots=2)
+    batches = tg.Prefetcher(iter(windows), 128, torch.device("cpu"), slots=2, bos=BOS)
     for w in windows:
         b = batches.next()
         assert torch.equal(b.inputs, torch.from_numpy(w[:-1].astype(np.int32)))
@@ -241,7 +267,7 @@ def naive_attention(q, k, v, tokens, window):
 
 def random_attention_inputs(T=128, H=2, D=16, seed=0):
     g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, 1000, (T,), generator=g, dtype=torch.int32)
+    tokens = torch.randint(0, VOCAB - 1, (T,), generator=g, dtype=torch.int32)
     tokens[torch.randint(0, T, (6,), generator=g)] = BOS  # documents of irregular length; first one has no BOS
     q, k, v = (torch.randn(T, H, D, generator=g) for _ in range(3))
     return tokens, q, k, v
@@ -251,7 +277,7 @@ def random_attention_inputs(T=128, H=2, D=16, seed=0):
 def test_sdpa_path_matches_naive_reference(window):
     tokens, q, k, v = random_attention_inputs(seed=window)
     backend = tg.SdpaAttention()
-    mask = backend.prepare(tokens, cu_seqlens_of(tokens), {"S": window})["S"]
+    mask = backend.prepare(tokens, cu_seqlens_of(tokens, BOS), {"S": window})["S"]
     got = backend(q, k, v, mask)
     ref = naive_attention(q, k, v, tokens, window)
     assert torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-5)
@@ -261,7 +287,7 @@ def test_flex_path_matches_sdpa_path():
     tokens, q, k, v = random_attention_inputs(T=512, seed=1)
     sdpa, flex = tg.SdpaAttention(), tg.FlexAttention(512, torch.device("cpu"))
     windows = {"S": 100, "L": 384}
-    cu = cu_seqlens_of(tokens)
+    cu = cu_seqlens_of(tokens, BOS)
     sdpa_masks, flex_masks = sdpa.prepare(tokens, cu, windows), flex.prepare(tokens, cu, windows)
     for kind in windows:
         assert torch.allclose(flex(q, k, v, flex_masks[kind]), sdpa(q, k, v, sdpa_masks[kind]), atol=1e-5)
@@ -283,12 +309,12 @@ def test_flex_block_lists_equal_create_block_mask(window, documents):
     from torch.nn.attention.flex_attention import create_block_mask
     T = 1024
     g = torch.Generator().manual_seed(window * documents)
-    tokens = torch.randint(0, 1000, (T,), generator=g, dtype=torch.int32)
+    tokens = torch.randint(0, VOCAB - 1, (T,), generator=g, dtype=torch.int32)
     tokens[torch.randint(0, T, (documents,), generator=g)] = BOS
     tokens[256:640] = 7  # one document spanning whole blocks, so full blocks appear
     tokens[256] = BOS
     flex = tg.FlexAttention(T, torch.device("cpu"))
-    ours = flex.prepare(tokens, cu_seqlens_of(tokens), {"S": window})["S"]
+    ours = flex.prepare(tokens, cu_seqlens_of(tokens, BOS), {"S": window})["S"]
     reference = create_block_mask(flex.mask_mods["S"], None, None, T, T, device="cpu")
     assert torch.equal(dense_blocks(ours.kv_num_blocks, ours.kv_indices),
                        dense_blocks(reference.kv_num_blocks, reference.kv_indices))
@@ -304,12 +330,12 @@ def test_flex_masks_keep_their_tensors_across_micro_batches():
     T = 1024
     flex = tg.FlexAttention(T, torch.device("cpu"))
     other = random_attention_inputs(T=T, seed=2)[0]
-    first = flex.prepare(other, cu_seqlens_of(other), {"S": 100, "L": 300})
+    first = flex.prepare(other, cu_seqlens_of(other, BOS), {"S": 100, "L": 300})
     addresses = {kind: [t.data_ptr() for t in flex._mask_tensors(mask)] for kind, mask in first.items()}
     tokens = random_attention_inputs(T=T, seed=3)[0]
     windows = {"S": 200, "L": 640}
-    second = flex.prepare(tokens, cu_seqlens_of(tokens), windows)
-    fresh = tg.FlexAttention(T, torch.device("cpu")).prepare(tokens, cu_seqlens_of(tokens), windows)
+    second = flex.prepare(tokens, cu_seqlens_of(tokens, BOS), windows)
+    fresh = tg.FlexAttention(T, torch.device("cpu")).prepare(tokens, cu_seqlens_of(tokens, BOS), windows)
     for kind in windows:
         assert [t.data_ptr() for t in flex._mask_tensors(second[kind])] == addresses[kind]
         for ours, reference in zip(flex._mask_tensors(second[kind]), flex._mask_tensors(fresh[kind])):
@@ -338,11 +364,11 @@ def test_fa3_path_passes_documents_and_window():
         flash_attn_varlen_func = staticmethod(varlen)
 
     tokens, q, k, v = random_attention_inputs(seed=2)
-    slot = tg._Slot(128, pin=False)
+    slot = tg._Slot(128, pin=False, bos=BOS)
     slot.fill([np.concatenate([tokens.numpy(), [0]]).astype(np.uint16)])
     fa3, sdpa = tg.FlashAttention3(FakeModule), tg.SdpaAttention()
     got = fa3(q, k, v, fa3.prepare(tokens, slot.cu_seqlens, {"S": 9})["S"])
-    want = sdpa(q, k, v, sdpa.prepare(tokens, cu_seqlens_of(tokens), {"S": 9})["S"])
+    want = sdpa(q, k, v, sdpa.prepare(tokens, cu_seqlens_of(tokens, BOS), {"S": 9})["S"])
     assert torch.allclose(got, want, atol=1e-5)
 
 
@@ -421,7 +447,7 @@ def test_warm_up_restores_the_initial_model(tiny_data):
 
 def test_two_process_gloo_smoke_run(tiny_data, tmp_path):
     train, val = tiny_data
-    result = run_cli(["--device=cpu", "--preset=tiny", f"--train_files={train}", f"--val_files={val}",
+    result = run_cli(["--device=cpu", *TINY, f"--train_files={train}", f"--val_files={val}",
                       "--num_iterations=4", "--val_loss_every=2", "--run_id=smoke"], cwd=tmp_path, nproc=2)
     assert result.returncode == 0, result.stderr[-3000:]
     log = (tmp_path / "logs" / "smoke.txt").read_text()
@@ -550,7 +576,8 @@ def test_a_packed_forward_computes_the_losses_of_separate_ones(tiny_data):
     assert windows[1][0] != BOS  # the second chunk starts mid-document
     losses = {}
     for packed in (1, 2):
-        batches = tg.Prefetcher(iter(windows), 128, torch.device("cpu"), bigram_rows=cfg.bigram_rows, packed=packed)
+        batches = tg.Prefetcher(iter(windows), 128, torch.device("cpu"), bigram_rows=cfg.bigram_rows, packed=packed,
+                                 bos=BOS)
         try:
             with torch.no_grad():
                 losses[packed] = sum(tg.forward_loss(model, batches.next(), (64, 128)).item()
@@ -584,7 +611,7 @@ def test_out_of_memory_in_the_warm_up_names_the_flags(tiny_data, tmp_path, monke
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail")
     monkeypatch.setattr(tg, "warm_up", out_of_memory)
     train, val = tiny_data
-    assert tg.main(["--device=cpu", "--preset=tiny", f"--train_files={train}", f"--val_files={val}",
+    assert tg.main(["--device=cpu", *TINY, f"--train_files={train}", f"--val_files={val}",
                     f"--log_dir={tmp_path}", "--forward_micro_batches=0"]) == 1
     assert capsys.readouterr().err.strip() == (
         "error: out of GPU memory in the warm-up, with 4 micro-batch(es) of 256 tokens per forward (CUDA out of "
@@ -600,7 +627,8 @@ def table_grads_after_two_forwards(cfg, device, dtype, windows):
         for p in model.parameters():
             if p.ndim == 2:
                 p.normal_(0, 0.02)
-    batches = tg.Prefetcher(tg.dummy_batches(cfg, seed=1), cfg.micro_batch_tokens, device, bigram_rows=cfg.bigram_rows)
+    batches = tg.Prefetcher(tg.dummy_batches(cfg, seed=1), cfg.micro_batch_tokens, device, bigram_rows=cfg.bigram_rows,
+                            bos=cfg.bos_token)
     model.prepare_grads()
     losses = []
     try:
@@ -632,9 +660,9 @@ def test_row_embedding_grads_equal_dense_ones(tiny_data, tmp_path):
 
 def test_check_and_help_flags(tiny_data, tmp_path):
     train, val = tiny_data
-    ok = run_cli(["--device=cpu", "--preset=tiny", f"--train_files={train}", f"--val_files={val}", "--check"], cwd=tmp_path)
+    ok = run_cli(["--device=cpu", *TINY, f"--train_files={train}", f"--val_files={val}", "--check"], cwd=tmp_path)
     assert ok.returncode == 0 and ok.stdout.startswith("ok:") and not (tmp_path / "logs").exists()
-    short = run_cli(["--device=cpu", "--preset=tiny", f"--train_files={train}", f"--val_files={val}",
+    short = run_cli(["--device=cpu", *TINY, f"--train_files={train}", f"--val_files={val}",
                      "--val_tokens=1048576", "--check"], cwd=tmp_path)
     assert short.returncode == 1 and "fewer than --val_tokens=1,048,576" in short.stderr
     usage = run_cli(["--help"], cwd=tmp_path)

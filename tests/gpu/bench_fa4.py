@@ -42,11 +42,11 @@ def tokens_of(cfg: tg.Config, length: int) -> torch.Tensor:
     return torch.from_numpy(np.concatenate(parts)[:length].astype(np.int64)).cuda()
 
 
-def cu_seqlens_padded(tokens: torch.Tensor, micro: int) -> torch.Tensor:
+def cu_seqlens_padded(tokens: torch.Tensor, micro: int, bos: int) -> torch.Tensor:
     """Document starts of every micro-batch, then the length, padded with it to max_documents: the trainer's."""
     starts = []
     for i in range(0, len(tokens), micro):
-        starts += (tg.micro_batch_document_starts(tokens[i:i + micro].cpu().numpy()) + i).tolist()
+        starts += (tg.micro_batch_document_starts(tokens[i:i + micro].cpu().numpy(), bos) + i).tolist()
     T = len(tokens)
     starts += [T] * (tg.max_documents(T) + 1 - len(starts))
     return torch.tensor(starts, dtype=torch.int32, device=tokens.device)
@@ -134,7 +134,7 @@ def main():
     print("\n== errors against float64 (max abs; out, dq, dk, dv), 4,096 tokens", flush=True)
     T = 4096
     tokens = tokens_of(cfg, T)
-    cu = cu_seqlens_padded(tokens, cfg.micro_batch_tokens)
+    cu = cu_seqlens_padded(tokens, cfg.micro_batch_tokens, cfg.bos_token)
     variants = Variants(T, cu, windows, tokens)
     doc = tg.document_ids(cu, T)
     pos = torch.arange(T, device="cuda")
@@ -156,7 +156,7 @@ def main():
     print("\n== median ms, 8 x 16,384 tokens per forward", flush=True)
     T = 8 * cfg.micro_batch_tokens
     tokens = tokens_of(cfg, T)
-    cu = cu_seqlens_padded(tokens, cfg.micro_batch_tokens)
+    cu = cu_seqlens_padded(tokens, cfg.micro_batch_tokens, cfg.bos_token)
     variants = Variants(T, cu, windows, tokens)
     docs = int((cu[1:] > cu[:-1]).sum())
     print(f"{docs} documents, longest {variants.doc_max}", flush=True)

@@ -34,7 +34,7 @@ def main():
     cfg = tg.Config()
     T, dim = 4 * cfg.micro_batch_tokens, cfg.model_dim
     tokens = tokens_of_one_forward(cfg, T)
-    bigrams = np.concatenate([tg.bigram_hash(tokens[i: i + cfg.micro_batch_tokens], cfg.bigram_rows)
+    bigrams = np.concatenate([tg.bigram_hash(tokens[i: i + cfg.micro_batch_tokens], cfg.bigram_rows, cfg.bos_token)
                               for i in range(0, T, cfg.micro_batch_tokens)])
     print(f"{T} positions: {len(np.unique(tokens))} distinct tokens, {len(np.unique(bigrams))} distinct bigram rows")
     vocab = tg.next_multiple_of(cfg.vocab_size, 128)

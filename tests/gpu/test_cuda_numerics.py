@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import train_gpt as tg
-from helpers import cu_seqlens_of, relative_error
+from helpers import BOS, TINY, VOCAB, cu_seqlens_of, relative_error
 from test_train import random_attention_inputs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -14,18 +14,18 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def test_compiled_flex_attention_matches_float64(window):
     T, H, D = 4096, 6, 128
     g = torch.Generator().manual_seed(window)
-    tokens = torch.randint(0, 1000, (T,), generator=g, dtype=torch.int32)
-    tokens[torch.randint(0, T, (12,), generator=g)] = tg.BOS_TOKEN
+    tokens = torch.randint(0, VOCAB - 1, (T,), generator=g, dtype=torch.int32)
+    tokens[torch.randint(0, T, (12,), generator=g)] = BOS
     q, k, v = (torch.randn(T, H, D, generator=g).div(D ** 0.5).to(torch.bfloat16) for _ in range(3))
     flex = tg.FlexAttention(T, torch.device("cuda"))
     attend = torch.compile(lambda q, k, v, mask: flex(q, k, v, mask), fullgraph=True)
     qkv = [t.cuda().requires_grad_() for t in (q, k, v)]
-    out = attend(*qkv, flex.prepare(tokens.cuda(), cu_seqlens_of(tokens.cuda()), {"S": window})["S"])
+    out = attend(*qkv, flex.prepare(tokens.cuda(), cu_seqlens_of(tokens.cuda(), BOS), {"S": window})["S"])
     out.float().square().sum().backward()
 
     ref_qkv = [t.double().requires_grad_() for t in (q, k, v)]
     sdpa = tg.SdpaAttention()
-    ref = sdpa(*ref_qkv, sdpa.prepare(tokens, cu_seqlens_of(tokens), {"S": window})["S"])
+    ref = sdpa(*ref_qkv, sdpa.prepare(tokens, cu_seqlens_of(tokens, BOS), {"S": window})["S"])
     ref.square().sum().backward()
     assert relative_error(out.cpu(), ref.detach()) < 1e-2
     for got, want in zip(qkv, ref_qkv):
@@ -64,7 +64,7 @@ def well_conditioned(*shape, seed=0):
 
 def test_gpu_bf16_loss_matches_cpu_fp32():
     """The whole model: compiled, FlexAttention, bf16 on the GPU vs SDPA, fp32 on the CPU."""
-    cfg, _ = tg.parse_cli(["--preset=tiny", "--micro_batch_tokens=1024", "--window_block=128",
+    cfg, _ = tg.parse_cli([*TINY, "--micro_batch_tokens=1024", "--window_block=128",
                            "--window_schedule=1:2,1:2,1:2", "--final_windows=2:4", "--compile=1"])
     torch.manual_seed(0)
     cpu_model = tg.GPT(cfg, tg.SdpaAttention(), torch.float32)
@@ -77,11 +77,12 @@ def test_gpu_bf16_loss_matches_cpu_fp32():
     gpu_model.compile_regions(None)
     tokens, *_ = random_attention_inputs(T=1025, seed=3)
     inputs, targets = tokens[:-1], tokens[1:].long()
-    bigrams = torch.from_numpy(tg.bigram_hash(inputs.numpy(), cfg.bigram_rows))
+    bigrams = torch.from_numpy(tg.bigram_hash(inputs.numpy(), cfg.bigram_rows, cfg.bos_token))
     losses = []
     for model, device in ((cpu_model, "cpu"), (gpu_model, "cuda")):
         x, y = inputs.to(device), targets.to(device)
-        losses.append(model(x, y, model.prepare_masks(x, cu_seqlens_of(x), (128, 256)), bigrams.to(device)).item())
+        masks = model.prepare_masks(x, cu_seqlens_of(x, cfg.bos_token), (128, 256))
+        losses.append(model(x, y, masks, bigrams.to(device)).item())
     assert abs(losses[1] - losses[0]) / losses[0] < 1e-2, losses
 
 
@@ -158,7 +159,7 @@ def test_row_embedding_grads_match_dense_ones_on_the_gpu():
     over two micro-batches of the compiled model."""
     grads = {}
     for rows in (False, True):
-        cfg, _ = tg.parse_cli(["--preset=tiny", "--micro_batch_tokens=1024", "--window_block=128", "--compile=1",
+        cfg, _ = tg.parse_cli([*TINY, "--micro_batch_tokens=1024", "--window_block=128", "--compile=1",
                                f"--row_embedding_grads={int(rows)}"])
         torch.manual_seed(0)
         model = tg.GPT(cfg, tg.FlexAttention(1024, torch.device("cuda")), torch.bfloat16).cuda()
@@ -171,8 +172,8 @@ def test_row_embedding_grads_match_dense_ones_on_the_gpu():
         for seed in (3, 4):
             tokens, *_ = random_attention_inputs(T=1025, seed=seed)
             x, y = tokens[:-1].cuda(), tokens[1:].long().cuda()
-            bigrams = torch.from_numpy(tg.bigram_hash(tokens[:-1].numpy(), cfg.bigram_rows)).cuda()
-            model(x, y, model.prepare_masks(x, cu_seqlens_of(x), (128, 256)), bigrams).backward()
+            bigrams = torch.from_numpy(tg.bigram_hash(tokens[:-1].numpy(), cfg.bigram_rows, cfg.bos_token)).cuda()
+            model(x, y, model.prepare_masks(x, cu_seqlens_of(x, cfg.bos_token), (128, 256)), bigrams).backward()
         grads[rows] = [p.grad.double().cpu() for p in model.embedding_tables()]
     for dense, sparse in zip(grads[False], grads[True]):
         assert dense.abs().sum() > 0
