@@ -1354,15 +1354,17 @@ def document_ids(cu_seqlens: Tensor, length: int) -> Tensor:
 # Attention backends. Each computes the same function of (q, k, v, documents, window): causal attention
 # restricted to the query's own document (the document starts in cu_seqlens) and to the last `window`
 # positions (the query included), with q already scaled. `prepare` builds, once per forward and outside
-# compiled code, whatever the kernel needs for each window kind ("S" short, "L" long); `__call__` runs
-# inside the blocks.
+# compiled code, whatever the kernel needs for each window kind ("S" short, "L" long), given also the
+# forward's document count and longest document when the loader measured them (FA3 sizes its launch by
+# them; the others need not); `__call__` runs inside the blocks.
 
 
 class SdpaAttention:
     """Plain PyTorch: a dense [T, T] boolean mask. Exact and simple; meant for CPUs and small T."""
     name = "sdpa"
 
-    def prepare(self, tokens: Tensor, cu_seqlens: Tensor, windows: dict[str, int]) -> dict:
+    def prepare(self, tokens: Tensor, cu_seqlens: Tensor, windows: dict[str, int], documents: int | None = None,
+                longest: int | None = None) -> dict:
         doc = document_ids(cu_seqlens, tokens.numel())
         pos = torch.arange(tokens.numel(), device=tokens.device)
         distance = pos[:, None] - pos[None, :]
@@ -1437,7 +1439,8 @@ class FlexAttention:
             return counts[None, None], indices[None, None]
         return (*as_lists(some & ~full), *as_lists(full))
 
-    def prepare(self, tokens: Tensor, cu_seqlens: Tensor, windows: dict[str, int]) -> dict:
+    def prepare(self, tokens: Tensor, cu_seqlens: Tensor, windows: dict[str, int], documents: int | None = None,
+                longest: int | None = None) -> dict:
         self.doc.copy_(document_ids(cu_seqlens, self.seq_len))
         for kind, w in windows.items():
             self.window[kind].fill_(w)
@@ -1460,20 +1463,35 @@ class FlashAttention3:
 
     The window is a Python int to the kernel, so each window size is its own compiled graph; the
     warm-up runs every window pair of the schedule so none compiles in the timed region.
+
+    FA3's backward launches a thread block for every (sequence, key tile of max_seqlen) pair, empty
+    ones included, so the kernels get the document starts cut to one entry per 256 tokens (of the
+    loader's one per 16) and max_seqlen the longest a document can be, when the loader says the
+    forward allows it (1xH100, 131,072 tokens, 107 documents, tests/gpu/bench_fa4.py: forward +
+    backward 2.3 ms with the documents alone, 8.9 ms padded to 8,193 sequences, 395 ms with
+    max_seqlen the whole forward). Training documents never pass max_doc_len; a forward with a
+    longer one (validation chunks are not cut) takes max_seqlen = the forward's length, a graph of its own.
     """
     name = "fa3"
+    compiles_for_longest_document = True  # the warm-up compiles validation's longer documents too
 
-    def __init__(self, module):
+    def __init__(self, module, max_doc_len: int):
         self.varlen = module.flash_attn_varlen_func
+        self.max_doc_len = max_doc_len
 
-    def prepare(self, tokens: Tensor, cu_seqlens: Tensor, windows: dict[str, int]) -> dict:
-        return {kind: (cu_seqlens, w) for kind, w in windows.items()}
+    def prepare(self, tokens: Tensor, cu_seqlens: Tensor, windows: dict[str, int], documents: int | None = None,
+                longest: int | None = None) -> dict:
+        T = tokens.numel()
+        entries = T // 256 + 1
+        if documents is not None and documents < entries:  # the cut keeps at least one closing T
+            cu_seqlens = cu_seqlens[:entries]
+        max_seqlen = self.max_doc_len if longest is not None and longest <= self.max_doc_len else T
+        return {kind: (cu_seqlens, max_seqlen, w) for kind, w in windows.items()}
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask) -> Tensor:
-        cu_seqlens, window = mask
-        T = q.size(0)
-        y = self.varlen(q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=T, max_seqlen_k=T,
-                        softmax_scale=1.0, causal=True, window_size=(window - 1, 0))
+        cu_seqlens, max_seqlen, window = mask
+        y = self.varlen(q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen,
+                        max_seqlen_k=max_seqlen, softmax_scale=1.0, causal=True, window_size=(window - 1, 0))
         return y[0] if isinstance(y, tuple) else y
 
 
@@ -1484,7 +1502,7 @@ def make_attention(cfg: Config, device: torch.device, seq_len: int):
     if choice in ("auto", "fa3") and device.type == "cuda":
         try:
             import flash_attn_interface
-            return FlashAttention3(flash_attn_interface)
+            return FlashAttention3(flash_attn_interface, cfg.max_doc_len)
         except ImportError:
             if choice == "fa3":
                 raise UserError("--attn_backend=fa3 but flash_attn_interface does not import; "
@@ -1630,8 +1648,9 @@ class GPT(nn.Module):
             block.compile(dynamic=False, fullgraph=True, mode=mode)
         self.loss_head = torch.compile(self.loss_head, dynamic=False, fullgraph=True, mode=mode)
 
-    def prepare_masks(self, tokens: Tensor, cu_seqlens: Tensor, windows: tuple[int, int]) -> dict:
-        return self.attend.prepare(tokens, cu_seqlens, {"S": windows[0], "L": windows[1]})
+    def prepare_masks(self, tokens: Tensor, cu_seqlens: Tensor, windows: tuple[int, int], documents: int | None = None,
+                      longest: int | None = None) -> dict:
+        return self.attend.prepare(tokens, cu_seqlens, {"S": windows[0], "L": windows[1]}, documents, longest)
 
     def embedding_tables(self) -> list[nn.Parameter]:
         tables = [self.embed.weight] + [ve.weight for ve in self.value_embeds]
@@ -1875,6 +1894,8 @@ class ForwardBatch:
     cu_seqlens: Tensor  # [max_documents + 1] int32: document starts, then T repeated
     bigrams: Tensor | None = None  # [T] int32 rows of the bigram embedding
     bigram_rows_used: np.ndarray | None = None  # sorted unique values of bigrams, on the host
+    documents: int | None = None  # how many documents cu_seqlens starts (the rest is padding)
+    longest_document: int | None = None
 
 
 class _Slot:
@@ -1889,6 +1910,7 @@ class _Slot:
         self.bigram_rows = bigram_rows
         self.bigrams = torch.empty(length, dtype=torch.int32, pin_memory=pin) if bigram_rows else None
         self.bigram_rows_used = None
+        self.documents = self.longest_document = None
         self.copied = None  # CUDA event: the device copy out of this slot has finished
 
     def fill(self, windows: list[np.ndarray]):
@@ -1914,6 +1936,7 @@ class _Slot:
                             "the documents are implausibly short")
         cu[: len(starts)] = starts
         cu[len(starts):] = offset
+        self.documents, self.longest_document = len(starts), int(np.diff(cu[: len(starts) + 1]).max())
 
 
 class Prefetcher:
@@ -1966,6 +1989,7 @@ class Prefetcher:
         else:  # the slot is reused, so the CPU path hands out copies
             batch = ForwardBatch(*(t.clone() if t is not None else None for t in tensors))
         batch.bigram_rows_used = item.bigram_rows_used
+        batch.documents, batch.longest_document = item.documents, item.longest_document
         self.free.put(item)
         return batch
 
@@ -2218,7 +2242,8 @@ def forward_loss(model: GPT, batch: ForwardBatch, windows: tuple[int, int]) -> T
     # Under CUDA graphs: everything the previous forward returned has been used, so the graphs may
     # reuse its memory (a no-op otherwise).
     torch.compiler.cudagraph_mark_step_begin()
-    return model(batch.inputs, batch.targets, model.prepare_masks(batch.inputs, batch.cu_seqlens, windows), batch.bigrams)
+    masks = model.prepare_masks(batch.inputs, batch.cu_seqlens, windows, batch.documents, batch.longest_document)
+    return model(batch.inputs, batch.targets, masks, batch.bigrams)
 
 
 def train_step(model: GPT, optimizers, batches: Prefetcher, windows: tuple[int, int], forwards: int,
@@ -2291,14 +2316,18 @@ def evaluate(model: GPT, cfg: Config, comm: Comm, val_paths: list[str], windows:
     return total.item() / (count * comm.world_size)
 
 
-def dummy_batches(cfg: Config, seed: int):
-    """Random token windows with documents of random length, for the warm-up."""
+def dummy_batches(cfg: Config, seed: int, one_document: bool = False):
+    """Random token windows for the warm-up: documents of random length, none longer than max_doc_len as in
+    training (FA3 compiles for that bound), or with one_document each window one document, as a validation
+    chunk may hold."""
     rng = np.random.default_rng(seed)
     while True:
         window = rng.integers(0, cfg.vocab_size - 1, cfg.micro_batch_tokens + 1)
         window += window >= cfg.bos_token  # any token but BOS, which marks the starts
         window[0] = cfg.bos_token
-        window[rng.integers(1, cfg.micro_batch_tokens, cfg.micro_batch_tokens // 512 + 1)] = cfg.bos_token
+        if not one_document:
+            window[rng.integers(1, cfg.micro_batch_tokens, cfg.micro_batch_tokens // 512 + 1)] = cfg.bos_token
+            window[:: cfg.max_doc_len] = cfg.bos_token
         window = window.astype(np.uint16)
         yield window
 
@@ -2306,15 +2335,38 @@ def dummy_batches(cfg: Config, seed: int):
 def warm_up(model: GPT, optimizers, cfg: Config, comm: Comm, schedule: Schedule, device: torch.device, packed: int):
     """Run every graph the timed region will need (forward and backward, each window pair, the
     optimizer step; validation reuses them) on random data, then restore the initial weights and
-    empty the optimizer state. Nothing here is timed."""
+    empty the optimizer state. Nothing here is timed.
+
+    Under CUDA graphs each window pair runs as many forwards per step as the stages that use it, and at
+    least two: a graph is recorded at its second call (the first runs in a warm-up mode), and FA3 has a
+    graph per window pair; with one, the timed region recorded two graphs per stage (1xH100)."""
     initial = {name: t.detach().clone() for name, t in model.state_dict().items()}
+    forwards = {windows: 1 for windows in schedule.all_windows()}
+    if model.replays_cuda_graphs:
+        for windows, micro_batches in [*zip(schedule.stage_windows, schedule.batches),
+                                       (schedule.final_windows, schedule.batches[-1])]:
+            forwards[windows] = max(forwards[windows], 2, micro_batches // comm.world_size // packed)
     batches = Prefetcher(dummy_batches(cfg, seed=cfg.seed + 1 + comm.rank), cfg.micro_batch_tokens, device,
                          bigram_rows=cfg.bigram_rows, packed=packed, bos=cfg.bos_token)
     try:
         for windows in schedule.all_windows():
-            train_step(model, optimizers, batches, windows, forwards=1)
+            train_step(model, optimizers, batches, windows, forwards=forwards[windows])
     finally:
         batches.close()
+    # Validation chunks are not cut at max_doc_len: where the backend compiles for the longest document (FA3),
+    # a forward with a longer one is a graph of its own, for each window pair validation uses (twice: CUDA graphs
+    # record at the second call). Validation runs with autograd on and no backward, as here.
+    if getattr(model.attend, "compiles_for_longest_document", False):
+        validated = [step for step in range(cfg.num_iterations + 1)
+                     if step == cfg.num_iterations or (cfg.val_loss_every > 0 and step % cfg.val_loss_every == 0)]
+        batches = Prefetcher(dummy_batches(cfg, seed=cfg.seed, one_document=True), cfg.micro_batch_tokens, device,
+                             bigram_rows=cfg.bigram_rows, packed=packed, bos=cfg.bos_token)
+        try:
+            for windows in sorted({schedule.windows(step) for step in validated}):
+                for _ in range(2):
+                    forward_loss(model, batches.next(), windows)
+        finally:
+            batches.close()
     model.load_state_dict(initial)
     for opt in optimizers:
         opt.state.clear()
@@ -2607,11 +2659,12 @@ def build_and_warm_up(cfg: Config, comm: Comm, log: RunLog) -> Trainer:
         cache.load()
     scope = cfg.compile_scope
     if scope == "auto":
-        # FA3 takes its window as a Python int, so each window pair is a graph of its own: cheap for a
-        # block, a full recompile for the whole model. Elsewhere the windows are tensors, and the one
-        # whole-model graph measured ~10% faster per step on an H100 (fewer launches from the host,
-        # fusion across blocks) for a cold compile of ~50 s against ~35 s.
-        scope = "regional" if attend.name == "fa3" else "whole"
+        # The one whole-model graph measured ~10% faster per step on an H100 than a graph per block (fewer
+        # launches from the host, fusion across blocks), for a cold compile of ~50 s against ~35 s. FA3
+        # takes its window as a Python int, so there each window pair is a whole graph of its own (four
+        # for the default schedule: 144 s cold against 84 s per block), and still the faster steps: last
+        # stage 595 against 632 ms (1xH100, bench stream).
+        scope = "whole"
     compile_mode = resolve_compile_mode(cfg, comm, device)
     mode = None if compile_mode == "default" else compile_mode
     model.replays_cuda_graphs = cfg.compile and compile_mode in CUDA_GRAPH_MODES

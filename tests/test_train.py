@@ -351,8 +351,10 @@ def test_fa3_path_passes_documents_and_window():
     """FA3 itself needs a Hopper GPU; a naive varlen stand-in checks what we hand it."""
     def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size):
         assert causal and softmax_scale == 1.0 and window_size[1] == 0
-        out = torch.zeros_like(q)
         bounds = cu_seqlens_q.tolist()
+        assert max_seqlen_q == max_seqlen_k >= max(end - start for start, end in zip(bounds, bounds[1:]))
+        assert bounds[-1] == len(q)
+        out = torch.zeros_like(q)
         for start, end in zip(bounds, bounds[1:]):
             if end > start:  # FA3 semantics: window_size[0] keys to the left of the query, plus itself
                 seq = [torch.as_tensor(t[start:end]) for t in (q, k, v)]
@@ -363,13 +365,23 @@ def test_fa3_path_passes_documents_and_window():
     class FakeModule:
         flash_attn_varlen_func = staticmethod(varlen)
 
-    tokens, q, k, v = random_attention_inputs(seed=2)
-    slot = tg._Slot(128, pin=False, bos=BOS)
+    T = 2048
+    tokens, q, k, v = random_attention_inputs(T=T, seed=2)
+    slot = tg._Slot(T, pin=False, bos=BOS)
     slot.fill([np.concatenate([tokens.numpy(), [0]]).astype(np.uint16)])
-    fa3, sdpa = tg.FlashAttention3(FakeModule), tg.SdpaAttention()
-    got = fa3(q, k, v, fa3.prepare(tokens, slot.cu_seqlens, {"S": 9})["S"])
+    longest, entries = slot.longest_document, T // 256 + 1
+    assert slot.documents < entries and longest < T and len(slot.cu_seqlens) > entries
+    sdpa = tg.SdpaAttention()
     want = sdpa(q, k, v, sdpa.prepare(tokens, cu_seqlens_of(tokens, BOS), {"S": 9})["S"])
-    assert torch.allclose(got, want, atol=1e-5)
+    # With the loader's facts: the document starts cut to T/256 + 1 entries, and max_seqlen the bound on documents,
+    # or the length where a document is longer. Without them: the whole padded list, and the length.
+    for max_doc_len, facts, want_entries, want_max in ((longest, (slot.documents, longest), entries, longest),
+                                                       (longest - 1, (slot.documents, longest), entries, T),
+                                                       (longest, (), len(slot.cu_seqlens), T)):
+        fa3 = tg.FlashAttention3(FakeModule, max_doc_len)
+        mask = fa3.prepare(tokens, slot.cu_seqlens, {"S": 9}, *facts)["S"]
+        assert len(mask[0]) == want_entries and mask[1] == want_max
+        assert torch.allclose(fa3(q, k, v, mask), want, atol=1e-5)
 
 
 # --------------------------------------------------------------------------------------- model pieces

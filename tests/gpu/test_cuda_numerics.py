@@ -32,6 +32,37 @@ def test_compiled_flex_attention_matches_float64(window):
         assert relative_error(got.grad.cpu(), want.grad) < 2e-2
 
 
+@pytest.mark.parametrize("window, max_doc_len", [(128, 4096), (1024, 4096), (1024, 256)])
+def test_fa3_attention_matches_float64(window, max_doc_len):
+    """The FA3 backend (where flash_attn_interface imports: tests/gpu/fa3_build.sh builds it), given the padded
+    document starts, count and longest document that the loader hands it, in a compiled function as the trainer
+    calls it: forward and gradients against float64. With max_doc_len 256 the longest document is longer, and
+    the kernels take the whole length as max_seqlen."""
+    fa3_module = pytest.importorskip("flash_attn_interface", reason="FlashAttention-3 is not installed")
+    T, H, D = 4096, 6, 128
+    g = torch.Generator().manual_seed(window)
+    tokens = torch.randint(0, VOCAB - 1, (T,), generator=g, dtype=torch.int32)
+    tokens[torch.randint(0, T, (12,), generator=g)] = BOS
+    q, k, v = (torch.randn(T, H, D, generator=g).div(D ** 0.5).to(torch.bfloat16) for _ in range(3))
+    slot = tg._Slot(T, pin=False, bos=BOS)
+    slot.fill([torch.cat([tokens, tokens[:1]]).numpy().astype("uint16")])
+    fa3 = tg.FlashAttention3(fa3_module, max_doc_len)
+    assert slot.documents < T // 256 and 256 < slot.longest_document <= 4096
+    attend = torch.compile(lambda q, k, v, mask: fa3(q, k, v, mask), fullgraph=True)
+    qkv = [t.cuda().requires_grad_() for t in (q, k, v)]
+    mask = fa3.prepare(tokens.cuda(), slot.cu_seqlens.cuda(), {"S": window}, slot.documents, slot.longest_document)
+    out = attend(*qkv, mask["S"])
+    out.float().square().sum().backward()
+
+    ref_qkv = [t.double().requires_grad_() for t in (q, k, v)]
+    sdpa = tg.SdpaAttention()
+    ref = sdpa(*ref_qkv, sdpa.prepare(tokens, cu_seqlens_of(tokens, BOS), {"S": window})["S"])
+    ref.square().sum().backward()
+    assert relative_error(out.cpu(), ref.detach()) < 1e-2
+    for got, want in zip(qkv, ref_qkv):
+        assert relative_error(got.grad.cpu(), want.grad) < 2e-2
+
+
 @pytest.mark.parametrize("use_triton", [True, False])
 @pytest.mark.parametrize("shape", [(4, 768, 768), (3072, 768), (8, 768, 3072)])
 def test_bf16_orthogonalize_matches_float64(shape, use_triton):
