@@ -1,8 +1,10 @@
-"""Device benchmark: FlashAttention-4's Hopper kernels (flash_attn.cute) against FlexAttention (not part of the tests).
+"""Device benchmark: FlashAttention-4's Hopper kernels (flash_attn.cute) and FlashAttention-3 against FlexAttention
+(not part of the tests).
 
     python tests/gpu/bench_fa4.py
 
-The package travels in two calls (tests/gpu/fa4_site.sh). For the trainer's attention (causal, within documents, a
+FA4 travels in two calls (tests/gpu/fa4_site.sh); FA3 is built on the device (tests/gpu/fa3_build.sh). A variant
+whose package is missing prints FAILED. For the trainer's attention (causal, within documents, a
 sliding window, q already scaled) this prints
 1. errors against a float64 reference (4,096 tokens, both windows of the last stage): output and q/k/v gradients,
    for flex's Triton kernels, flex with BACKEND=FLASH (FA4 kernels under flex's block masks) and FA4's varlen call;
@@ -15,6 +17,12 @@ flex forward 1.175 / 1.368 ms and forward + backward 4.008 / 5.027 ms (short / l
 1.548 / 1.774 and 4.412 / 4.889 ms (max_seqlen the length; the longest document instead: within 0.1 ms). Errors
 against float64 were the same to three digits for both. flex's BACKEND=FLASH failed in the CuTe compiler
 ("Expected TensorSSA, but got int"). So FA4 brings nothing here, and the trainer keeps flex.
+
+FlashAttention-3 (flash-attention 0251105a built by tests/gpu/fa3_build.sh; 1xH100, 2026-11-24, same tokens): the
+same errors as flex; forward 0.579 / 0.763 ms and forward + backward 2.328 / 2.918 ms with the 107 documents alone
+(max_seqlen 2048, the longest), against flex's 1.161 / 1.316 and 4.014 / 5.048. Padded as the loader pads (8,193
+sequences) the backward launches a block per sequence and key tile: 8.92 / 9.47 ms with max_seqlen 2048, 395 ms
+with max_seqlen the whole length. Hence the trainer's FA3 backend cuts the list and bounds max_seqlen.
 """
 import functools
 import glob
@@ -77,21 +85,34 @@ class Variants:
         return run
 
     def _fa4(self, max_seqlen):
-        from flash_attn.cute import flash_attn_varlen_func
-
-        def run(q, k, v, kind):
+        def run(q, k, v, kind):  # imported here: a missing package fails this variant only
+            from flash_attn.cute import flash_attn_varlen_func
             w = self.windows[kind]
             y = flash_attn_varlen_func(q, k, v, cu_seqlens_q=self.cu, cu_seqlens_k=self.cu, max_seqlen_q=max_seqlen,
                                        max_seqlen_k=max_seqlen, softmax_scale=1.0, causal=True, window_size=(w - 1, 0))
             return y[0] if isinstance(y, tuple) else y
         return run
 
+    def _fa3(self, cu_seqlens, max_seqlen):
+        def run(q, k, v, kind):  # imported here: a missing package fails this variant only
+            from flash_attn_interface import flash_attn_varlen_func
+            w = self.windows[kind]
+            y = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
+                                       max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, softmax_scale=1.0,
+                                       causal=True, window_size=(w - 1, 0))
+            return y[0] if isinstance(y, tuple) else y
+        return run
+
     def all(self):
+        unpadded = torch.unique_consecutive(self.cu)  # the padding repeats the length
         return {
             "flex triton": self._flex(None),
             "flex FLASH": self._flex({"BACKEND": "FLASH"}),
             "fa4 varlen max=T": self._fa4(self.T),
             f"fa4 varlen max={self.doc_max}": self._fa4(self.doc_max),
+            "fa3 padded max=T": self._fa3(self.cu, self.T),
+            f"fa3 padded max={self.doc_max}": self._fa3(self.cu, self.doc_max),
+            f"fa3 unpadded max={self.doc_max}": self._fa3(unpadded, self.doc_max),
         }
 
 

@@ -266,8 +266,11 @@ def main() -> int:
                 say(f"{stage:>5} {micro:>5} {str(windows):>11} {median:8.1f} {max(times) / median:7.2f} "
                     f"{tokens_per_s:10,.0f} {'' if mfu is None else f'{100 * mfu:5.1f}%'}  "
                     + " ".join(f"{k} {v:.1f}" for k, v in phases.items()))
-            say(f"graphs compiled in the timed region: {len(trainer.recompiles.new_reasons())}"
+            reasons = trainer.recompiles.new_reasons()
+            say(f"graphs compiled in the timed region: {len(reasons)}"
                 + (f"; peak memory {torch.cuda.max_memory_allocated() // 2**20} MiB" if cuda else ""))
+            for reason in reasons[:8]:
+                say(f"  recompiled: {reason[:400]}")
             if not cuda:
                 return 0
 
