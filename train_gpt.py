@@ -460,18 +460,22 @@ if triton is not None:
     # Single MUFU instructions for the FP8 loss kernel, without the range fix-ups tl.exp and tl.sigmoid's
     # division put around them; exact formulas where there is no GPU (the interpreter).
     @triton.jit
+    def _ptx_f32(x, INSTRUCTION: tl.constexpr):
+        """One PTX instruction of one f32 operand, element by element."""
+        return tl.inline_asm_elementwise(INSTRUCTION + " $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+
+    @triton.jit
     def _exp2_mufu(x, PTX: tl.constexpr):
         if PTX:
-            return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
-                                             is_pure=True, pack=1)
+            return _ptx_f32(x, "ex2.approx.ftz.f32")
         else:
             return tl.exp2(x)
 
     @triton.jit
     def _rcp_mufu(x, PTX: tl.constexpr):
         if PTX:
-            return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
-                                             is_pure=True, pack=1)
+            return _ptx_f32(x, "rcp.approx.ftz.f32")
         else:
             return 1.0 / x
 
@@ -479,8 +483,7 @@ if triton is not None:
     def _tanh_mufu(x, PTX: tl.constexpr):
         """tanh(x); on the GPU tanh.approx, relative error 2^-11."""
         if PTX:
-            return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
-                                             is_pure=True, pack=1)
+            return _ptx_f32(x, "tanh.approx.f32")
         else:
             return 2.0 * tl.sigmoid(2.0 * x) - 1.0
 
@@ -2023,6 +2026,11 @@ class Schedule:
         short, long = _parse_window_pair(cfg.final_windows)
         self.final_windows = (short * block, long * block)
 
+    def validates(self, step: int) -> bool:
+        """Whether validation runs before this step (step num_iterations: the end)."""
+        every = self.cfg.val_loss_every
+        return step == self.num_iterations or (every > 0 and step % every == 0)
+
     def stage(self, step: int) -> int:
         return min(step * len(self.batches) // self.num_iterations, len(self.batches) - 1)
 
@@ -2357,8 +2365,7 @@ def warm_up(model: GPT, optimizers, cfg: Config, comm: Comm, schedule: Schedule,
     # a forward with a longer one is a graph of its own, for each window pair validation uses (twice: CUDA graphs
     # record at the second call). Validation runs with autograd on and no backward, as here.
     if getattr(model.attend, "compiles_for_longest_document", False):
-        validated = [step for step in range(cfg.num_iterations + 1)
-                     if step == cfg.num_iterations or (cfg.val_loss_every > 0 and step % cfg.val_loss_every == 0)]
+        validated = [step for step in range(cfg.num_iterations + 1) if schedule.validates(step)]
         batches = Prefetcher(dummy_batches(cfg, seed=cfg.seed, one_document=True), cfg.micro_batch_tokens, device,
                              bigram_rows=cfg.bigram_rows, packed=packed, bos=cfg.bos_token)
         try:
@@ -2739,7 +2746,7 @@ def train(cfg: Config, comm: Comm, log: RunLog) -> TrainResult:
                 history = schedule.long_window_history(step)
                 model.rotary.set_window_history(history)
             windows = schedule.windows(step)
-            if last or (cfg.val_loss_every > 0 and step % cfg.val_loss_every == 0):
+            if schedule.validates(step):
                 synchronize()
                 train_time_ms += 1000 * (time.perf_counter() - clock)
                 watch.flush(other_work_follows=True)
