@@ -893,10 +893,12 @@ class _LaunchWhenGradsReady:
 
 class _AdamBucket:
     """Parameters of one param group whose gradients travel in one reduce-scatter. A bucket is one
-    tensor, or several small ones packed together; `shard` elements of its flat form belong to each rank."""
+    tensor, or several small ones packed together; `shard` elements of its flat form belong to each rank.
+    It keeps its group's index, not the group: load_state_dict replaces the param_groups dicts, and the
+    hyperparameters must be read from the live ones."""
 
-    def __init__(self, params: list[Tensor], group: dict, world_size: int):
-        self.params, self.group = params, group
+    def __init__(self, params: list[Tensor], group_index: int, world_size: int):
+        self.params, self.group_index = params, group_index
         self.numel = sum(p.numel() for p in params)
         self.shard = -(-self.numel // world_size)
         self.padded = self.shard * world_size
@@ -1005,11 +1007,11 @@ class DistAdam(torch.optim.Optimizer):
         self.cpu_group = dist.new_group(backend="gloo") if self.sparse_params else None
         self.row_exchanges: dict[Tensor, _RowExchange] = {}
         self.buckets: list[_AdamBucket] = []
-        for group in self.param_groups:
+        for index, group in enumerate(self.param_groups):
             small = [p for p in group["params"] if p.numel() < self.SMALL]
-            self.buckets += [_AdamBucket([p], group, self.world_size) for p in group["params"] if p.numel() >= self.SMALL]
+            self.buckets += [_AdamBucket([p], index, self.world_size) for p in group["params"] if p.numel() >= self.SMALL]
             if small:
-                self.buckets.append(_AdamBucket(small, group, self.world_size))
+                self.buckets.append(_AdamBucket(small, index, self.world_size))
         self.launched: list[_AdamBucket] = []
         self.grad_hooks = _LaunchWhenGradsReady(self.buckets, self._launch_reduce)
 
@@ -1081,7 +1083,7 @@ class DistAdam(torch.optim.Optimizer):
             state["exp_avg"] = torch.zeros_like(owned)
             state["exp_avg_sq"] = torch.zeros_like(owned)
         state["step"] += 1
-        group = bucket.group
+        group = self.param_groups[bucket.group_index]
         beta1, beta2 = group["betas"]
         # One fused kernel per slice; same arithmetic as torch.optim.AdamW.
         torch._fused_adamw_([owned], [grad_shard], [state["exp_avg"]], [state["exp_avg_sq"]], [], [state["step"]],
@@ -1189,7 +1191,9 @@ class Muon(torch.optim.Optimizer):
         self.rank, self.world_size = current_rank_and_world()
         self.distributed = self.world_size > 1
         params = [p for group in self.param_groups for p in group["params"]]
-        self.group_of = {p: group for group in self.param_groups for p in group["params"]}
+        # A group's index, not the group: load_state_dict (a DiLoCo heal) replaces the param_groups dicts,
+        # and the scheduled lr and momentum are written into the new ones.
+        self.group_index_of = {p: i for i, group in enumerate(self.param_groups) for p in group["params"]}
         plan = plan_muon_groups([tuple(p.shape) for p in params], self.world_size)
         self.groups = [_MuonGroup([params[i] for i in indices], self.world_size) for indices in plan]
         self.grad_hooks = _LaunchWhenGradsReady(self.groups, self._launch_reduce)
@@ -1217,7 +1221,7 @@ class Muon(torch.optim.Optimizer):
         by_split: dict[int, list[int]] = {}
         directions = []
         for i, p in enumerate(owned):
-            settings = self.group_of[p]
+            settings = self.param_groups[self.group_index_of[p]]
             directions.append(muon_momentum_(grads[i], self.state[p], settings["momentum"]))
             by_split.setdefault(settings["split"], []).append(i)
         for split, members in by_split.items():  # one batched orthogonalisation per kind of matrix
@@ -1254,7 +1258,7 @@ class Muon(torch.optim.Optimizer):
             if work is not None:
                 work.wait()
             for p, update in zip(group.params, updates):
-                settings = self.group_of[p]
+                settings = self.param_groups[self.group_index_of[p]]
                 if settings["weight_decay"]:  # without it the multiply is by 1: a pass over the weights for nothing
                     p.mul_(1 - settings["lr"] * settings["weight_decay"])
                 p.add_(update.to(p.dtype), alpha=-settings["lr"])
@@ -2877,8 +2881,11 @@ class StreamingDiLoCo:
         one Nesterov SGD step of its outer optimizer on the pseudogradient gives the new global
         weights, mixed in place as (1 - alpha) * global + alpha * local. A failed commit (a replica died
         mid-all-reduce) keeps the old global weights and retries the fragment at the next quorum.
-    One fragment is in flight at a time; each syncs once every sync_every steps. `manager` is for
-    tests; normally it is built from torchft's environment (TORCHFT_LIGHTHOUSE, torchrun's store).
+    One fragment is in flight at a time; each syncs once every sync_every steps. Replicas start from
+    the same --seed, so none heals at step 0; one that (re)starts behind the others heals, and its
+    optimizers then follow the schedule from the healed step (they read their param_groups afresh on every
+    step). `manager` is for tests (built without state-dict functions: this class registers its own);
+    normally it is built from torchft's environment (TORCHFT_LIGHTHOUSE, torchrun's store).
     """
 
     def __init__(self, cfg: Config, model: GPT, optimizers: list, device: torch.device, log, manager=None):
@@ -2887,6 +2894,8 @@ class StreamingDiLoCo:
         self.step = 0  # the loop's position, part of the checkpoint a healing peer receives
         self.sync_every = cfg.sync_every
         self.manager = manager or self._manager(torchft, cfg, device)
+        self.manager.register_state_dict_fn("default", self._load, self._save)
+        self.heals = 0
         self.fragments = diloco_fragments(model, cfg.num_fragments)
         outer = [torch.optim.SGD(f.parameters(), lr=cfg.outer_lr, momentum=cfg.outer_momentum,
                                  nesterov=cfg.outer_momentum > 0) for f in self.fragments]
@@ -2910,7 +2919,9 @@ class StreamingDiLoCo:
         # torchft reads TORCHFT_CONNECT_TIMEOUT_SEC itself, but not for its first lighthouse connection.
         connect = timedelta(seconds=float(os.environ.get("TORCHFT_CONNECT_TIMEOUT_SEC", 60)))
         try:
-            return torchft.Manager(pg=pg, load_state_dict=self._load, state_dict=self._save,
+            # init_sync=False: replicas start from the same seed, so none needs its peer's weights at step 0;
+            # a replica that (re)starts behind the others still heals.
+            return torchft.Manager(pg=pg, load_state_dict=None, state_dict=None, init_sync=False,
                                    min_replica_size=cfg.min_replicas, use_async_quorum=False,
                                    replica_id=f"train_gpt_{cfg.replica}", timeout=timedelta(seconds=60),
                                    quorum_timeout=timedelta(seconds=900), connect_timeout=connect)
@@ -2924,6 +2935,7 @@ class StreamingDiLoCo:
                               "optimizers": [opt.state_dict() for opt in self.optimizers]})
 
     def _load(self, state: dict):
+        self.heals += 1
         self.model.load_state_dict(state["model"])
         for opt, opt_state in zip(self.optimizers, state["optimizers"]):
             opt.load_state_dict(opt_state)

@@ -6,6 +6,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -80,6 +81,140 @@ def test_outer_step_matches_hand_computation(lr, momentum):
             assert torch.equal(after[step][name], local[step][name]), name
     moved = [n for n in fragment_names[0] if not torch.equal(local[1][n], old[n])]
     assert moved  # the inner steps did change the weights, so the check above is not vacuous
+
+
+def train_replicas_in_threads(cfg, data_seeds, steps, init_sync, on_local=None):
+    """Replicas as threads of this process, as torchft's own tests run them: each with its model (same seed),
+    optimizers, manager and StreamingDiLoCo, trained on dummy_batches(cfg, seed) with the schedule set every step
+    as the training loop sets it. on_local(replica, step, named weights) sees each inner step's weights before
+    DiLoCo's hook. Returns [(final weights, the run)] by replica."""
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=len(data_seeds))
+    schedule = tg.Schedule(cfg)
+    replicas = []
+    for index, _ in enumerate(data_seeds):
+        torch.manual_seed(cfg.seed)
+        model = tg.GPT(cfg, tg.SdpaAttention(), torch.float32)
+        model.lm_head.weight.data.normal_(std=0.02, generator=torch.Generator().manual_seed(1))
+        replicas.append((model, tg.build_optimizers(model, cfg)))
+    results = [None] * len(data_seeds)
+
+    def replica_main(index):
+        model, optimizers = replicas[index]
+        store = torch.distributed.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+        manager = torchft.Manager(pg=torchft.ProcessGroupGloo(), load_state_dict=None, state_dict=None,
+                                  min_replica_size=len(data_seeds), use_async_quorum=False,
+                                  replica_id=f"test_{index}", store_addr="localhost", store_port=store.port,
+                                  rank=0, world_size=1, lighthouse_addr=lighthouse.address(),
+                                  timeout=timedelta(seconds=60), init_sync=init_sync)
+        if on_local is not None:  # registered before DiLoCo's hook, so it runs first
+            step_of = [0]
+            optimizers[-1].register_step_post_hook(lambda *_: on_local(
+                index, step_of[0], {name: p.detach().clone() for name, p in model.named_parameters()}))
+        run = tg.StreamingDiLoCo(cfg, model, optimizers, torch.device("cpu"), lambda line: None, manager=manager)
+        batches = tg.Prefetcher(tg.dummy_batches(cfg, seed=data_seeds[index]), cfg.micro_batch_tokens,
+                                torch.device("cpu"), bigram_rows=cfg.bigram_rows, bos=cfg.bos_token)
+        run.__enter__()
+        try:
+            for step in range(steps):
+                if on_local is not None:
+                    step_of[0] = step
+                tg.set_hyperparameters(optimizers, schedule, step)
+                run.step = step + 1
+                tg.train_step(model, optimizers, batches, schedule.windows(step), forwards=1)
+        finally:
+            batches.close()
+            run.close()
+        results[index] = ({name: p.detach().clone() for name, p in model.named_parameters()}, run)
+
+    threads = [threading.Thread(target=replica_main, args=(i,)) for i in range(len(data_seeds))]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=300)
+    finally:
+        lighthouse.shutdown()
+    assert all(r is not None for r in results), "a replica thread failed (its traceback is above)"
+    return results
+
+
+def test_replicas_on_the_same_data_train_like_one_replica():
+    """Two replicas fed the same micro-batches, one fragment synced after every step, plain averaging
+    (outer lr 1, momentum 0, alpha 0): each step's sync gives back the local weights, so both replicas end with
+    the weights of one replica trained without DiLoCo. With init_sync replica 1 heals from replica 0 at the first
+    quorum, so this also checks that a healed replica follows the lr and momentum schedule (they move within these
+    steps: Muon's momentum warms up, the lr changes stage)."""
+    cfg = tiny_diloco_config(sync_every=1, num_fragments=1, outer_lr=1.0, outer_momentum=0.0,
+                             fragment_update_alpha=0.0, num_iterations=8)
+    steps = cfg.num_iterations
+    torch.manual_seed(cfg.seed)
+    model = tg.GPT(cfg, tg.SdpaAttention(), torch.float32)
+    model.lm_head.weight.data.normal_(std=0.02, generator=torch.Generator().manual_seed(1))
+    optimizers = tg.build_optimizers(model, cfg)
+    schedule = tg.Schedule(cfg)
+    batches = tg.Prefetcher(tg.dummy_batches(cfg, seed=1), cfg.micro_batch_tokens, torch.device("cpu"),
+                            bigram_rows=cfg.bigram_rows, bos=cfg.bos_token)
+    try:
+        for step in range(steps):
+            tg.set_hyperparameters(optimizers, schedule, step)
+            tg.train_step(model, optimizers, batches, schedule.windows(step), forwards=1)
+    finally:
+        batches.close()
+    reference = {name: p.detach().clone() for name, p in model.named_parameters()}
+
+    results = train_replicas_in_threads(cfg, data_seeds=(1, 1), steps=steps, init_sync=True)
+    assert [run.heals for _, run in results] == [0, 1]
+    assert all(run.committed == steps for _, run in results)
+    # The outer step's backup - (backup - local) rounds, and Adam's large table lr carries that rounding along,
+    # so the weights match one replica's to 1e-4 of their scale (tables) or 1e-5 (the rest), not bit for bit; a
+    # replica stuck at its step-0 lr and momentum was 2e-3 to 0.8 of the scale away. The replicas, which round
+    # alike, end bit-equal.
+    for name, expected in reference.items():
+        assert torch.equal(results[0][0][name], results[1][0][name]), name
+        error = (results[0][0][name] - expected).abs().max() / expected.abs().max()
+        assert error < 3e-4, f"{name}: {error:.2e} of its scale from one replica's weights"
+
+
+def test_a_synced_fragment_is_the_mean_of_the_replicas_local_weights():
+    """Two replicas on different data, two fragments, each synced every 4 steps, plain averaging: right after
+    its sync a fragment holds the mean of the two replicas' local weights, and the other fragment keeps each
+    replica's own. Replicas from the same seed need no heal at step 0 (init_sync off)."""
+    cfg = tiny_diloco_config(sync_every=4, num_fragments=2, outer_lr=1.0, outer_momentum=0.0,
+                             fragment_update_alpha=0.0, num_iterations=8)
+    local = {}
+
+    def on_local(replica, step, weights):
+        local[replica, step] = weights
+
+    after = {}
+    original_hook = tg.StreamingDiLoCo._after_sync_hook
+
+    def record_after(self, *args):  # the weights after each step's DiLoCo hook
+        original_hook(self, *args)
+        replica = int(self.manager._replica_id.split("_")[1].split(":")[0])
+        after[replica, self.step - 1] = {name: p.detach().clone() for name, p in self.model.named_parameters()}
+
+    tg.StreamingDiLoCo._after_sync_hook = record_after
+    try:
+        results = train_replicas_in_threads(cfg, data_seeds=(1, 2), steps=8, init_sync=False, on_local=on_local)
+    finally:
+        tg.StreamingDiLoCo._after_sync_hook = original_hook
+    assert [run.heals for _, run in results] == [0, 0]
+    run = results[0][1]
+    names = {id(p): name for name, p in run.model.named_parameters()}
+    fragment_names = [[names[id(p)] for p in f.parameters()] for f in run.fragments]
+    synced_at = {1: 0, 3: 1, 5: 0, 7: 1}  # step (0-based) -> the fragment synced after it
+    for step in range(8):
+        for fragment, members in enumerate(fragment_names):
+            for name in members:
+                for replica in (0, 1):
+                    got = after[replica, step][name]
+                    if synced_at.get(step) == fragment:
+                        expected = (local[0, step][name] + local[1, step][name]) / 2
+                        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6, msg=f"{name} step {step}")
+                    else:
+                        assert torch.equal(got, local[replica, step][name]), f"{name} step {step}"
+    assert not torch.equal(local[0, 7][fragment_names[1][0]], local[1, 7][fragment_names[1][0]])
 
 
 def test_diloco_flags_are_checked():

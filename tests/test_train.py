@@ -443,6 +443,38 @@ def test_loss_watch_names_step_and_rank():
     assert watch.losses == [3.0]
 
 
+def test_optimizers_follow_the_schedule_after_loading_a_state_dict(tiny_data):
+    """A DiLoCo heal loads both optimizers' state dicts, which replaces their param_groups dicts; the scheduled
+    lr and momentum written into the new dicts must drive the next steps, exactly as in optimizers that never
+    loaded anything."""
+    cfg = tiny_config(*tiny_data, num_iterations=8)
+    schedule = tg.Schedule(cfg)
+
+    def train(reload_at: int | None):
+        torch.manual_seed(0)
+        model = tg.GPT(cfg, tg.SdpaAttention(), torch.float32)
+        model.lm_head.weight.data.normal_(std=0.02)
+        optimizers = tg.build_optimizers(model, cfg)
+        batches = tg.Prefetcher(tg.dummy_batches(cfg, seed=1), cfg.micro_batch_tokens, torch.device("cpu"),
+                                bigram_rows=cfg.bigram_rows, bos=cfg.bos_token)
+        try:
+            for step in range(cfg.num_iterations):
+                if step == reload_at:
+                    for opt in optimizers:
+                        opt.load_state_dict(tg.detached_copy(opt.state_dict()))
+                tg.set_hyperparameters(optimizers, schedule, step)
+                tg.train_step(model, optimizers, batches, schedule.windows(step), forwards=1)
+        finally:
+            batches.close()
+        return model.state_dict()
+
+    # the schedule moves after step 3: lr (stage 2 and the cooldown) and Muon's momentum (its warm-up)
+    assert schedule.lr_multiplier(3) != schedule.lr_multiplier(6)
+    assert schedule.muon_momentum(3) != schedule.muon_momentum(6)
+    reference, reloaded = train(None), train(3)
+    for name, weight in reference.items():
+        assert torch.equal(weight, reloaded[name]), name
+
 def test_warm_up_restores_the_initial_model(tiny_data):
     cfg = tiny_config(*tiny_data)
     model = tg.GPT(cfg, tg.SdpaAttention(), torch.float32)
