@@ -2746,6 +2746,8 @@ def train(cfg: Config, comm: Comm, log: RunLog) -> TrainResult:
         step = 0
         while True:
             last = step == N
+            if last and diloco is not None:
+                diloco.sync_every_fragment()
             if history != schedule.long_window_history(step):
                 history = schedule.long_window_history(step)
                 model.rotary.set_window_history(history)
@@ -2974,6 +2976,24 @@ class StreamingDiLoCo:
         self.log(f"diloco: step {self.step} sync {self.syncs} fragment {fragment} "
                  f"{'committed' if committed else 'not committed, rolled back'} replicas "
                  f"{self.manager.num_participants()} digest {digest:.12e}")
+
+    def sync_every_fragment(self):
+        """After the last inner step: one more sync of each fragment the last step did not sync, then every
+        fragment takes its global weights (no local mix), so all replicas end with one model, the one the
+        final validation scores. The order is torchft's (the manager's committed syncs pick the fragment)."""
+        count = len(self.fragments)
+        for _ in range(count - 1):
+            index = self.manager.current_step() % count
+            fragment = self.diloco._fragments[index]
+            self.manager.start_quorum()
+            fragment.prepare_sync()
+            committed = fragment.perform_sync()
+            self.syncs += 1
+            self.committed += committed
+            self.log(f"diloco: final sync of fragment {index} {'committed' if committed else 'not committed'} "
+                     f"replicas {self.manager.num_participants()}")
+        for fragment in self.diloco._fragments:
+            fragment.restore_parameters()
 
     def close(self):
         for handle in self.handles:

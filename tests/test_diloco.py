@@ -312,10 +312,15 @@ def test_two_replicas_stay_in_sync_and_learn(tiny_data, tmp_path):
     assert [s[1:] for s in syncs[0]] == [s[1:] for s in syncs[1]]  # fragment, replicas, digest at every sync
     assert [int(s[0]) for s in syncs[1]] == [2 * int(s[0]) for s in syncs[0]]
     assert all(replicas == "2" for _, _, replicas, _ in syncs[0])
+    # the final syncs leave both with one model, whose validation loss they both report
+    finals = [re.findall(r"^final weights: .*$", log, re.M) for log in logs]
+    assert len(finals[0]) == 1 and finals[0] == finals[1]
+    assert all(len(re.findall(r"^diloco: final sync of fragment 0 committed replicas 2$", log, re.M)) == 1 for log in logs)
+    assert VAL.findall(logs[0])[-1][1] == VAL.findall(logs[1])[-1][1]
     for log, steps in zip(logs, (8, 16)):
         losses = {int(step): float(loss) for step, loss in VAL.findall(log)}
         assert losses[steps] < losses[0] - 1.0
-        assert re.search(r"^diloco: 8 fragment syncs \(8 committed\)", log, re.M)
+        assert re.search(r"^diloco: 9 fragment syncs \(9 committed\)", log, re.M)
 
 
 def test_killed_replica_rejoins_with_the_weights_of_its_peer(tiny_data, tmp_path):
