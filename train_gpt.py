@@ -57,7 +57,8 @@ class Config:
     val_tokens: int = 10_485_760  # fixed, so that runs compare (the speedrun's value)
     train_repeat: bool = False  # start the train shards over when they run out (small local corpora)
     # run
-    num_iterations: int = 1555
+    num_iterations: int = 1555  # scheduled steps: the stages split them and the lr cools down over them ...
+    extension_steps: int = 0  # ... then these, at the last stage's batch, extension_windows and the final lr
     val_loss_every: int = 250  # 0: validate only at the end
     seed: int = 0
     run_id: str = ""  # empty: a fresh uuid
@@ -125,6 +126,7 @@ class Config:
     batch_schedule: str = "8,16,24"  # micro-batches per step, summed over all ranks
     lr_schedule: str = "1.0,1.52,1.73"  # lr multiplier per stage: bigger batches take larger steps
     window_schedule: str = "1:3,3:7,5:11"  # short:long attention windows, in window_block tokens
+    extension_windows: str = "6:13"  # windows of the extension steps (speedrun 2025-12 records)
     final_windows: str = "6:20"  # windows for the final validation (YaRN extends the long one)
     window_block: int = 128
     cooldown_frac: float = 0.55  # the lr decays linearly over this last fraction of training ...
@@ -274,12 +276,15 @@ def validate_config(cfg: Config) -> None:
     lrs = _parse_stage_list(cfg, "lr_schedule", float)
     windows = _parse_stage_list(cfg, "window_schedule", _parse_window_pair)
     _parse_stage_list(cfg, "final_windows", _parse_window_pair)
+    _parse_stage_list(cfg, "extension_windows", _parse_window_pair)
+    need(cfg.extension_steps >= 0, f"--extension_steps={cfg.extension_steps} must be 0 or more")
     need(len(batches) == len(lrs) == len(windows),
          "--batch_schedule, --lr_schedule and --window_schedule need the same number of stages")
     need(all(b > 0 and b % 8 == 0 for b in batches),
          f"--batch_schedule={cfg.batch_schedule}: each entry must be a positive multiple of 8, "
          "so that 1, 2, 4 and 8 processes split it evenly")
-    longest = max(max(pair) for pair in windows + [_parse_window_pair(cfg.final_windows)])
+    longest = max(max(pair) for pair in windows + [_parse_window_pair(cfg.final_windows),
+                                                    _parse_window_pair(cfg.extension_windows)])
     need(longest * cfg.window_block <= cfg.micro_batch_tokens, "attention windows exceed micro_batch_tokens")
     if cfg.diloco:
         need(1 <= cfg.num_fragments <= cfg.num_layers,
@@ -287,9 +292,10 @@ def validate_config(cfg: Config) -> None:
         need(cfg.sync_every >= cfg.num_fragments and cfg.sync_every % cfg.num_fragments == 0,
              f"--sync_every={cfg.sync_every} must be a multiple of --num_fragments={cfg.num_fragments}: "
              "each fragment syncs once every sync_every steps, one fragment at a time")
-        need(cfg.num_iterations % cfg.sync_every == 0,
-             f"--num_iterations={cfg.num_iterations} must be a multiple of --sync_every={cfg.sync_every}, so that "
-             "replicas do the same number of syncs (a replica twice as fast: twice both values)")
+        total = cfg.num_iterations + cfg.extension_steps
+        need(total % cfg.sync_every == 0,
+             f"--num_iterations + --extension_steps = {total} must be a multiple of --sync_every={cfg.sync_every}, "
+             "so that replicas do the same number of syncs (a replica twice as fast: twice all three values)")
         need(0 <= cfg.fragment_sync_delay < cfg.sync_every // cfg.num_fragments,
              f"--fragment_sync_delay={cfg.fragment_sync_delay}: must be below sync_every/num_fragments "
              f"({cfg.sync_every // cfg.num_fragments})")
@@ -2015,62 +2021,71 @@ class Prefetcher:
 class Schedule:
     """Everything that changes during training, as a function of the step.
 
-    Training is cut into equal stages (one per entry of batch_schedule); each stage has a batch size,
-    an lr multiplier and a pair of attention windows. Growing the batch and the windows over training
-    follows the speedrun's 2025-11 (batch) and 2024-11 (window) records.
+    The num_iterations scheduled steps are cut into equal stages (one per entry of batch_schedule); each stage
+    has a batch size, an lr multiplier and a pair of attention windows, and the lr cools down linearly to
+    final_lr_frac by the end of them. Then come extension_steps more at the last stage's batch, the final lr and
+    extension_windows (the speedrun's "scheduled + extension" shape, 2025-12 records). Growing the batch and the
+    windows over training follows the speedrun's 2025-11 (batch) and 2024-11 (window) records.
     """
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
-        self.num_iterations = cfg.num_iterations
+        self.num_iterations = cfg.num_iterations  # scheduled steps
+        self.total_steps = cfg.num_iterations + cfg.extension_steps
         self.batches = _parse_stage_list(cfg, "batch_schedule", int)
         self.lr_multipliers = _parse_stage_list(cfg, "lr_schedule", float)
         block = cfg.window_block
         self.stage_windows = [(s * block, l * block) for s, l in _parse_stage_list(cfg, "window_schedule", _parse_window_pair)]
+        if cfg.extension_steps:
+            short, long = _parse_window_pair(cfg.extension_windows)
+            self.stage_windows.append((short * block, long * block))
         short, long = _parse_window_pair(cfg.final_windows)
         self.final_windows = (short * block, long * block)
 
     def validates(self, step: int) -> bool:
-        """Whether validation runs before this step (step num_iterations: the end)."""
+        """Whether validation runs before this step (step total_steps: the end)."""
         every = self.cfg.val_loss_every
-        return step == self.num_iterations or (every > 0 and step % every == 0)
+        return step == self.total_steps or (every > 0 and step % every == 0)
 
     def stage(self, step: int) -> int:
+        """The stage of a step; the extension steps are a stage of their own, after the scheduled ones."""
+        if step >= self.num_iterations and self.cfg.extension_steps:
+            return len(self.batches)
         return min(step * len(self.batches) // self.num_iterations, len(self.batches) - 1)
 
     def micro_batches(self, step: int) -> int:
         """Micro-batches in this step, summed over all ranks."""
-        return self.batches[self.stage(step)]
+        return self.batches[min(self.stage(step), len(self.batches) - 1)]
 
     def lr_multiplier(self, step: int) -> float:
-        lr = self.lr_multipliers[self.stage(step)]
+        lr = self.lr_multipliers[min(self.stage(step), len(self.batches) - 1)]
         cooldown_start = self.num_iterations * (1 - self.cfg.cooldown_frac)
         if step >= cooldown_start:
-            t = (step - cooldown_start) / max(self.num_iterations - cooldown_start, 1)
+            t = min((step - cooldown_start) / max(self.num_iterations - cooldown_start, 1), 1.0)
             lr = lr * (1 - t) + self.cfg.final_lr_frac * t
         return lr
 
     def muon_momentum(self, step: int) -> float:
-        """Linear warm-up from muon_momentum_start, and back down over the last steps."""
+        """Linear warm-up from muon_momentum_start, and back down over the last steps of training."""
         cfg = self.cfg
         low, high = cfg.muon_momentum_start, cfg.muon_momentum
         if step < cfg.muon_momentum_warmup:
             return low + (high - low) * step / cfg.muon_momentum_warmup
-        steps_left = self.num_iterations - step
+        steps_left = self.total_steps - step
         if steps_left < cfg.muon_momentum_cooldown:
             return low + (high - low) * steps_left / cfg.muon_momentum_cooldown
         return high
 
     def windows(self, step: int) -> tuple[int, int]:
         """(short, long) attention windows in tokens; the final validation gets the extended pair."""
-        if step >= self.num_iterations:
+        if step >= self.total_steps:
             return self.final_windows
         return self.stage_windows[self.stage(step)]
 
     def long_window_history(self, step: int) -> list[int]:
         """The long windows used up to this step, for YaRN to replay."""
         history = [long for _, long in self.stage_windows[: self.stage(step) + 1]]
-        if step >= self.num_iterations:
+        if step >= self.total_steps:
             history.append(self.final_windows[1])
         return history
 
@@ -2355,7 +2370,7 @@ def warm_up(model: GPT, optimizers, cfg: Config, comm: Comm, schedule: Schedule,
     initial = {name: t.detach().clone() for name, t in model.state_dict().items()}
     forwards = {windows: 1 for windows in schedule.all_windows()}
     if model.replays_cuda_graphs:
-        for windows, micro_batches in [*zip(schedule.stage_windows, schedule.batches),
+        for windows, micro_batches in [*zip(schedule.stage_windows, schedule.batches + schedule.batches[-1:]),
                                        (schedule.final_windows, schedule.batches[-1])]:
             forwards[windows] = max(forwards[windows], 2, micro_batches // comm.world_size // packed)
     batches = Prefetcher(dummy_batches(cfg, seed=cfg.seed + 1 + comm.rank), cfg.micro_batch_tokens, device,
@@ -2369,7 +2384,7 @@ def warm_up(model: GPT, optimizers, cfg: Config, comm: Comm, schedule: Schedule,
     # a forward with a longer one is a graph of its own, for each window pair validation uses (twice: CUDA graphs
     # record at the second call). Validation runs with autograd on and no backward, as here.
     if getattr(model.attend, "compiles_for_longest_document", False):
-        validated = [step for step in range(cfg.num_iterations + 1) if schedule.validates(step)]
+        validated = [step for step in range(schedule.total_steps + 1) if schedule.validates(step)]
         batches = Prefetcher(dummy_batches(cfg, seed=cfg.seed, one_document=True), cfg.micro_batch_tokens, device,
                              bigram_rows=cfg.bigram_rows, packed=packed, bos=cfg.bos_token)
         try:
@@ -2742,7 +2757,7 @@ def train(cfg: Config, comm: Comm, log: RunLog) -> TrainResult:
             diloco.__enter__()
         synchronize()
         clock = time.perf_counter()
-        N = cfg.num_iterations
+        N = schedule.total_steps
         step = 0
         while True:
             last = step == N

@@ -434,6 +434,26 @@ def test_schedule_is_a_function_of_the_step():
     assert s.muon_momentum(0) == 0.85 and s.muon_momentum(50) == 0.95 and s.muon_momentum(89) < 0.95
 
 
+def test_scheduled_steps_then_extension_steps():
+    """480 scheduled steps in three stages and 40 extension steps: the stages split the scheduled steps, the lr
+    reaches final_lr_frac at their end and stays there, the extension keeps the last batch with its own windows
+    (YaRN replays them), the momentum cools down over the last steps of all, and the run validates at its end."""
+    cfg = tg.Config(num_iterations=480, extension_steps=40, val_loss_every=160, muon_momentum_cooldown=50)
+    s = tg.Schedule(cfg)
+    assert s.total_steps == 520
+    assert [s.stage(i) for i in (0, 159, 160, 320, 479, 480, 519)] == [0, 0, 1, 2, 2, 3, 3]
+    assert [s.micro_batches(i) for i in (0, 160, 479, 480, 519)] == [8, 16, 24, 24, 24]
+    assert s.lr_multiplier(215) == 1.52 and s.lr_multiplier(216) < 1.52  # cooldown from 480 * 0.45 = 216
+    assert math.isclose(s.lr_multiplier(480), cfg.final_lr_frac) and math.isclose(s.lr_multiplier(519), cfg.final_lr_frac)
+    assert s.windows(479) == (640, 1408) and s.windows(480) == (768, 1664) and s.windows(520) == (768, 2560)
+    assert s.long_window_history(500) == [384, 896, 1408, 1664]
+    assert s.muon_momentum(470) == 0.95 and s.muon_momentum(471) < 0.95 and s.muon_momentum(519) < 0.86
+    assert [step for step in range(600) if s.validates(step)] == [0, 160, 320, 480, 520]
+    assert s.all_windows() == [(128, 384), (384, 896), (640, 1408), (768, 1664), (768, 2560)]
+    with pytest.raises(tg.UserError, match="--extension_steps=-1 must be 0 or more"):
+        tg.parse_cli(["--preset=tiny", "--extension_steps=-1"])
+
+
 def test_loss_watch_names_step_and_rank():
     watch = tg.LossWatch(tg.Comm(rank=0, world_size=1), torch.device("cpu"))
     watch.push(0, torch.tensor(3.0))

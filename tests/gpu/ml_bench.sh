@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Learning per step on the bench2 stream (repo root, on the GPU machine), results in $OUT:
+#   OUT=/some/dir bash tests/gpu/ml_bench.sh "FLAGS_A" "FLAGS_B" ...
+# Each quoted flag set is one training run, in order, on one machine and one inductor cache: the record's schedule
+# shape scaled down, 480 scheduled steps in three equal stages (8/16/24 micro-batches of 16K tokens), then 40
+# extension steps at the last stage's batch and the final lr, validation of 2,097,152 tokens at steps 0, 160, 320,
+# 480 and 520. Leading NAME=value words of a set are environment settings for that run (e.g. TRAINER=other.py).
+# Prints per run: the validation losses, training time, per-stage step medians and peak memory.
+# Expects .bench2/*.bin.xz (copies of ../shared/bench2: `mkdir -p .bench2 && cp ../shared/bench2/*.xz .bench2/`),
+# carried to the device; the inductor cache comes from .cache/inductor.tar.xz.part* when carried (PACK_CACHE=1
+# packs it back under $OUT/cache).
+set -uo pipefail
+OUT=${OUT:-/tmp/device_out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/inductor_cache}
+source tests/gpu/inductor_cache.sh
+nvidia-smi --query-gpu=name --format=csv,noheader
+python3 - <<'EOF'
+import lzma, pathlib
+out = pathlib.Path("/tmp/bench2")
+out.mkdir(exist_ok=True)
+for xz in sorted(pathlib.Path(".bench2").glob("*.bin.xz")):
+    if not (out / xz.name[:-3]).exists():
+        (out / xz.name[:-3]).write_bytes(lzma.decompress(xz.read_bytes()))
+EOF
+restore_inductor_cache
+schedule=(--train_files='/tmp/bench2/docs_train_*.bin' --val_files=/tmp/bench2/docs_val_000000.bin
+          --val_tokens=2097152 --train_repeat=1 --num_iterations=480 --extension_steps=40 --val_loss_every=160)
+# PARALLEL=1 runs the sets at the same time on the one GPU (an H200 holds two runs that pack 8 micro-batches per
+# forward): the losses are those of separate runs, the step times are not.
+n=0
+for flags in "$@"; do
+    n=$((n + 1))
+    settings=() options=()
+    for word in $flags; do  # leading NAME=value words are environment settings, the rest flags
+        if [[ $word =~ ^[A-Z_][A-Z0-9_]*= ]]; then settings+=("$word"); else options+=("$word"); fi
+    done
+    (
+        start=$(date +%s)
+        env "${settings[@]}" bash -c 'timeout "${RUN_LIMIT_S:-580}" python3 "${TRAINER:-train_gpt.py}" "$@"' _ \
+            "${schedule[@]}" --run_id="ml_$n" "${options[@]}" > "$OUT/ml_$n.txt" 2>&1
+        echo "exit $? after $(( $(date +%s) - start ))s" >> "$OUT/ml_$n.txt"
+    ) &
+    [ "${PARALLEL:-0}" = 1 ] || wait
+done
+wait
+n=0
+for flags in "$@"; do
+    n=$((n + 1))
+    echo "== [$n] $flags ($(tail -1 "$OUT/ml_$n.txt"))"
+    grep -E "val_loss|^compile_time|step times|peak memory|graphs compiled|error|Error" "$OUT/ml_$n.txt" | cut -c1-200
+done
+if [ "${PACK_CACHE:-0}" = 1 ]; then
+    pack_inductor_cache
+fi
