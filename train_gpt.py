@@ -57,8 +57,10 @@ class Config:
     val_tokens: int = 10_485_760  # fixed, so that runs compare (the speedrun's value)
     train_repeat: bool = False  # start the train shards over when they run out (small local corpora)
     # run
-    num_iterations: int = 1555  # scheduled steps: the stages split them and the lr cools down over them ...
-    extension_steps: int = 0  # ... then these, at the last stage's batch, extension_windows and the final lr
+    # 1515 scheduled steps, then 40 more (the speedrun's 2026-02 record): on bench2 this shape beat the same 520
+    # steps cooled down to their end (docs/performance.md)
+    num_iterations: int = 1515  # scheduled steps: the stages split them and the lr cools down over them ...
+    extension_steps: int = 40  # ... then these, at the last stage's batch, extension_windows and the final lr
     val_loss_every: int = 250  # 0: validate only at the end
     seed: int = 0
     run_id: str = ""  # empty: a fresh uuid
@@ -100,6 +102,23 @@ class Config:
     skip_from: int = 3  # the output of this layer is added (gated) to the input of skip_to
     skip_to: int = 6
     logit_softcap: float = 30.0
+    attn_scale: float = 0.1  # softmax scale of the QK-normed heads (speedrun 2025-12), raised as windows grow
+    residual_init: float = 1.1  # each layer's input is residual_init * x + ... at the start (speedrun 2025-12)
+    head_init_std: float = 0.005  # the head starts as N(0, std^2) (speedrun 2025-12-19); 0 starts it at zero
+    attn_out_zero_init: bool = False  # O projections start at zero (muP-like) instead of like Q, K and V (2026-01-30)
+    value_embed_init_std: float = 1.0  # the speedrun starts its value-embedding tables at zero (2025-12)
+    # Per-token gates read from the first gate_dims channels of a layer's normed input (speedrun 2025-12-29 and
+    # 2026-01): each attention head's output times sigmoid(.), each head's value embedding times 2 sigmoid(.), the
+    # skip times 2 sigmoid(.) of the embedding's channels; all start as constants (zero weights).
+    gates: bool = False
+    gate_dims: int = 12
+    # "Smear" (speedrun 2025-09): each token's embedding adds a gated copy of the previous token's, the gate read
+    # from its own first gate_dims channels; not across a document start. Starts off (zero scale).
+    smear: bool = False
+    # "Backout" (speedrun 2025-12): the head reads the residual minus a learned share (init 0.5) of this layer's
+    # output; -1 turns it off. Gates, smear, backout and zero value tables together (the speedrun's layer 7):
+    # better at step 160 of bench2 and worse at its end than without (docs/performance.md), so off by default.
+    backout_from: int = -1
     # Hashed (previous token, token) embedding added to the residual stream (speedrun 2026-01-19);
     # 0 turns it off. Its gradient rows travel sparsely between ranks unless sparse_bigram_comms=0.
     bigram_rows: int = 5 * 50304
@@ -132,18 +151,38 @@ class Config:
     cooldown_frac: float = 0.55  # the lr decays linearly over this last fraction of training ...
     final_lr_frac: float = 0.1  # ... down to this fraction
     # optimizers
+    # Adam's groups (betas, weight decay multipliers: speedrun 2025-12 records): the value-embedding and bigram
+    # tables ("table"), the token embedding, the head, and the scalars (adam_betas). Weight decay is cautious and
+    # follows the lr squared: a decayed weight shrinks by lr^2 * adam_weight_decay * the group's multiplier a step.
     adam_lr: float = 0.008
-    adam_betas: tuple[float, float] = (0.8, 0.95)
+    adam_betas: tuple[float, float] = (0.9, 0.99)
+    table_betas: tuple[float, float] = (0.75, 0.95)
+    head_betas: tuple[float, float] = (0.5, 0.95)
     adam_eps: float = 1e-10
-    adam_weight_decay: float = 0.0
-    embed_lr_mul: float = 75.0  # token and value embeddings
+    adam_weight_decay: float = 0.005
+    table_wd_mul: float = 5.0
+    head_wd_mul: float = 150.0
+    embed_lr_mul: float = 75.0  # token, value and bigram embeddings
     head_lr_mul: float = 1.0
     scalar_lr_mul: float = 5.0
+    # NorMuon (Li et al. 2025, arXiv:2510.05491; speedrun 2025-10-24): each orthogonalised update is rescaled per
+    # row (or column: per entry of its longer side) by a second-moment estimate with this beta2, keeping its
+    # Frobenius norm; 0 is plain Muon. The speedrun's settings are --normuon_beta2=0.95 --muon_lr=0.023
+    # --muon_shape_lr=1 --muon_proj_lr_mul=2 --muon_weight_decay=1.2; on bench2, with Adam's settings below, they
+    # learned far slower in the first stage than plain Muon at 0.06 (docs/performance.md), so they are not the default.
+    normuon_beta2: float = 0.0
+    # The lr of a matrix is muon_lr, times sqrt(max(1, rows/cols)) of its (split) shape as stored with muon_shape_lr
+    # (speedrun 2025-10-27), times muon_proj_lr_mul for the MLP's output projections (speedrun 2025-12-11).
     muon_lr: float = 0.06
+    muon_shape_lr: bool = False
+    muon_proj_lr_mul: float = 1.0
     muon_momentum: float = 0.95
     muon_momentum_start: float = 0.85  # warmed up to muon_momentum over the first steps
     muon_momentum_warmup: int = 300
     muon_momentum_cooldown: int = 50  # and back down over the last steps
+    # Cautious weight decay (Chen et al. 2025; speedrun 2025-11-10): where update and weight agree in sign the
+    # weight shrinks by lr_eff * muon_weight_decay * lr each step, lr_eff the matrix's lr and lr its group's
+    # scheduled one: the decay follows the lr squared.
     muon_weight_decay: float = 0.0
     # across nodes: streaming DiLoCo on torchft, imported only with --diloco=1 (README: "Training across nodes")
     diloco: bool = False
@@ -164,7 +203,7 @@ PRESETS = {
         num_layers=4, model_dim=64, num_heads=2, head_dim=32, attn_layout="SLSL", value_embed_layout="0..1",
         skip_from=1, skip_to=2, micro_batch_tokens=256, max_doc_len=128, window_block=16,
         batch_schedule="8,8,16", window_schedule="1:2,2:4,3:6", final_windows="4:8",
-        num_iterations=24, val_loss_every=8, val_tokens=2048, compile=False,
+        num_iterations=24, extension_steps=0, val_loss_every=8, val_tokens=2048, compile=False,
         muon_momentum_warmup=8, muon_momentum_cooldown=4, bigram_rows=4096,
         fp8_head=False,  # a CPU only emulates FP8, at about twice the test time; tests turn it on where needed
         # Packing pays on GPUs; SDPA's dense mask grows with the square of the forward's length (tests pack on purpose)
@@ -261,6 +300,9 @@ def validate_config(cfg: Config) -> None:
          "--value_embed_layout puts a value embedding on a layer without attention (- in --attn_layout)")
     need(0 <= cfg.skip_from < cfg.skip_to < cfg.num_layers,
          f"--skip_from={cfg.skip_from} --skip_to={cfg.skip_to}: need 0 <= skip_from < skip_to < num_layers")
+    need(-1 <= cfg.backout_from < cfg.num_layers,
+         f"--backout_from={cfg.backout_from}: use a layer 0 .. num_layers-1 ({cfg.num_layers - 1}), or -1 for none")
+    need(1 <= cfg.gate_dims <= cfg.model_dim, f"--gate_dims={cfg.gate_dims}: use 1 .. model_dim ({cfg.model_dim})")
     need(2 <= cfg.vocab_size <= 65536, f"--vocab_size={cfg.vocab_size}: shards hold 16-bit tokens, use 2 .. 65536")
     need(0 <= cfg.bos_token < cfg.vocab_size,
          f"--bos_token={cfg.bos_token} must be a token of the vocabulary (below --vocab_size={cfg.vocab_size})")
@@ -283,8 +325,8 @@ def validate_config(cfg: Config) -> None:
     need(all(b > 0 and b % 8 == 0 for b in batches),
          f"--batch_schedule={cfg.batch_schedule}: each entry must be a positive multiple of 8, "
          "so that 1, 2, 4 and 8 processes split it evenly")
-    longest = max(max(pair) for pair in windows + [_parse_window_pair(cfg.final_windows),
-                                                    _parse_window_pair(cfg.extension_windows)])
+    extension = [_parse_window_pair(cfg.extension_windows)] if cfg.extension_steps else []
+    longest = max(max(pair) for pair in windows + [_parse_window_pair(cfg.final_windows)] + extension)
     need(longest * cfg.window_block <= cfg.micro_batch_tokens, "attention windows exceed micro_batch_tokens")
     if cfg.diloco:
         need(1 <= cfg.num_fragments <= cfg.num_layers,
@@ -970,7 +1012,7 @@ class _RowExchange:
 
 
 class DistAdam(torch.optim.Optimizer):
-    """AdamW (decoupled weight decay) with gradients, optimizer state and updates sharded over ranks
+    """Adam with cautious weight decay (adam_update_), gradients, optimizer state and updates sharded over ranks
     (ZeRO-1 style; the speedrun's 2025-05 "replace all_reduce with reduce_scatter" record).
 
     Every parameter is seen as a flat vector of which rank r owns the contiguous slice
@@ -1002,8 +1044,12 @@ class DistAdam(torch.optim.Optimizer):
     SMALL = 8192  # parameters below this many values share their param group's bucket
 
     def __init__(self, params, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, sparse_params=()):
+                 weight_decay: float = 0.0, sparse_params=(), compiled: bool = False):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        # compiled: one fused kernel per bucket shape (CUDA); the lr and decay go in as tensors, so a new value
+        # is no new graph.
+        self.update_ = torch.compile(adam_update_, dynamic=False, fullgraph=True) if compiled else adam_update_
+        self.scalars: dict[int, Tensor] = {}  # group index -> [lr, decay] on the parameters' device
         self.rank, self.world_size = current_rank_and_world()
         self.distributed = self.world_size > 1
         self.sparse_params = set(sparse_params) if self.distributed else set()
@@ -1090,11 +1136,26 @@ class DistAdam(torch.optim.Optimizer):
             state["exp_avg_sq"] = torch.zeros_like(owned)
         state["step"] += 1
         group = self.param_groups[bucket.group_index]
+        if bucket.group_index not in self.scalars:
+            self.scalars[bucket.group_index] = torch.zeros(2, device=owned.device)
+        scalars = self.scalars[bucket.group_index]
+        scalars[0].fill_(group["lr"])  # a fill kernel each: no host-to-device copy to wait for
+        scalars[1].fill_(group["lr"] ** 2 * group["weight_decay"])
         beta1, beta2 = group["betas"]
-        # One fused kernel per slice; same arithmetic as torch.optim.AdamW.
-        torch._fused_adamw_([owned], [grad_shard], [state["exp_avg"]], [state["exp_avg_sq"]], [], [state["step"]],
-                            amsgrad=False, lr=group["lr"], beta1=beta1, beta2=beta2,
-                            weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+        self.update_(owned, grad_shard, state["exp_avg"], state["exp_avg_sq"], state["step"], scalars[0], scalars[1],
+                     beta1, beta2, group["eps"])
+
+
+def adam_update_(p: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: Tensor, lr: Tensor,
+                 decay: Tensor, beta1: float, beta2: float, eps: float) -> None:
+    """One Adam step of a flat slice, in place, as torch.optim.Adam computes it, then cautious weight decay
+    (Chen et al. 2025; speedrun 2025-12-18 for Adam's tables): where the update and the weight have the same sign
+    the weight also shrinks by `decay` (lr squared times the group's weight_decay) of itself."""
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    bias1, bias2 = 1 - beta1 ** step, 1 - beta2 ** step
+    update = (lr / bias1) * exp_avg / (exp_avg_sq.sqrt() / bias2.sqrt() + eps)
+    p.sub_(update + decay * (update * p > 0) * p)
 
 
 # Polar Express (Amsel, Persson, Musco, Gower 2025, arXiv:2505.16932): per-iteration coefficients for
@@ -1170,7 +1231,11 @@ class _MuonGroup:
 
 class Muon(torch.optim.Optimizer):
     """Muon (Jordan et al. 2024): Nesterov momentum, then replace each matrix's update by the nearest
-    semi-orthogonal matrix, computed with Polar Express iterations (POLAR_EXPRESS_COEFFS).
+    semi-orthogonal matrix, computed with Polar Express iterations (POLAR_EXPRESS_COEFFS). With beta2 > 0 it
+    is NorMuon: the orthogonalised update is rescaled per entry of its longer side by the inverse root of a
+    running mean of that entry's squared update (normuon_), keeping the update's Frobenius norm. Weight decay is
+    cautious (only where update and weight agree in sign) and scales with lr_eff * lr. With shape_lr a matrix's
+    lr is multiplied by sqrt(max(1, rows/cols)) of its (split) shape; a group's "lr_mul" multiplies it too.
 
     Each param group may set "split": its matrices are stacks of that many row blocks, each
     orthogonalised on its own (a [4d, d] QKVO weight is Q, K, V and O). Storing the attention weights
@@ -1191,8 +1256,10 @@ class Muon(torch.optim.Optimizer):
     size; per rank and group 2 matrices at W=8, 4 at W=4, 8 at W=2; padding 0 at 1, 2, 4 and 8 ranks.
     """
 
-    def __init__(self, params, lr: float, momentum: float, weight_decay: float = 0.0, use_triton: bool | None = None):
-        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, split=1))
+    def __init__(self, params, lr: float, momentum: float, weight_decay: float = 0.0, beta2: float = 0.0,
+                 shape_lr: bool = False, use_triton: bool | None = None):
+        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, split=1, lr_mul=1.0))
+        self.beta2, self.shape_lr = beta2, shape_lr
         self.use_triton = use_triton  # None: the Triton kernel on CUDA when Triton imports
         self.rank, self.world_size = current_rank_and_world()
         self.distributed = self.world_size > 1
@@ -1233,7 +1300,11 @@ class Muon(torch.optim.Optimizer):
         for split, members in by_split.items():  # one batched orthogonalisation per kind of matrix
             batch = torch.stack([directions[i] for i in members])
             n, rows, cols = batch.shape
-            ortho = orthogonalize(batch.view(n * split, rows // split, cols), self.use_triton).view(n, rows, cols)
+            ortho = orthogonalize(batch.view(n * split, rows // split, cols), self.use_triton)
+            if self.beta2:
+                states = [self.state[owned[i]] for i in members]
+                ortho = normuon_(ortho, states, split, self.beta2)
+            ortho = ortho.view(n, rows, cols)
             if updates is None:
                 updates = ortho.new_zeros(group.per_rank, rows, cols)
             for slot, index in enumerate(members):  # indexing with a list would copy it to the GPU: a host sync
@@ -1265,9 +1336,44 @@ class Muon(torch.optim.Optimizer):
                 work.wait()
             for p, update in zip(group.params, updates):
                 settings = self.param_groups[self.group_index_of[p]]
-                if settings["weight_decay"]:  # without it the multiply is by 1: a pass over the weights for nothing
-                    p.mul_(1 - settings["lr"] * settings["weight_decay"])
-                p.add_(update.to(p.dtype), alpha=-settings["lr"])
+                update = update.to(p.dtype)
+                lr = self.matrix_lr(p, settings)
+                if settings["weight_decay"]:  # cautious: only where the update pushes the weight towards zero too
+                    p.sub_(p * (update * p >= 0), alpha=lr * settings["weight_decay"] * settings["lr"])
+                p.add_(update, alpha=-lr)
+
+    def matrix_lr(self, p: Tensor, settings: dict) -> float:
+        """The lr of one matrix: its group's (scheduled) lr, times its group's lr_mul, times the shape factor."""
+        lr = settings["lr"] * settings["lr_mul"]
+        if self.shape_lr:
+            rows, cols = p.size(-2) // settings["split"], p.size(-1)
+            lr *= max(1.0, rows / cols) ** 0.5
+        return lr
+
+
+def normuon_(ortho: Tensor, states: list[dict], split: int, beta2: float) -> Tensor:
+    """NorMuon's rescaling of orthogonalised updates ortho [n * split, rows, cols] (each of the n owned matrices is
+    `split` blocks, one states[i] each matrix): per entry of each block's longer side, the mean square of the
+    update along the other side feeds a running mean (beta2, kept in the state as "second_moment", no bias
+    correction); the update is divided by its root, then scaled back to its Frobenius norm."""
+    n = len(states)
+    blocks, rows, cols = ortho.shape
+    reduce_dim = -1 if rows >= cols else -2  # one statistic per entry of the longer side
+    update = ortho.float()
+    mean_square = update.square().mean(dim=reduce_dim, keepdim=True)  # [n * split, rows, 1] or [.., 1, cols]
+    for i, state in enumerate(states):
+        if "second_moment" not in state:
+            state["second_moment"] = torch.zeros_like(mean_square[i * split: (i + 1) * split])
+    moments = torch.stack([state["second_moment"] for state in states]).view_as(mean_square)
+    moments.lerp_(mean_square, 1 - beta2)
+    for i, state in enumerate(states):
+        state["second_moment"].copy_(moments[i * split: (i + 1) * split])
+    inverse_root = moments.clamp_min(1e-10).rsqrt()
+    side = update.size(reduce_dim)
+    norm = (side * mean_square.sum(dim=(-2, -1), keepdim=True)).sqrt()
+    rescaled_norm = (side * (mean_square * inverse_root.square()).sum(dim=(-2, -1), keepdim=True)).sqrt()
+    factor = inverse_root * (norm / rescaled_norm.clamp_min(1e-10))
+    return (update * factor).to(ortho.dtype)
 
 
 def muon_momentum_(grad: Tensor, state: dict, momentum: float) -> Tensor:
@@ -1528,12 +1634,14 @@ def make_attention(cfg: Config, device: torch.device, seq_len: int):
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, dim: int, num_heads: int, head_dim: int):
+    def __init__(self, dim: int, num_heads: int, head_dim: int, gate_dims: int = 0):
         super().__init__()
-        self.num_heads, self.head_dim = num_heads, head_dim
+        self.num_heads, self.head_dim, self.gate_dims = num_heads, head_dim, gate_dims
         # Q, K, V and O stacked as one [4*dim, dim] matrix (each block out x in): the same shape as the
         # MLP weights, so the optimizer can treat all matrices of the model as one stack.
         self.qkvo_w = nn.Parameter(torch.empty(4 * dim, dim))
+        # gate weights per head: row 0 the output gate, row 1 the value-embedding gate
+        self.gate_w = nn.Parameter(torch.zeros(2, num_heads, gate_dims)) if gate_dims else None
 
     def forward(self, x: Tensor, value_embed: Tensor, value_mix: Tensor, rope, mask, attend) -> Tensor:
         T, dim = x.shape
@@ -1544,8 +1652,15 @@ class CausalSelfAttention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         # Value embeddings (speedrun 2024-12, after Zhou et al. 2024); layers without one get zeros, which
         # leaves the learned scale of v and lets every attention block share one compiled graph.
-        v = value_mix[0] * v + value_mix[1] * value_embed.view_as(v)
+        value_embed = value_mix[1] * value_embed.view_as(v)
+        if self.gate_w is not None:
+            gates = torch.sigmoid(x[:, : self.gate_dims] @ self.gate_w.to(x.dtype).view(-1, self.gate_dims).T)
+            out_gate, value_gate = gates.view(T, 2, self.num_heads, 1).unbind(1)  # [T, heads, 1] each
+            value_embed = 2 * value_gate * value_embed
+        v = value_mix[0] * v + value_embed
         y = attend((q * scale).type_as(k), k, v, mask)
+        if self.gate_w is not None:
+            y = out_gate * y
         return y.reshape(T, dim) @ w[3 * dim:].T
 
 
@@ -1566,10 +1681,11 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: Config, has_attention: bool):
         super().__init__()
-        self.attn = CausalSelfAttention(cfg.model_dim, cfg.num_heads, cfg.head_dim) if has_attention else None
+        self.attn = (CausalSelfAttention(cfg.model_dim, cfg.num_heads, cfg.head_dim, cfg.gate_dims if cfg.gates else 0)
+                     if has_attention else None)
         self.mlp = MLP(cfg.model_dim, cfg.mlp_ratio * cfg.model_dim, cfg.fused_mlp and cfg.triton_kernels)
         # [residual scale, embedding (x0) scale, value scale, value-embedding scale, bigram scale]
-        self.lambdas = nn.Parameter(torch.tensor([1.0, 0.0, 0.5, 0.5, 0.1]))
+        self.lambdas = nn.Parameter(torch.tensor([cfg.residual_init, 0.0, 0.5, 0.5, 0.1]))
         self.attend = None  # the attention backend, set by GPT
 
     def forward(self, x: Tensor, x0: Tensor, value_embed: Tensor, rope, mask, bigram: Tensor | None) -> Tensor:
@@ -1624,9 +1740,14 @@ class GPT(nn.Module):
         # sigmoid(-1.5) ~ 0.18 (speedrun 2025-09). Shape [1], not a 0-d scalar: torchft's DiLoCo cannot
         # back up 0-d parameters.
         self.skip_gate = nn.Parameter(torch.tensor([-1.5]))
+        self.skip_gate_w = nn.Parameter(torch.zeros(cfg.gate_dims)) if cfg.gates else None
+        self.smear_gate_w = nn.Parameter(torch.zeros(cfg.gate_dims)) if cfg.smear else None
+        self.smear_scale = nn.Parameter(torch.zeros(1)) if cfg.smear else None
+        self.backout = nn.Parameter(torch.tensor([0.5])) if cfg.backout_from >= 0 else None
         self.bigram_embed = nn.Embedding(cfg.bigram_rows, dim) if cfg.bigram_rows else None
         self.lm_head = nn.Linear(dim, vocab, bias=False)  # untied from the embedding (speedrun 2024-11)
-        self.rotary = Rotary(cfg.head_dim, forward_micro_batches * cfg.micro_batch_tokens, period=cfg.micro_batch_tokens)
+        self.rotary = Rotary(cfg.head_dim, forward_micro_batches * cfg.micro_batch_tokens, period=cfg.micro_batch_tokens,
+                             attn_scale=cfg.attn_scale)
         self.replays_cuda_graphs = False  # set when compiled in a CUDA_GRAPH_MODES mode
         self.reset_parameters()
 
@@ -1636,19 +1757,23 @@ class GPT(nn.Module):
         bound = math.sqrt(3) * 0.5 * dim ** -0.5  # uniform with std 0.5/sqrt(dim)
         for block in self.blocks:
             if block.attn is not None:
-                block.attn.qkvo_w[: 3 * dim].uniform_(-bound, bound)
-                block.attn.qkvo_w[3 * dim:].zero_()  # output projections start at zero (muP-like)
+                block.attn.qkvo_w.uniform_(-bound, bound)
+                if self.cfg.attn_out_zero_init:
+                    block.attn.qkvo_w[3 * dim:].zero_()
             block.mlp.fc_w.uniform_(-bound, bound)
             block.mlp.proj_w.zero_()
-        self.lm_head.weight.zero_()
+        self.lm_head.weight.normal_(std=self.cfg.head_init_std) if self.cfg.head_init_std else self.lm_head.weight.zero_()
         if self.bigram_embed is not None:
             self.bigram_embed.weight.zero_()
+        for table in self.value_embeds:
+            table.weight.normal_(std=self.cfg.value_embed_init_std)
 
     def matrix_params(self) -> dict[str, list[nn.Parameter]]:
         """The hidden matrices (for Muon), by kind."""
         return {
             "attn": [b.attn.qkvo_w for b in self.blocks if b.attn is not None],
-            "mlp": [w for b in self.blocks for w in (b.mlp.fc_w, b.mlp.proj_w)],
+            "mlp_in": [b.mlp.fc_w for b in self.blocks],
+            "mlp_out": [b.mlp.proj_w for b in self.blocks],
         }
 
     def compile_regions(self, mode: str | None):
@@ -1699,12 +1824,17 @@ class GPT(nn.Module):
         else:
             token_rows, *value_rows = [F.embedding(tokens, table) for table in token_tables]
             bigram_rows = F.embedding(bigrams, self.bigram_embed.weight) if self.bigram_embed is not None else None
-        return self.trunk(token_rows, value_rows, bigram_rows, targets, masks)
+        return self.trunk(tokens, token_rows, value_rows, bigram_rows, targets, masks)
 
-    def trunk(self, token_rows: Tensor, value_rows: list[Tensor], bigram_rows: Tensor | None, targets: Tensor,
+    def trunk(self, tokens: Tensor, token_rows: Tensor, value_rows: list[Tensor], bigram_rows: Tensor | None, targets: Tensor,
               masks: dict) -> Tensor:
         """Everything after the embedding lookups."""
         cfg = self.cfg
+        if self.smear_scale is not None:  # never across a document start (BOS) or a packed micro-batch's start
+            previous = torch.cat([token_rows[:1] * 0, token_rows[:-1]])
+            gate = self.smear_scale * torch.sigmoid(token_rows[:, : cfg.gate_dims] @ self.smear_gate_w.to(token_rows.dtype))
+            starts = torch.arange(tokens.numel(), device=tokens.device) % cfg.micro_batch_tokens == 0
+            token_rows = token_rows + (gate * ((tokens != cfg.bos_token) & ~starts))[:, None] * previous
         x0 = rms_norm(token_rows).to(self.compute_dtype)
         value_embeds = [rows.to(self.compute_dtype) for rows in value_rows]
         # Every attention block should call its compiled graph with inputs that look alike to dynamo's
@@ -1717,12 +1847,19 @@ class GPT(nn.Module):
         skip = None
         for i, block in enumerate(self.blocks):
             if i == cfg.skip_to:
-                x = x + torch.sigmoid(self.skip_gate).to(x.dtype) * skip
+                gate = torch.sigmoid(self.skip_gate).to(x.dtype)
+                if self.skip_gate_w is not None:
+                    gate = gate * 2 * torch.sigmoid(x0[:, : cfg.gate_dims] @ self.skip_gate_w.to(x.dtype))[:, None]
+                x = x + gate * skip
             ve_index = cfg.value_embed_layout[i]
             value_embed = no_value_embed if ve_index == "." else value_embeds[int(ve_index)]
             x = block(x, x0, value_embed, rope, masks.get(cfg.attn_layout[i]), bigram)
             if i == cfg.skip_from:
                 skip = x
+            if i == cfg.backout_from:
+                backout = x
+        if self.backout is not None:
+            x = x - self.backout.to(x.dtype) * backout
         return self.loss_head(x, targets)
 
     def loss_head(self, x: Tensor, targets: Tensor) -> Tensor:
@@ -2047,6 +2184,12 @@ class Schedule:
         every = self.cfg.val_loss_every
         return step == self.total_steps or (every > 0 and step % every == 0)
 
+    def validation_step(self, step: int) -> int:
+        """The step whose windows (and YaRN tables) the validation before `step` uses: the last trained one, so a
+        validation at a stage's first step scores the model with the windows it was trained with, not the next
+        stage's; the final validation gets final_windows."""
+        return step - 1 if 0 < step < self.total_steps else step
+
     def stage(self, step: int) -> int:
         """The stage of a step; the extension steps are a stage of their own, after the scheduled ones."""
         if step >= self.num_iterations and self.cfg.extension_steps:
@@ -2181,17 +2324,32 @@ class TrainingDiverged(UserError):
 def build_optimizers(model: GPT, cfg: Config) -> list[torch.optim.Optimizer]:
     """Adam for embeddings, head and scalars; Muon for the hidden matrices (speedrun 2024-10)."""
     matrices = model.matrix_params()
-    muon = Muon([dict(params=matrices["attn"], split=4), dict(params=matrices["mlp"], split=1)],
+    muon = Muon([dict(params=matrices["attn"], split=4), dict(params=matrices["mlp_in"]),
+                 dict(params=matrices["mlp_out"], lr_mul=cfg.muon_proj_lr_mul)],
                 lr=cfg.muon_lr, momentum=cfg.muon_momentum, weight_decay=cfg.muon_weight_decay,
-                use_triton=None if cfg.triton_kernels else False)
-    embeddings = [model.embed.weight] + [ve.weight for ve in model.value_embeds]
+                beta2=cfg.normuon_beta2, shape_lr=cfg.muon_shape_lr, use_triton=None if cfg.triton_kernels else False)
     bigram = [model.bigram_embed.weight] if model.bigram_embed is not None else []
+    tables = [ve.weight for ve in model.value_embeds] + bigram
     scalars = [model.skip_gate] + [block.lambdas for block in model.blocks]
-    adam = DistAdam([dict(params=embeddings + bigram, lr=cfg.adam_lr * cfg.embed_lr_mul),
-                     dict(params=[model.lm_head.weight], lr=cfg.adam_lr * cfg.head_lr_mul),
-                     dict(params=scalars, lr=cfg.adam_lr * cfg.scalar_lr_mul)],
-                    lr=cfg.adam_lr, betas=cfg.adam_betas, eps=cfg.adam_eps, weight_decay=cfg.adam_weight_decay,
-                    sparse_params=bigram if cfg.sparse_bigram_comms else ())
+    scalars += [p for p in (model.backout, model.smear_scale) if p is not None]
+    gates = [block.attn.gate_w for block in model.blocks if block.attn is not None and block.attn.gate_w is not None]
+    wd = cfg.adam_weight_decay
+    adam = DistAdam([dict(params=tables, lr=cfg.adam_lr * cfg.embed_lr_mul, betas=cfg.table_betas,
+                          weight_decay=wd * cfg.table_wd_mul),
+                     dict(params=[model.embed.weight], lr=cfg.adam_lr * cfg.embed_lr_mul, betas=cfg.table_betas,
+                          weight_decay=0.0),
+                     dict(params=[model.lm_head.weight], lr=cfg.adam_lr * cfg.head_lr_mul, betas=cfg.head_betas,
+                          weight_decay=wd * cfg.head_wd_mul),
+                     dict(params=scalars, lr=cfg.adam_lr * cfg.scalar_lr_mul, weight_decay=0.0)]
+                    + ([dict(params=gates, lr=cfg.adam_lr, weight_decay=0.0)] if gates else [])
+                    # the smear and skip gates learn slowly (speedrun 2025-12-21: lr x0.01 and x0.05)
+                    + ([dict(params=[model.smear_gate_w], lr=cfg.adam_lr * 0.01, weight_decay=0.0)]
+                       if model.smear_gate_w is not None else [])
+                    + ([dict(params=[model.skip_gate_w], lr=cfg.adam_lr * 0.05, weight_decay=0.0)]
+                       if model.skip_gate_w is not None else []),
+                    lr=cfg.adam_lr, betas=cfg.adam_betas, eps=cfg.adam_eps,
+                    sparse_params=bigram if cfg.sparse_bigram_comms else (),
+                    compiled=cfg.compile and next(model.parameters()).is_cuda)
     # Muon steps first. The collectives of both share one NCCL stream, and every wait on them is a wait of
     # the compute stream: Adam's step ends waiting for its all-gathers (its tables, the largest transfer
     # of the step), so a Muon stepping after it would start its Newton-Schulz only then. Stepping first,
@@ -2388,7 +2546,7 @@ def warm_up(model: GPT, optimizers, cfg: Config, comm: Comm, schedule: Schedule,
         batches = Prefetcher(dummy_batches(cfg, seed=cfg.seed, one_document=True), cfg.micro_batch_tokens, device,
                              bigram_rows=cfg.bigram_rows, packed=packed, bos=cfg.bos_token)
         try:
-            for windows in sorted({schedule.windows(step) for step in validated}):
+            for windows in sorted({schedule.windows(schedule.validation_step(step)) for step in validated}):
                 for _ in range(2):
                     forward_loss(model, batches.next(), windows)
         finally:
@@ -2763,15 +2921,15 @@ def train(cfg: Config, comm: Comm, log: RunLog) -> TrainResult:
             last = step == N
             if last and diloco is not None:
                 diloco.sync_every_fragment()
-            if history != schedule.long_window_history(step):
-                history = schedule.long_window_history(step)
-                model.rotary.set_window_history(history)
-            windows = schedule.windows(step)
             if schedule.validates(step):
                 synchronize()
                 train_time_ms += 1000 * (time.perf_counter() - clock)
                 watch.flush(other_work_follows=True)
-                val_loss = evaluate(model, cfg, comm, val_paths, windows, device, trainer.packed)
+                seen = schedule.validation_step(step)
+                if history != schedule.long_window_history(seen):
+                    history = schedule.long_window_history(seen)
+                    model.rotary.set_window_history(history)
+                val_loss = evaluate(model, cfg, comm, val_paths, schedule.windows(seen), device, trainer.packed)
                 val_losses.append((step, val_loss))
                 recent = watch.losses[reported:]  # training loss since the previous validation
                 reported = len(watch.losses)
@@ -2782,6 +2940,10 @@ def train(cfg: Config, comm: Comm, log: RunLog) -> TrainResult:
                 clock = time.perf_counter()
             if last:
                 break
+            if history != schedule.long_window_history(step):
+                history = schedule.long_window_history(step)
+                model.rotary.set_window_history(history)
+            windows = schedule.windows(step)
             set_hyperparameters(optimizers, schedule, step)
             if diloco is not None:
                 diloco.step = step + 1  # what a peer healing from us during this step resumes at
@@ -2853,7 +3015,12 @@ def diloco_fragments(model: GPT, count: int) -> list[nn.Module]:
     if model.bigram_embed is not None:
         fragments[0].bigram_embed = model.bigram_embed
     fragments[-1].lm_head = model.lm_head
-    fragments[-1].register_parameter("skip_gate", model.skip_gate)
+    for name in ("skip_gate", "skip_gate_w", "backout"):
+        if getattr(model, name) is not None:
+            fragments[-1].register_parameter(name, getattr(model, name))
+    for name in ("smear_gate_w", "smear_scale"):
+        if getattr(model, name) is not None:
+            fragments[0].register_parameter(name, getattr(model, name))
     placed = [id(p) for f in fragments for p in f.parameters()]
     if sorted(placed) != sorted(id(p) for p in model.parameters()):
         raise RuntimeError("DiLoCo fragments do not hold each model parameter exactly once")

@@ -10,14 +10,23 @@ from helpers import run_on_ranks
 # A QKVO-like stack (4 row blocks) and MLP-like matrices of the same shape, plus one other shape.
 ATTN, MLP, OTHER = 3, 6, 2
 STEPS = 3
-LR, MOMENTUM, WD = 0.02, 0.9, 0.1
+LR, MOMENTUM, WD, BETA2, MLP_LR_MUL = 0.02, 0.9, 0.5, 0.95, 2.0
+
+
+def normuon_reference(update, moment, beta2):
+    """NorMuon's rescaling of one orthogonalised matrix, in float64: one running mean square per entry of the
+    longer side, the update divided by its root, then brought back to its Frobenius norm."""
+    dim = 1 if update.size(0) >= update.size(1) else 0
+    moment = beta2 * moment + (1 - beta2) * update.square().mean(dim=dim, keepdim=True)
+    scaled = update / moment.clamp_min(1e-10).sqrt()
+    return scaled * update.norm() / scaled.norm(), moment
 
 
 def default_model_shapes():
     cfg = tg.Config()
     model = tg.GPT(cfg, tg.SdpaAttention(), torch.float32)
     matrices = model.matrix_params()
-    return [tuple(p.shape) for p in matrices["attn"] + matrices["mlp"]]
+    return [tuple(p.shape) for p in matrices["attn"] + matrices["mlp_in"] + matrices["mlp_out"]]
 
 
 def test_planner_needs_no_padding_for_the_default_model():
@@ -60,6 +69,7 @@ def reference_params(world_size):
     attn, mlp, other = make_params()
     params = attn + mlp + other
     buffers = [torch.zeros_like(p) for p in params]
+    moments = {}  # (matrix, block) -> NorMuon's running mean square
     with torch.no_grad():
         for step in range(STEPS):
             per_rank = [rank_grads(r, step, params) for r in range(world_size)]
@@ -67,11 +77,20 @@ def reference_params(world_size):
                 grad = sum(g[i] for g in per_rank) / world_size
                 buffers[i] = MOMENTUM * buffers[i] + (1 - MOMENTUM) * grad
                 direction = (1 - MOMENTUM) * grad + MOMENTUM * buffers[i]
-                if i < ATTN:
-                    ortho = torch.cat([tg.orthogonalize(block) for block in direction.split(8)])
-                else:
-                    ortho = tg.orthogonalize(direction)
-                p.mul_(1 - LR * WD).sub_(LR * ortho)
+                blocks = direction.split(8) if i < ATTN else [direction]
+                ortho = []
+                for b, block in enumerate(blocks):
+                    update = tg.orthogonalize(block).double()
+                    if (i, b) not in moments:
+                        dim = 1 if update.size(0) >= update.size(1) else 0
+                        moments[i, b] = torch.zeros_like(update.mean(dim=dim, keepdim=True))
+                    update, moments[i, b] = normuon_reference(update, moments[i, b], BETA2)
+                    ortho.append(update)
+                ortho = torch.cat(ortho)
+                rows, cols = blocks[0].shape
+                lr = LR * max(1, rows / cols) ** 0.5 * (MLP_LR_MUL if ATTN <= i < ATTN + MLP else 1.0)
+                cautious = (ortho * p.double() >= 0).double()
+                p.copy_(p.double() - lr * WD * LR * cautious * p.double() - lr * ortho)
     return [p.detach() for p in params]
 
 
@@ -80,7 +99,8 @@ def muon_params(rank, world_size, from_backward=False):
     launched inside the backward instead of in step()."""
     attn, mlp, other = make_params()
     params = attn + mlp + other
-    opt = tg.Muon([dict(params=attn, split=4), dict(params=mlp + other)], lr=LR, momentum=MOMENTUM, weight_decay=WD)
+    opt = tg.Muon([dict(params=attn, split=4), dict(params=mlp, lr_mul=MLP_LR_MUL), dict(params=other)], lr=LR,
+                  momentum=MOMENTUM, weight_decay=WD, beta2=BETA2, shape_lr=True)
     calls = {"all_reduce": 0, "reduce_scatter_tensor": 0, "all_gather_into_tensor": 0}
     for name in calls:
         if hasattr(dist, name):
@@ -104,6 +124,7 @@ def muon_params(rank, world_size, from_backward=False):
             p.grad = None
         assert launched_early == from_backward
     buffers = sum(s["momentum_buffer"].numel() for s in opt.state.values())
+    assert all("second_moment" in s for s in opt.state.values())
     return [p.detach() for p in params], buffers, calls, len(opt.groups)
 
 

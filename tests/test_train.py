@@ -425,7 +425,7 @@ def test_orthogonalize_gives_near_orthogonal_matrices():
 
 
 def test_schedule_is_a_function_of_the_step():
-    cfg = tg.Config(num_iterations=90, muon_momentum_warmup=10, muon_momentum_cooldown=5)
+    cfg = tg.Config(num_iterations=90, extension_steps=0, muon_momentum_warmup=10, muon_momentum_cooldown=5)
     s = tg.Schedule(cfg)
     assert [s.micro_batches(i) for i in (0, 29, 30, 89)] == [8, 8, 16, 24]
     assert s.windows(0) == (128, 384) and s.windows(60) == (640, 1408) and s.windows(90) == (768, 2560)
@@ -449,6 +449,9 @@ def test_scheduled_steps_then_extension_steps():
     assert s.long_window_history(500) == [384, 896, 1408, 1664]
     assert s.muon_momentum(470) == 0.95 and s.muon_momentum(471) < 0.95 and s.muon_momentum(519) < 0.86
     assert [step for step in range(600) if s.validates(step)] == [0, 160, 320, 480, 520]
+    # validation scores the model with the windows it was trained with up to then; the last with final_windows
+    assert [s.windows(s.validation_step(step)) for step in (0, 160, 480, 520)] == [(128, 384), (128, 384),
+                                                                                  (640, 1408), (768, 2560)]
     assert s.all_windows() == [(128, 384), (384, 896), (640, 1408), (768, 1664), (768, 2560)]
     with pytest.raises(tg.UserError, match="--extension_steps=-1 must be 0 or more"):
         tg.parse_cli(["--preset=tiny", "--extension_steps=-1"])
@@ -512,7 +515,8 @@ def test_warm_up_restores_the_initial_model(tiny_data):
 def test_two_process_gloo_smoke_run(tiny_data, tmp_path):
     train, val = tiny_data
     result = run_cli(["--device=cpu", *TINY, f"--train_files={train}", f"--val_files={val}",
-                      "--num_iterations=4", "--val_loss_every=2", "--run_id=smoke"], cwd=tmp_path, nproc=2)
+                      "--num_iterations=4", "--extension_steps=2", "--extension_windows=3:6", "--val_loss_every=2",
+                      "--run_id=smoke"], cwd=tmp_path, nproc=2)
     assert result.returncode == 0, result.stderr[-3000:]
     log = (tmp_path / "logs" / "smoke.txt").read_text()
     lines = log.splitlines()
@@ -523,15 +527,15 @@ def test_two_process_gloo_smoke_run(tiny_data, tmp_path):
     assert "world_size: 2" in log and "==== config ====" in log and lines[-1] == "==== end ===="
     steps = [STEP_LINE.match(line) for line in lines if line.startswith("step:")]
     assert all(steps), [line for line in lines if line.startswith("step:")]
-    assert [int(m.group(1)) for m in steps if m.group(3) is None] == [1, 2, 3, 4]
+    assert [int(m.group(1)) for m in steps if m.group(3) is None] == [1, 2, 3, 4, 5, 6]
     val = {int(m.group(1)): float(m.group(4)) for m in steps if m.group(3)}
-    assert sorted(val) == [0, 2, 4] and all(math.isfinite(x) for x in val.values())
-    assert val[4] < val[0] - 1.0
+    assert sorted(val) == [0, 2, 4, 6] and all(math.isfinite(x) for x in val.values())
+    assert val[6] < val[0] - 1.0
     assert re.search(r"^compile_time:[\d.]+s graphs:\d+ cache_hits:\d+( since_process_start:[\d.]+s)?$", log, re.M)
     assert "\ngraphs compiled in the timed region: 0\n" in log
-    # 4 steps over the tiny preset's 3 stages: steps 1-2, 3 and 4
+    # 4 scheduled steps over the tiny preset's 3 stages, steps 1-2, 3 and 4, then the 2 extension steps
     counts = re.findall(r"^step times, stage (\d): (\d) steps, wall median [\d.]+ ms, slowest [\d.]+ ms at step \d", log, re.M)
-    assert counts == [("0", "2"), ("1", "1"), ("2", "1")]
+    assert counts == [("0", "2"), ("1", "1"), ("2", "1"), ("3", "2")]
     assert re.findall(r"^rank 1: step times, stage (\d): (\d) steps, wall median", log, re.M) == counts
 
 
@@ -571,9 +575,16 @@ def _train_on_rank(rank, world_size, cfg):
     return tg.train(cfg, comm, tg.RunLog(cfg, comm)).train_losses
 
 
-def test_world_size_1_and_2_give_the_same_losses(tiny_data, tmp_path):
+# The speedrun's model and optimizer extras that are off by default: gates, smear, backout, zero value tables, NorMuon
+# with its lr scaling and cautious weight decay.
+EXTRAS = dict(gates=1, smear=1, backout_from=2, value_embed_init_std=0, normuon_beta2=0.95, muon_shape_lr=1,
+              muon_proj_lr_mul=2, muon_weight_decay=1.2)
+
+
+@pytest.mark.parametrize("extras", [{}, EXTRAS], ids=["defaults", "extras"])
+def test_world_size_1_and_2_give_the_same_losses(tiny_data, tmp_path, extras):
     cfg = tiny_config(*tiny_data, num_iterations=3, val_loss_every=0, log_dir=str(tmp_path), run_id="w1",
-                      micro_batch_tokens=128)
+                      micro_batch_tokens=128, **extras)
     single = tg.train(cfg, tg.Comm(), tg.RunLog(cfg, tg.Comm())).train_losses
     two = run_on_ranks(_train_on_rank, 2, dataclasses.replace(cfg, run_id="w2"))
     assert len(single) == 3 and two[0] == two[1]
@@ -625,17 +636,20 @@ def test_packed_forwards_train_as_separate_ones(tiny_data, tmp_path):
         np.testing.assert_allclose([v for _, v in val_losses], [v for _, v in separate.val_losses], rtol=1e-5)
 
 
-def test_a_packed_forward_computes_the_losses_of_separate_ones(tiny_data):
+@pytest.mark.parametrize("extras", [{}, EXTRAS], ids=["defaults", "extras"])
+def test_a_packed_forward_computes_the_losses_of_separate_ones(tiny_data, extras):
     """Two validation chunks (the second starts mid-document) in one forward against one forward each, with random
     weights so that attention carries signal: the same mean loss. A packed forward must not let the second
     chunk attend to the first."""
-    cfg = tiny_config(*tiny_data, micro_batch_tokens=128)
+    cfg = tiny_config(*tiny_data, micro_batch_tokens=128, **extras)
     torch.manual_seed(0)
     model = tg.GPT(cfg, tg.SdpaAttention(), torch.float32, forward_micro_batches=2)
     with torch.no_grad():
         for p in model.parameters():
-            if p.ndim == 2:
+            if p.ndim >= 2:  # matrices, tables and gate weights
                 p.normal_(0, 0.1)
+        if model.smear_scale is not None:  # the smear on, so that a packed forward could leak through it
+            model.smear_scale.fill_(1.0)
     windows = list(tg.val_batches_for_rank(tg.shard_paths(cfg.val_files, "val_files"), cfg, tg.Comm()))[:2]
     assert windows[1][0] != BOS  # the second chunk starts mid-document
     losses = {}
@@ -730,7 +744,7 @@ def test_check_and_help_flags(tiny_data, tmp_path):
                      "--val_tokens=1048576", "--check"], cwd=tmp_path)
     assert short.returncode == 1 and "fewer than --val_tokens=1,048,576" in short.stderr
     usage = run_cli(["--help"], cwd=tmp_path)
-    assert usage.returncode == 0 and "--num_iterations=1555" in usage.stdout and "--compile_cache=" in usage.stdout
+    assert usage.returncode == 0 and "--num_iterations=1515" in usage.stdout and "--compile_cache=" in usage.stdout
 
 
 def test_run_sh_checks_before_launching(tmp_path):

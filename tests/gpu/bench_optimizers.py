@@ -68,7 +68,7 @@ def main():
 
     matrices = model.matrix_params()
     attn = torch.stack([p.grad for p in matrices["attn"]]).view(-1, 768, 768)
-    mlp = torch.stack([p.grad for p in matrices["mlp"]])
+    mlp = torch.stack([p.grad for p in matrices["mlp_in"] + matrices["mlp_out"]])
     for name, use_triton in (("ns_torch_ms", False), ("ns_triton_ms", True)):
         results[name] = median_ms(lambda: (tg.orthogonalize(attn, use_triton), tg.orthogonalize(mlp, use_triton)))
 
@@ -83,7 +83,7 @@ def main():
         results[name.replace("step_ms", "state_MiB")] = sum(
             t.numel() * t.element_size() for s in state.values() for t in s.values() if torch.is_tensor(t)) / 2**20
 
-    muon = tg.Muon([dict(params=matrices["attn"], split=4), dict(params=matrices["mlp"])], lr=cfg.muon_lr,
+    muon = tg.Muon([dict(params=matrices["attn"], split=4), dict(params=matrices["mlp_in"] + matrices["mlp_out"])], lr=cfg.muon_lr,
                    momentum=cfg.muon_momentum)
     results["muon_step_ms"] = median_ms(muon.step)
     if rank == 0:
