@@ -165,6 +165,47 @@ def test_dist_adam_resumes_from_a_state_dict_saved_on_the_cpu():
 
 
 @pytest.mark.parametrize("compiled", [False, True])
+def test_adam_update_matches_float64(compiled):
+    """DistAdam's update (eager, and compiled as on the GPU in training: one kernel per bucket shape) against
+    Adam with cautious lr-squared weight decay in float64, over steps whose lr changes (no new graph: lr and decay are
+    tensors)."""
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(50304 * 8, generator=g)
+    grads = [torch.randn(weight.shape, generator=g) * 1e-3 for _ in range(4)]
+    p = torch.nn.Parameter(weight.clone().cuda())
+    opt = tg.DistAdam([dict(params=[p])], lr=0.6, betas=(0.75, 0.95), eps=1e-10, weight_decay=0.025, compiled=compiled)
+    ref, m, v = weight.double(), torch.zeros(weight.shape, dtype=torch.float64), torch.zeros(weight.shape, dtype=torch.float64)
+    for step, grad in enumerate(grads, start=1):
+        lr = 0.6 * (1 - 0.2 * step)
+        opt.param_groups[0]["lr"] = lr
+        p.grad = grad.cuda()
+        opt.step()
+        m = 0.75 * m + 0.25 * grad.double()
+        v = 0.95 * v + 0.05 * grad.double() ** 2
+        update = lr * (m / (1 - 0.75 ** step)) / ((v / (1 - 0.95 ** step)).sqrt() + 1e-10)
+        ref = ref - update - lr ** 2 * 0.025 * (update * ref > 0) * ref
+    assert relative_error(p.detach().cpu(), ref) < 1e-6
+
+
+def test_normuon_matches_float64():
+    """NorMuon's rescaling of bf16 orthogonalised updates (as Muon computes them on the GPU) against the same formula
+    in float64 on the same input: per row of a tall block, the running mean square, the division by its root and the
+    Frobenius norm kept."""
+    g = torch.Generator().manual_seed(0)
+    updates = [torch.randn(8, 768, 768, generator=g).to(torch.bfloat16) for _ in range(3)]
+    states = [dict(), dict()]  # two matrices of 4 blocks each, as a QKVO stack
+    moment = torch.zeros(8, 768, 1, dtype=torch.float64)
+    for update in updates:
+        got = tg.normuon_(update.cuda(), states, split=4, beta2=0.95)
+        u = update.double()
+        moment = 0.95 * moment + 0.05 * u.square().mean(dim=-1, keepdim=True)
+        scaled = u / moment.clamp_min(1e-10).sqrt()
+        want = scaled * u.norm(dim=(-2, -1), keepdim=True) / scaled.norm(dim=(-2, -1), keepdim=True)
+        assert got.dtype == torch.bfloat16
+        assert relative_error(got.cpu(), want) < 1e-2
+
+
+@pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("rows,vocab", [(4096, 50304), (333, 1001)])
 def test_softcapped_cross_entropy_kernel_matches_float64(rows, vocab, compiled):
     g = torch.Generator().manual_seed(rows)
