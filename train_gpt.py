@@ -105,6 +105,11 @@ class Config:
     attn_scale: float = 0.1  # softmax scale of the QK-normed heads (speedrun 2025-12), raised as windows grow
     residual_init: float = 1.1  # each layer's input is residual_init * x + ... at the start (speedrun 2025-12)
     head_init_std: float = 0.005  # the head starts as N(0, std^2) (speedrun 2025-12-19); 0 starts it at zero
+    # The token embedding starts as a copy of the head and trains tied to it (one Adam update from the sum of both
+    # gradients, with the head's settings) until untie_frac of the scheduled steps, then each goes on alone with a
+    # copy of the shared Adam state (speedrun 2025-12-22).
+    tie_embed: bool = False
+    untie_frac: float = 0.667
     attn_out_zero_init: bool = False  # O projections start at zero (muP-like) instead of like Q, K and V (2026-01-30)
     value_embed_init_std: float = 1.0  # the speedrun starts its value-embedding tables at zero (2025-12)
     # Per-token gates read from the first gate_dims channels of a layer's normed input (speedrun 2025-12-29 and
@@ -302,6 +307,7 @@ def validate_config(cfg: Config) -> None:
          f"--skip_from={cfg.skip_from} --skip_to={cfg.skip_to}: need 0 <= skip_from < skip_to < num_layers")
     need(-1 <= cfg.backout_from < cfg.num_layers,
          f"--backout_from={cfg.backout_from}: use a layer 0 .. num_layers-1 ({cfg.num_layers - 1}), or -1 for none")
+    need(0.0 <= cfg.untie_frac <= 1.0, f"--untie_frac={cfg.untie_frac}: use a fraction of the scheduled steps, 0 .. 1")
     need(1 <= cfg.gate_dims <= cfg.model_dim, f"--gate_dims={cfg.gate_dims}: use 1 .. model_dim ({cfg.model_dim})")
     need(2 <= cfg.vocab_size <= 65536, f"--vocab_size={cfg.vocab_size}: shards hold 16-bit tokens, use 2 .. 65536")
     need(0 <= cfg.bos_token < cfg.vocab_size,
@@ -1044,7 +1050,7 @@ class DistAdam(torch.optim.Optimizer):
     SMALL = 8192  # parameters below this many values share their param group's bucket
 
     def __init__(self, params, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, sparse_params=(), compiled: bool = False):
+                 weight_decay: float = 0.0, sparse_params=(), compiled: bool = False, tied: tuple | None = None):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         # compiled: one fused kernel per bucket shape (CUDA); the lr and decay go in as tensors, so a new value
         # is no new graph.
@@ -1066,6 +1072,16 @@ class DistAdam(torch.optim.Optimizer):
                 self.buckets.append(_AdamBucket(small, index, self.world_size))
         self.launched: list[_AdamBucket] = []
         self.grad_hooks = _LaunchWhenGradsReady(self.buckets, self._launch_reduce)
+        # tied = (follower, leader), two parameters of one shape: until untie() the follower is not updated but
+        # adds its gradient shard to the leader's and is overwritten with the leader after each step. Whether they
+        # are still tied lives in the follower's state (empty until untie()), so a loaded state dict carries it.
+        self.tied = tied
+        if tied is not None:
+            follower, leader = tied
+            self.tied_buckets = [next((b for b in self.buckets if len(b.params) == 1 and b.params[0] is p), None)
+                                 for p in tied]
+            if follower.shape != leader.shape or None in self.tied_buckets:
+                raise ValueError("tied parameters need one shape and a bucket each")
 
     def before_last_backward(self, sparse_rows: dict | None = None):
         """Let the coming backward launch each bucket's reduce-scatter as soon as its gradients are done.
@@ -1097,8 +1113,13 @@ class DistAdam(torch.optim.Optimizer):
             if bucket.pending is None:
                 self._launch_reduce(bucket)
         gathers = []
+        tied = self.is_tied()
         for bucket in self.launched:
+            if tied and bucket is self.tied_buckets[0]:
+                continue  # its gradient goes into the leader's update below
             grad_shard = bucket.pending()
+            if tied and bucket is self.tied_buckets[1]:
+                grad_shard = grad_shard + self.tied_buckets[0].pending()
             flat = bucket.flat(bucket.params)
             owned = flat[self.rank * bucket.shard: (self.rank + 1) * bucket.shard]
             self._update(bucket, owned, grad_shard)
@@ -1114,11 +1135,23 @@ class DistAdam(torch.optim.Optimizer):
                 for p in bucket.params:
                     p.copy_(flat[offset: offset + p.numel()].view_as(p))
                     offset += p.numel()
+        if tied:
+            self.tied[0].copy_(self.tied[1])
         for bucket in self.buckets:
             bucket.pending = None
         self.launched = []
         self.row_exchanges = {}
         self.grad_hooks.disarm()
+
+    def is_tied(self) -> bool:
+        return self.tied is not None and not self.state[self.tied[0]].get("untied", False)
+
+    def untie(self):
+        """From now on the follower trains alone, starting from a copy of the Adam state they shared."""
+        follower, leader = self.tied
+        self.state[follower] = {key: value.clone() if isinstance(value, Tensor) else value
+                                for key, value in self.state[leader].items()}
+        self.state[follower]["untied"] = True
 
     def load_state_dict(self, state_dict: dict):
         super().load_state_dict(state_dict)
@@ -1763,6 +1796,8 @@ class GPT(nn.Module):
             block.mlp.fc_w.uniform_(-bound, bound)
             block.mlp.proj_w.zero_()
         self.lm_head.weight.normal_(std=self.cfg.head_init_std) if self.cfg.head_init_std else self.lm_head.weight.zero_()
+        if self.cfg.tie_embed:
+            self.embed.weight.copy_(self.lm_head.weight)
         if self.bigram_embed is not None:
             self.bigram_embed.weight.zero_()
         for table in self.value_embeds:
@@ -2169,6 +2204,7 @@ class Schedule:
         self.cfg = cfg
         self.num_iterations = cfg.num_iterations  # scheduled steps
         self.total_steps = cfg.num_iterations + cfg.extension_steps
+        self.untie_step = round(cfg.untie_frac * cfg.num_iterations)  # with --tie_embed
         self.batches = _parse_stage_list(cfg, "batch_schedule", int)
         self.lr_multipliers = _parse_stage_list(cfg, "lr_schedule", float)
         block = cfg.window_block
@@ -2336,6 +2372,9 @@ def build_optimizers(model: GPT, cfg: Config) -> list[torch.optim.Optimizer]:
     wd = cfg.adam_weight_decay
     adam = DistAdam([dict(params=tables, lr=cfg.adam_lr * cfg.embed_lr_mul, betas=cfg.table_betas,
                           weight_decay=wd * cfg.table_wd_mul),
+                     # tied to the head, the token embedding takes the head's settings, also once untied
+                     dict(params=[model.embed.weight], lr=cfg.adam_lr * cfg.head_lr_mul, betas=cfg.head_betas,
+                          weight_decay=wd * cfg.head_wd_mul) if cfg.tie_embed else
                      dict(params=[model.embed.weight], lr=cfg.adam_lr * cfg.embed_lr_mul, betas=cfg.table_betas,
                           weight_decay=0.0),
                      dict(params=[model.lm_head.weight], lr=cfg.adam_lr * cfg.head_lr_mul, betas=cfg.head_betas,
@@ -2349,7 +2388,8 @@ def build_optimizers(model: GPT, cfg: Config) -> list[torch.optim.Optimizer]:
                        if model.skip_gate_w is not None else []),
                     lr=cfg.adam_lr, betas=cfg.adam_betas, eps=cfg.adam_eps,
                     sparse_params=bigram if cfg.sparse_bigram_comms else (),
-                    compiled=cfg.compile and next(model.parameters()).is_cuda)
+                    compiled=cfg.compile and next(model.parameters()).is_cuda,
+                    tied=(model.embed.weight, model.lm_head.weight) if cfg.tie_embed else None)
     # Muon steps first. The collectives of both share one NCCL stream, and every wait on them is a wait of
     # the compute stream: Adam's step ends waiting for its all-gathers (its tables, the largest transfer
     # of the step), so a Muon stepping after it would start its Newton-Schulz only then. Stepping first,
@@ -2370,6 +2410,8 @@ def build_optimizers(model: GPT, cfg: Config) -> list[torch.optim.Optimizer]:
 def set_hyperparameters(optimizers, schedule: Schedule, step: int):
     lr_multiplier = schedule.lr_multiplier(step)
     for opt in optimizers:
+        if isinstance(opt, DistAdam) and opt.is_tied() and step >= schedule.untie_step:
+            opt.untie()
         for group in opt.param_groups:
             group["lr"] = group["initial_lr"] * lr_multiplier
             if isinstance(opt, Muon):

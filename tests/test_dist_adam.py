@@ -129,3 +129,72 @@ def test_backward_hooks_launch_the_reduce_scatters():
     (early0, total0, params0), (early1, total1, params1) = run_on_ranks(_hook_run, 2)
     assert early0 == total0 > 0 and early1 == total1  # everything launched inside backward
     assert all(torch.equal(a, b) for a, b in zip(params0, params1))  # ranks agree after the step
+
+
+TIED_STEPS, UNTIE_AT = 5, 3
+
+
+def _tied_run(rank, world_size):
+    """Embedding-like follower tied to a head-like leader for UNTIE_AT steps, then untied."""
+    g = torch.Generator().manual_seed(0)
+    leader = torch.randn(64, 48, generator=g).requires_grad_()
+    follower = leader.detach().clone().requires_grad_()
+    opt = tg.DistAdam([dict(params=[follower]), dict(params=[leader])], lr=0.01, tied=(follower, leader), **HYPER)
+    ties, weights = [], []
+    for step in range(TIED_STEPS):
+        if step == UNTIE_AT:
+            opt.untie()
+        ties.append(opt.is_tied())
+        grads = torch.Generator().manual_seed(100 * step + rank)
+        follower.grad, leader.grad = (torch.randn(64, 48, generator=grads) for _ in range(2))
+        opt.step()
+        weights.append((follower.detach().clone(), leader.detach().clone()))
+    return ties, weights, opt.state_dict()
+
+
+def test_tied_parameters_share_one_update_then_go_on_alone():
+    """While tied: one Adam update of the leader from the sum of both gradients (averaged over ranks), copied into the
+    follower. After untie(): each its own Adam, the follower starting from a copy of the shared state. At 1 and 2
+    ranks, against a plain float64 Adam with cautious weight decay; the untied state survives a state dict."""
+    beta1, beta2 = HYPER["betas"]
+    lr, eps, wd = 0.01, HYPER["eps"], HYPER["weight_decay"]
+
+    def adam(p, grad, state):
+        state["t"] += 1
+        state["m"] = beta1 * state["m"] + (1 - beta1) * grad
+        state["v"] = beta2 * state["v"] + (1 - beta2) * grad ** 2
+        update = lr * (state["m"] / (1 - beta1 ** state["t"])) / ((state["v"] / (1 - beta2 ** state["t"])).sqrt() + eps)
+        return p - update - lr ** 2 * wd * (update * p > 0) * p
+
+    for world_size in (1, 2):
+        results = [_tied_run(0, 1)] if world_size == 1 else run_on_ranks(_tied_run, 2)
+        leader = torch.randn(64, 48, generator=torch.Generator().manual_seed(0)).double()
+        follower = leader.clone()
+        zero = dict(t=0, m=torch.zeros_like(leader), v=torch.zeros_like(leader))
+        shared = dict(zero)
+        alone = None
+        for step in range(TIED_STEPS):
+            per_rank = [torch.Generator().manual_seed(100 * step + r) for r in range(world_size)]
+            grads = [[torch.randn(64, 48, generator=g).double() for _ in range(2)] for g in per_rank]
+            follower_grad = sum(g[0] for g in grads) / world_size
+            leader_grad = sum(g[1] for g in grads) / world_size
+            if step < UNTIE_AT:
+                leader = adam(leader, follower_grad + leader_grad, shared)
+                follower = leader.clone()
+            else:
+                alone = alone or dict(shared)
+                leader = adam(leader, leader_grad, shared)
+                follower = adam(follower, follower_grad, alone)
+            for ties, weights, _ in results:
+                assert ties[step] == (step < UNTIE_AT)
+                np.testing.assert_allclose(weights[step][0].numpy(), follower.float().numpy(), rtol=1e-5, atol=1e-6)
+                np.testing.assert_allclose(weights[step][1].numpy(), leader.float().numpy(), rtol=1e-5, atol=1e-6)
+        assert not torch.equal(results[0][1][-1][0], results[0][1][-1][1])  # untied, they went apart
+
+    # a state dict taken after the untie loads as untied (a DiLoCo heal)
+    _, _, state = results[0]
+    p, q = torch.zeros(64, 48, requires_grad=True), torch.zeros(64, 48, requires_grad=True)
+    opt = tg.DistAdam([dict(params=[p]), dict(params=[q])], lr=0.01, tied=(p, q), **HYPER)
+    assert opt.is_tied()
+    opt.load_state_dict(state)
+    assert not opt.is_tied()

@@ -457,6 +457,27 @@ def test_scheduled_steps_then_extension_steps():
         tg.parse_cli(["--preset=tiny", "--extension_steps=-1"])
 
 
+def test_tied_embedding_follows_the_head_until_the_untie_step(tiny_data):
+    cfg = tiny_config(*tiny_data, num_iterations=4, tie_embed=1, untie_frac=0.5)
+    schedule = tg.Schedule(cfg)
+    assert schedule.untie_step == 2
+    torch.manual_seed(0)
+    model = tg.GPT(cfg, tg.SdpaAttention(), torch.float32)
+    assert torch.equal(model.embed.weight, model.lm_head.weight) and model.lm_head.weight.std() < 0.01
+    optimizers = tg.build_optimizers(model, cfg)
+    batches = tg.Prefetcher(tg.dummy_batches(cfg, seed=1), cfg.micro_batch_tokens, torch.device("cpu"),
+                            bigram_rows=cfg.bigram_rows, bos=cfg.bos_token)
+    same = []
+    try:
+        for step in range(4):
+            tg.set_hyperparameters(optimizers, schedule, step)
+            tg.train_step(model, optimizers, batches, schedule.windows(step), forwards=1)
+            same.append(torch.equal(model.embed.weight, model.lm_head.weight))
+    finally:
+        batches.close()
+    assert same == [True, True, False, False]
+
+
 def test_loss_watch_names_step_and_rank():
     watch = tg.LossWatch(tg.Comm(rank=0, world_size=1), torch.device("cpu"))
     watch.push(0, torch.tensor(3.0))
@@ -576,9 +597,9 @@ def _train_on_rank(rank, world_size, cfg):
 
 
 # The speedrun's model and optimizer extras that are off by default: gates, smear, backout, zero value tables, NorMuon
-# with its lr scaling and cautious weight decay.
+# with its lr scaling and cautious weight decay, the embedding tied to the head (untied at step 2 of 3).
 EXTRAS = dict(gates=1, smear=1, backout_from=2, value_embed_init_std=0, normuon_beta2=0.95, muon_shape_lr=1,
-              muon_proj_lr_mul=2, muon_weight_decay=1.2)
+              muon_proj_lr_mul=2, muon_weight_decay=1.2, tie_embed=1)
 
 
 @pytest.mark.parametrize("extras", [{}, EXTRAS], ids=["defaults", "extras"])
