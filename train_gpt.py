@@ -101,7 +101,15 @@ class Config:
     value_embed_layout: str = "01......234"
     skip_from: int = 3  # the output of this layer is added (gated) to the input of skip_to
     skip_to: int = 6
+    # The head's logits x become cap * sigmoid((x + offset) / divisor) (speedrun 2024-11; 2025-12-26: 23, 5, 7.5).
     logit_softcap: float = 30.0
+    logit_offset: float = 0.0
+    logit_divisor: float = 7.5
+    # Multi-token prediction (speedrun 2025-12-22): per stage, separated by '/', the weights of the losses to the
+    # tokens 1, 2, ... ahead, all from the same logits; "a>b" goes linearly from a to b over the stage; the
+    # extension keeps the last stage's. The weights are normalised to sum to 1; validation is next-token only.
+    # Empty: next token only. The speedrun's: "1,0.5,0.25>0/1,0.5>0/1".
+    mtp_schedule: str = ""
     attn_scale: float = 0.1  # softmax scale of the QK-normed heads (speedrun 2025-12), raised as windows grow
     residual_init: float = 1.1  # each layer's input is residual_init * x + ... at the start (speedrun 2025-12)
     head_init_std: float = 0.005  # the head starts as N(0, std^2) (speedrun 2025-12-19); 0 starts it at zero
@@ -282,6 +290,14 @@ def _parse_stage_list(cfg: Config, name: str, parse) -> list:
         raise UserError(f"bad --{name}={text!r}: see the Config docstring for its form") from None
 
 
+def parse_mtp_schedule(text: str) -> list[list[tuple[float, float]]]:
+    """'1,0.5,0.25>0/1,0.5>0/1' -> per stage, per offset, (weight at the stage's start, weight at its end)."""
+    try:
+        return [[(float(w.split(">")[0]), float(w.split(">")[-1])) for w in stage.split(",")] for stage in text.split("/")]
+    except ValueError:
+        raise UserError(f"bad --mtp_schedule={text!r}: weights separated by ',', stages by '/', a ramp as a>b") from None
+
+
 def _parse_window_pair(item: str) -> tuple[int, int]:
     short, long = item.split(":")
     return int(short), int(long)
@@ -307,6 +323,15 @@ def validate_config(cfg: Config) -> None:
          f"--skip_from={cfg.skip_from} --skip_to={cfg.skip_to}: need 0 <= skip_from < skip_to < num_layers")
     need(-1 <= cfg.backout_from < cfg.num_layers,
          f"--backout_from={cfg.backout_from}: use a layer 0 .. num_layers-1 ({cfg.num_layers - 1}), or -1 for none")
+    need(0 < cfg.logit_softcap <= 4 * cfg.logit_divisor,
+         f"--logit_softcap={cfg.logit_softcap} must be positive and at most 4 * --logit_divisor={cfg.logit_divisor} "
+         "(the FP8 head's gradient scale counts on dz/dlogit <= 1)")
+    if cfg.mtp_schedule:
+        stages = parse_mtp_schedule(cfg.mtp_schedule)
+        need(len(stages) == len(_parse_stage_list(cfg, "batch_schedule", int)),
+             f"--mtp_schedule={cfg.mtp_schedule!r}: needs one entry per stage of --batch_schedule, separated by '/'")
+        need(all(stage[0][0] > 0 and stage[0][1] > 0 and min(min(w) for w in stage) >= 0 for stage in stages),
+             f"--mtp_schedule={cfg.mtp_schedule!r}: weights must be 0 or more, the next token's above 0")
     need(0.0 <= cfg.untie_frac <= 1.0, f"--untie_frac={cfg.untie_frac}: use a fraction of the scheduled steps, 0 .. 1")
     need(1 <= cfg.gate_dims <= cfg.model_dim, f"--gate_dims={cfg.gate_dims}: use 1 .. model_dim ({cfg.model_dim})")
     need(2 <= cfg.vocab_size <= 65536, f"--vocab_size={cfg.vocab_size}: shards hold 16-bit tokens, use 2 .. 65536")
@@ -421,54 +446,60 @@ def symmetric_matmul(X: Tensor, out: Tensor, alpha: float = 1.0, beta: float = 0
 
 if triton is not None:
     @triton.jit
-    def _softcapped_row_loss(Logits, target, V, cap: tl.constexpr, BLOCK: tl.constexpr):
-        """(logsumexp(z), its loss logsumexp(z) - z[target]) of one row of logits, z = cap * sigmoid(4 * logit / cap)."""
+    def _softcapped_row_loss(Logits, target, V, cap: tl.constexpr, offset: tl.constexpr, divisor: tl.constexpr,
+                             BLOCK: tl.constexpr):
+        """(logsumexp(z), its loss logsumexp(z) - z[target]) of one row of logits,
+        z = cap * sigmoid((logit + offset) / divisor)."""
         cols = tl.arange(0, BLOCK)
         # z lies in (0, cap), so exp(z - cap) <= 1 and the sum cannot overflow: no running max is needed.
         total = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, V, BLOCK):
             inside = start + cols < V
-            z = cap * tl.sigmoid(tl.load(Logits + start + cols, mask=inside, other=0.0).to(tl.float32) * (4.0 / cap))
-            total += tl.where(inside, tl.exp(z - cap), 0.0)
+            x = tl.load(Logits + start + cols, mask=inside, other=0.0).to(tl.float32)
+            total += tl.where(inside, tl.exp(cap * tl.sigmoid((x + offset) / divisor) - cap), 0.0)
         lse = cap + tl.log(tl.sum(total, axis=0))
-        return lse, lse - cap * tl.sigmoid(tl.load(Logits + target).to(tl.float32) * (4.0 / cap))
+        return lse, lse - cap * tl.sigmoid((tl.load(Logits + target).to(tl.float32) + offset) / divisor)
 
     @triton.jit
-    def _softcapped_row_grad(Logits, Grad, target, lse, scale, V, cap: tl.constexpr, BLOCK: tl.constexpr):
+    def _softcapped_row_grad(Logits, Grad, target, lse, scale, V, cap: tl.constexpr, offset: tl.constexpr,
+                             divisor: tl.constexpr, BLOCK: tl.constexpr):
         """Writes one row's d loss / d logit times scale in Grad's dtype: scale * (softmax(z) - onehot) * dz/dlogit,
-        with dz/dlogit = 4 s (1 - s) <= 1, s = sigmoid(4 * logit / cap), so no value exceeds |scale|."""
+        with dz/dlogit = cap / divisor * s (1 - s) <= cap / (4 divisor), s = sigmoid((logit + offset) / divisor)."""
         cols = tl.arange(0, BLOCK)
         for start in range(0, V, BLOCK):
             inside = start + cols < V
-            s = tl.sigmoid(tl.load(Logits + start + cols, mask=inside, other=0.0).to(tl.float32) * (4.0 / cap))
+            s = tl.sigmoid((tl.load(Logits + start + cols, mask=inside, other=0.0).to(tl.float32) + offset) / divisor)
             d = tl.exp(cap * s - lse) - tl.where(start + cols == target, 1.0, 0.0)
-            tl.store(Grad + start + cols, (scale * d * 4.0 * s * (1.0 - s)).to(Grad.dtype.element_ty), mask=inside)
+            tl.store(Grad + start + cols, (scale * d * (cap / divisor) * s * (1.0 - s)).to(Grad.dtype.element_ty),
+                     mask=inside)
 
     @triton.jit
-    def _softcapped_ce_forward_kernel(Logits, Targets, Loss, Lse, V, stride, cap: tl.constexpr, BLOCK: tl.constexpr):
+    def _softcapped_ce_forward_kernel(Logits, Targets, Loss, Lse, V, stride, cap: tl.constexpr, offset: tl.constexpr,
+                                      divisor: tl.constexpr, BLOCK: tl.constexpr):
         """One row per program: each row's loss and logsumexp."""
         row = tl.program_id(0).to(tl.int64)
-        lse, loss = _softcapped_row_loss(Logits + row * stride, tl.load(Targets + row), V, cap, BLOCK)
+        lse, loss = _softcapped_row_loss(Logits + row * stride, tl.load(Targets + row), V, cap, offset, divisor, BLOCK)
         tl.store(Loss + row, loss)
         tl.store(Lse + row, lse)
 
     @triton.jit
     def _softcapped_ce_backward_kernel(Logits, Targets, Lse, GradLoss, GradLogits, V, stride, grad_stride,
-                                       cap: tl.constexpr, BLOCK: tl.constexpr):
+                                       cap: tl.constexpr, offset: tl.constexpr, divisor: tl.constexpr,
+                                       BLOCK: tl.constexpr):
         """One row per program: the row's upstream gradient times d loss / d logit (_softcapped_row_grad)."""
         row = tl.program_id(0).to(tl.int64)
         _softcapped_row_grad(Logits + row * stride, GradLogits + row * grad_stride, tl.load(Targets + row),
-                             tl.load(Lse + row), tl.load(GradLoss + row), V, cap, BLOCK)
+                             tl.load(Lse + row), tl.load(GradLoss + row), V, cap, offset, divisor, BLOCK)
 
 CE_BLOCK, CE_WARPS = 1024, 4  # the loss kernels' launch shape (tests/gpu/bench_loss.py sweeps it)
 
 
-def _softcapped_ce_rows(logits: Tensor, targets: Tensor, cap: float) -> tuple[Tensor, Tensor]:
+def _softcapped_ce_rows(logits: Tensor, targets: Tensor, softcap: tuple) -> tuple[Tensor, Tensor]:
     """Per-row loss and logsumexp of the softcapped logits, with the forward kernel."""
     rows, vocab = logits.shape
     loss = logits.new_empty(rows, dtype=torch.float32)
     lse = torch.empty_like(loss)
-    _softcapped_ce_forward_kernel[(rows,)](logits, targets, loss, lse, vocab, logits.stride(0), cap,
+    _softcapped_ce_forward_kernel[(rows,)](logits, targets, loss, lse, vocab, logits.stride(0), *softcap,
                                            BLOCK=CE_BLOCK, num_warps=CE_WARPS)
     return loss, lse
 
@@ -479,10 +510,10 @@ class _SoftcappedCrossEntropy(torch.autograd.Function):
     gradient, so no fp32 copy of the [tokens, vocab] logits is ever made."""
 
     @staticmethod
-    def forward(ctx, logits: Tensor, targets: Tensor, cap: float) -> Tensor:
-        loss, lse = _softcapped_ce_rows(logits, targets, cap)
+    def forward(ctx, logits: Tensor, targets: Tensor, softcap: tuple) -> Tensor:
+        loss, lse = _softcapped_ce_rows(logits, targets, softcap)
         ctx.save_for_backward(logits, targets, lse)
-        ctx.cap = cap
+        ctx.softcap = softcap
         return loss
 
     @staticmethod
@@ -491,23 +522,47 @@ class _SoftcappedCrossEntropy(torch.autograd.Function):
         rows, vocab = logits.shape
         grad = torch.empty_like(logits)
         _softcapped_ce_backward_kernel[(rows,)](logits, targets, lse, grad_loss.contiguous(), grad, vocab,
-                                                logits.stride(0), grad.stride(0), ctx.cap,
+                                                logits.stride(0), grad.stride(0), *ctx.softcap,
                                                 BLOCK=CE_BLOCK, num_warps=CE_WARPS)
         return grad, None, None
 
 
-def softcapped_cross_entropy(logits: Tensor, targets: Tensor, cap: float, use_triton: bool | None = None) -> Tensor:
-    """Mean cross-entropy of z = cap * sigmoid(4 * logits / cap), a [rows, vocab] input.
+def softcap(logits: Tensor, cap: tuple) -> Tensor:
+    """z = cap * sigmoid((logits + offset) / divisor), cap = (cap, offset, divisor): logits squeezed into (0, cap)."""
+    return cap[0] * torch.sigmoid((logits.float() + cap[1]) / cap[2])
+
+
+def multi_token_losses(z: Tensor, targets: Tensor, mtp: tuple | None) -> Tensor:
+    """Per-row loss of softcapped logits z [rows, vocab]: cross-entropy to the next token, or with mtp = (weights [K],
+    period) the weighted sum over k < K of the cross-entropy to the token k + 1 ahead (row i's targets[i + k]),
+    for the k that stay inside the row's micro-batch of `period` rows (multi-token prediction)."""
+    lse = torch.logsumexp(z, dim=1)
+    if mtp is None:
+        return lse - z.gather(1, targets[:, None].long())[:, 0]
+    weights, period = mtp
+    rows = z.size(0)
+    position = torch.arange(rows, device=z.device) % period
+    losses = torch.zeros_like(lse)
+    for k in range(weights.numel()):
+        ahead = torch.cat([targets[k:], targets[:k]]).long()  # wraps: those rows are masked below
+        losses = losses + weights[k] * (position + k < period) * (lse - z.gather(1, ahead[:, None])[:, 0])
+    return losses
+
+
+def softcapped_cross_entropy(logits: Tensor, targets: Tensor, cap: tuple, use_triton: bool | None = None,
+                             mtp: tuple | None = None) -> Tensor:
+    """Mean cross-entropy of softcap(logits, cap), a [rows, vocab] input; with mtp, multi_token_losses.
 
     The soft cap squeezes logits into (0, cap): the speedrun's 30*sigmoid(z/7.5) form of Gemma 2's tanh
-    cap, which keeps logits from growing without bound early in training. On CUDA with Triton the fused
-    kernels compute it; otherwise plain torch.
+    cap, which keeps logits from growing without bound early in training (its 2025-12-26 record shifts it:
+    23*sigmoid((z+5)/7.5)). On CUDA with Triton the fused kernels compute next-token losses; otherwise, and for
+    multi-token losses, plain torch.
     """
     if use_triton is None:
         use_triton = logits.is_cuda and triton is not None
-    if use_triton:
+    if use_triton and mtp is None:
         return _SoftcappedCrossEntropy.apply(logits, targets, cap).mean()
-    return F.cross_entropy(cap * torch.sigmoid(logits.float() / (cap / 4)), targets)
+    return multi_token_losses(softcap(logits, cap), targets, mtp).mean()
 
 
 if triton is not None:
@@ -554,28 +609,37 @@ if triton is not None:
         return bits.to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _softcap_sigmoid(x, cap: tl.constexpr, PTX: tl.constexpr):
-        """s = sigmoid(4 x / cap), so that z = cap * s: two MUFU instructions (ex2, rcp)."""
-        return _rcp_mufu(1.0 + _exp2_mufu(x * (-4.0 / cap * 1.4426950408889634), PTX), PTX)
+    def _softcap_sigmoid(x, offset: tl.constexpr, divisor: tl.constexpr, PTX: tl.constexpr):
+        """s = sigmoid((x + offset) / divisor), so that z = cap * s: two MUFU instructions (ex2, rcp)."""
+        return _rcp_mufu(1.0 + _exp2_mufu((x + offset) * (-1.4426950408889634 / divisor), PTX), PTX)
 
     @triton.jit
-    def _exp_z_minus_cap(x, cap: tl.constexpr, PTX: tl.constexpr):
+    def _exp_z_minus_cap(x, cap: tl.constexpr, offset: tl.constexpr, divisor: tl.constexpr, PTX: tl.constexpr):
         """exp(z - cap), the loss pass's term: three MUFU instructions (ex2, rcp, ex2)."""
-        return _exp2_mufu((_softcap_sigmoid(x, cap, PTX) - 1.0) * (cap * 1.4426950408889634), PTX)
+        return _exp2_mufu((_softcap_sigmoid(x, offset, divisor, PTX) - 1.0) * (cap * 1.4426950408889634), PTX)
 
     @triton.jit
-    def _scaled_softmax_grad(x, shift, one_hot, cap: tl.constexpr, PTX: tl.constexpr):
-        """2^GRAD_EXP (softmax(z) - one_hot / 2^GRAD_EXP) dz/dlogit, shift = (cap / 2 - lse) log2(e) + GRAD_EXP.
-        With t = tanh(2 x / cap): z = cap / 2 (1 + t) and dz/dlogit = 1 - t^2, so one MUFU instruction."""
-        t = _tanh_mufu(x * (2.0 / cap), PTX)
-        return (_exp2_on_fma_units(t * (0.5 * cap * 1.4426950408889634) + shift) - one_hot) * (1.0 - t * t)
+    def _scaled_softmax_grad(x, shift, one_hot, cap: tl.constexpr, offset: tl.constexpr, divisor: tl.constexpr,
+                             PTX: tl.constexpr):
+        """2^GRAD_EXP (w softmax(z) - one_hot / 2^GRAD_EXP) dz/dlogit, shift = (cap / 2 - lse + log(w)) log2(e) +
+        GRAD_EXP. With t = tanh((x + offset) / (2 divisor)): z = cap / 2 (1 + t) and dz/dlogit = cap / (4 divisor)
+        (1 - t^2), so one MUFU instruction."""
+        t = _tanh_mufu((x + offset) * (0.5 / divisor), PTX)
+        return ((_exp2_on_fma_units(t * (0.5 * cap * 1.4426950408889634) + shift) - one_hot)
+                * ((cap / (4.0 * divisor)) * (1.0 - t * t)))
 
     @triton.jit
-    def _softcapped_ce_fp8_kernel(Logits, Targets, Loss, Grad, V, stride, cap: tl.constexpr, GRAD_EXP: tl.constexpr,
+    def _softcapped_ce_fp8_kernel(Logits, Targets, Weights, Loss, Grad, V, stride, period, cap: tl.constexpr,
+                                  offset: tl.constexpr, divisor: tl.constexpr, K: tl.constexpr, GRAD_EXP: tl.constexpr,
                                   BLOCK: tl.constexpr, TAIL: tl.constexpr, PTX: tl.constexpr):
         """One row per program, two passes over it: the first sums exp(z - cap) for the loss (z < cap, so no
         running max is needed), the second writes the loss's gradient for an upstream gradient of 2^GRAD_EXP in
-        Grad's dtype (e5m2 in the trainer), where no value exceeds 2^GRAD_EXP.
+        Grad's dtype (e5m2 in the trainer), where no value exceeds 2^GRAD_EXP (cap <= 4 divisor and the K weights
+        sum to at most 1).
+
+        The row's loss is the sum over k < K of Weights[k] times the cross-entropy to Targets[row + k] (the token
+        k + 1 ahead), for the k that keep row + k inside the row's micro-batch of `period` rows (multi-token
+        prediction; K = 1, weight 1: next-token cross-entropy).
 
         With tl.sigmoid and tl.exp this took six MUFU (special function unit) operations per logit, which
         bounded it as much as memory did. The loss pass takes three single instructions (loss within 1e-6 of
@@ -591,28 +655,45 @@ if triton is not None:
         full = V // BLOCK * BLOCK
         total = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, full, BLOCK):
-            total += _exp_z_minus_cap(tl.load(Logits + start + cols).to(tl.float32), cap, PTX)
+            total += _exp_z_minus_cap(tl.load(Logits + start + cols).to(tl.float32), cap, offset, divisor, PTX)
         tail_total = tl.zeros([TAIL], dtype=tl.float32)
         for start in range(full, V, TAIL):
             inside = start + tail_cols < V
             x = tl.load(Logits + start + tail_cols, mask=inside, other=0.0).to(tl.float32)
-            tail_total += tl.where(inside, _exp_z_minus_cap(x, cap, PTX), 0.0)
+            tail_total += tl.where(inside, _exp_z_minus_cap(x, cap, offset, divisor, PTX), 0.0)
         lse = cap + tl.log(tl.sum(total, axis=0) + tl.sum(tail_total, axis=0))
-        target = tl.load(Targets + row)
-        x_target = tl.load(Logits + target).to(tl.float32)
-        tl.store(Loss + row, lse - cap * _softcap_sigmoid(x_target, cap, PTX))
-        shift = (0.5 * cap - lse) * 1.4426950408889634 + GRAD_EXP
+        position = row % period
+        loss = 0.0
+        weight = 0.0
+        for k in tl.static_range(K):
+            inside_batch = position + k < period
+            w = tl.where(inside_batch, tl.load(Weights + k), 0.0)
+            x_target = tl.load(Logits + tl.load(Targets + row + k, mask=inside_batch, other=0)).to(tl.float32)
+            loss += w * (lse - cap * _softcap_sigmoid(x_target, offset, divisor, PTX))
+            weight += w
+        tl.store(Loss + row, loss)
+        shift = (0.5 * cap - lse) * 1.4426950408889634 + tl.log2(weight) + GRAD_EXP
         for start in range(0, full, BLOCK):
-            grad = _scaled_softmax_grad(tl.load(Logits + start + cols).to(tl.float32), shift, 0.0, cap, PTX)
+            grad = _scaled_softmax_grad(tl.load(Logits + start + cols).to(tl.float32), shift, 0.0, cap, offset,
+                                        divisor, PTX)
             tl.store(Grad + start + cols, grad.to(Grad.dtype.element_ty))
         for start in range(full, V, TAIL):
             inside = start + tail_cols < V
             x = tl.load(Logits + start + tail_cols, mask=inside, other=0.0).to(tl.float32)
-            grad = _scaled_softmax_grad(x, shift, 0.0, cap, PTX)
+            grad = _scaled_softmax_grad(x, shift, 0.0, cap, offset, divisor, PTX)
             tl.store(Grad + start + tail_cols, grad.to(Grad.dtype.element_ty), mask=inside)
-        tl.debug_barrier()  # the target's entry again, now with its -1: after the barrier it lands last
-        grad = _scaled_softmax_grad(x_target, shift, 2.0 ** GRAD_EXP, cap, PTX)
-        tl.store(Grad + target, grad.to(Grad.dtype.element_ty))
+        tl.debug_barrier()  # the targets' entries again, now with their -w: after the barrier they land last
+        for k in tl.static_range(K):
+            inside_batch = position + k < period
+            target = tl.load(Targets + row + k, mask=inside_batch, other=0)
+            same = 0.0  # the weight of every offset whose target is this one (a repeated token)
+            for j in tl.static_range(K):
+                inside_j = position + j < period
+                same += tl.where(inside_j & (tl.load(Targets + row + j, mask=inside_j, other=0) == target),
+                                 tl.load(Weights + j), 0.0)
+            grad = _scaled_softmax_grad(tl.load(Logits + target).to(tl.float32), shift, same * 2.0 ** GRAD_EXP, cap,
+                                        offset, divisor, PTX)
+            tl.store(Grad + target, grad.to(Grad.dtype.element_ty), mask=inside_batch)
 
     @triton.jit
     def _transpose_kernel(In, Out, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -651,12 +732,15 @@ GRAD_E5M2_MAX = 2.0 ** GRAD_E5M2_EXP
 CE_FP8_BLOCK, CE_FP8_WARPS, CE_FP8_TAIL = 16384, 16, 1024
 
 
-def softcapped_ce_fp8(logits: Tensor, targets: Tensor, cap: float, losses: Tensor, grad: Tensor) -> None:
-    """_softcapped_ce_fp8_kernel: each row's loss into losses [T], its gradient into grad [T, V]."""
+def softcapped_ce_fp8(logits: Tensor, targets: Tensor, cap: tuple, losses: Tensor, grad: Tensor,
+                      mtp: tuple | None = None) -> None:
+    """_softcapped_ce_fp8_kernel: each row's loss into losses [T], its gradient into grad [T, V]; cap = (cap, offset,
+    divisor); mtp = (weights [K] summing to 1, period), or None for next-token losses."""
     rows, vocab = logits.shape
-    _softcapped_ce_fp8_kernel[(rows,)](logits, targets, losses, grad, vocab, logits.stride(0), cap, GRAD_E5M2_EXP,
-                                       BLOCK=CE_FP8_BLOCK, TAIL=min(CE_FP8_TAIL, CE_FP8_BLOCK), PTX=logits.is_cuda,
-                                       num_warps=CE_FP8_WARPS)
+    weights, period = mtp if mtp is not None else (torch.ones(1, device=logits.device), rows)
+    _softcapped_ce_fp8_kernel[(rows,)](logits, targets, weights, losses, grad, vocab, logits.stride(0), period, *cap,
+                                       K=weights.numel(), GRAD_EXP=GRAD_E5M2_EXP, BLOCK=CE_FP8_BLOCK,
+                                       TAIL=min(CE_FP8_TAIL, CE_FP8_BLOCK), PTX=logits.is_cuda, num_warps=CE_FP8_WARPS)
 
 
 class _Fp8SoftcappedHead(torch.autograd.Function):
@@ -670,7 +754,9 @@ class _Fp8SoftcappedHead(torch.autograd.Function):
     the Triton kernels; otherwise the same quantised arithmetic in plain torch (CPUs, tests)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, targets: Tensor, cap: float, fast: bool) -> Tensor:
+    def forward(ctx, x: Tensor, weight: Tensor, targets: Tensor, cap: tuple, fast: bool, mtp_weights: Tensor | None,
+                period: int) -> Tensor:
+        mtp = (mtp_weights, period) if mtp_weights is not None else None
         x_scale = x.new_full((), x.size(1) ** 0.5 / E4M3_MAX, dtype=torch.float32)
         w_scale = (weight.detach().abs().amax().float() / E4M3_MAX).clamp(min=1e-30)
         x_q = (x.float() / x_scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
@@ -682,16 +768,14 @@ class _Fp8SoftcappedHead(torch.autograd.Function):
             vocab = logits.size(1)
             losses = logits.new_empty(rows, dtype=torch.float32)
             grad_q = logits.new_empty(rows, vocab, dtype=torch.float8_e5m2)
-            softcapped_ce_fp8(logits, targets, cap, losses, grad_q)
+            softcapped_ce_fp8(logits, targets, cap, losses, grad_q, mtp)
         else:
             logits = (x_q.float() * x_scale) @ (w_q.float() * w_scale).t()
-            s = torch.sigmoid(logits * (4.0 / cap))
-            z = cap * s
-            lse = torch.logsumexp(z, dim=1)
-            losses = lse - z.gather(1, targets[:, None].long())[:, 0]
-            d = torch.exp(z - lse[:, None])
-            d[torch.arange(rows, device=d.device), targets.long()] -= 1.0
-            grad_q = (GRAD_E5M2_MAX * d * 4.0 * s * (1.0 - s)).to(torch.float8_e5m2)
+            s = torch.sigmoid((logits + cap[1]) / cap[2])
+            z = cap[0] * s
+            losses = multi_token_losses(z, targets, mtp)
+            d = multi_token_grad(z, targets, mtp)
+            grad_q = (GRAD_E5M2_MAX * d * (cap[0] / cap[2]) * s * (1.0 - s)).to(torch.float8_e5m2)
         ctx.save_for_backward(x_q, w_q, x_scale, w_scale, grad_q)
         ctx.fast, ctx.x_dtype, ctx.w_dtype = fast, x.dtype, weight.dtype
         return losses.mean()
@@ -711,15 +795,34 @@ class _Fp8SoftcappedHead(torch.autograd.Function):
             grad = grad_q.float() * grad_scale
             grad_x = (grad @ (w_q.float() * w_scale)).to(ctx.x_dtype)
             grad_w = grad.t() @ (x_q.float() * x_scale)
-        return grad_x, grad_w.to(ctx.w_dtype), None, None, None
+        return grad_x, grad_w.to(ctx.w_dtype), None, None, None, None, None
 
 
-def fp8_softcapped_head(x: Tensor, weight: Tensor, targets: Tensor, cap: float, use_triton: bool | None = None) -> Tensor:
+def multi_token_grad(z: Tensor, targets: Tensor, mtp: tuple | None) -> Tensor:
+    """d multi_token_losses / d z, row by row: the weights inside the micro-batch times softmax(z), minus each
+    weight at its target."""
+    rows = z.size(0)
+    weights, period = mtp if mtp is not None else (torch.ones(1, device=z.device), rows)
+    position = torch.arange(rows, device=z.device) % period
+    softmax = torch.softmax(z, dim=1)
+    d = torch.zeros_like(softmax)
+    for k in range(weights.numel()):
+        w = weights[k] * (position + k < period)  # [rows]
+        ahead = torch.cat([targets[k:], targets[:k]]).long()
+        d += w[:, None] * softmax
+        d[torch.arange(rows, device=z.device), ahead] -= w
+    return d
+
+
+def fp8_softcapped_head(x: Tensor, weight: Tensor, targets: Tensor, cap: tuple, use_triton: bool | None = None,
+                        mtp: tuple | None = None) -> Tensor:
     """Mean softcapped cross-entropy of x @ weight.T (x: [rows, dim] rms-normed, weight: [vocab, dim]) with
-    FP8 matmuls: _Fp8SoftcappedHead. On CUDA with Triton the fast kernels, otherwise plain torch."""
+    FP8 matmuls, next-token or multi-token (mtp): _Fp8SoftcappedHead. On CUDA with Triton the fast kernels,
+    otherwise plain torch."""
     if use_triton is None:
         use_triton = x.is_cuda and triton is not None
-    return _Fp8SoftcappedHead.apply(x, weight, targets, cap, use_triton)
+    weights, period = mtp if mtp is not None else (None, 0)
+    return _Fp8SoftcappedHead.apply(x, weight, targets, cap, use_triton, weights, period)
 
 
 if triton is not None:
@@ -1782,6 +1885,11 @@ class GPT(nn.Module):
         self.rotary = Rotary(cfg.head_dim, forward_micro_batches * cfg.micro_batch_tokens, period=cfg.micro_batch_tokens,
                              attn_scale=cfg.attn_scale)
         self.replays_cuda_graphs = False  # set when compiled in a CUDA_GRAPH_MODES mode
+        # The multi-token loss weights, normalised: a buffer the compiled graphs read and set_mtp_weights
+        # overwrites in place (no recompile, and CUDA graphs see the new values).
+        offsets = max(len(stage) for stage in parse_mtp_schedule(cfg.mtp_schedule)) if cfg.mtp_schedule else 1
+        self.register_buffer("mtp_weights", torch.zeros(offsets), persistent=False)
+        self.mtp_weights[0] = 1.0
         self.reset_parameters()
 
     @torch.no_grad()
@@ -1897,13 +2005,25 @@ class GPT(nn.Module):
             x = x - self.backout.to(x.dtype) * backout
         return self.loss_head(x, targets)
 
+    @torch.no_grad()
+    def set_mtp_weights(self, weights: list[float]):
+        """The multi-token loss weights from now on (normalised here); [1] is next-token only. One fill per weight:
+        no host-to-device copy to wait for."""
+        total = sum(weights)
+        for k in range(self.mtp_weights.numel()):
+            self.mtp_weights[k].fill_(weights[k] / total if k < len(weights) else 0.0)
+
     def loss_head(self, x: Tensor, targets: Tensor) -> Tensor:
-        use_triton = None if self.cfg.triton_kernels else False
+        cfg = self.cfg
+        use_triton = None if cfg.triton_kernels else False
+        cap = (cfg.logit_softcap, cfg.logit_offset, cfg.logit_divisor)
+        # rows of each micro-batch predict inside it only, so packed forwards compute the losses of separate ones
+        mtp = (self.mtp_weights, cfg.micro_batch_tokens) if self.mtp_weights.numel() > 1 else None
         x = rms_norm(x)
-        if self.cfg.fp8_head:
-            return fp8_softcapped_head(x, self.lm_head.weight, targets, self.cfg.logit_softcap, use_triton)
+        if cfg.fp8_head:
+            return fp8_softcapped_head(x, self.lm_head.weight, targets, cap, use_triton, mtp)
         logits = x @ self.lm_head.weight.to(x.dtype).T
-        return softcapped_cross_entropy(logits, targets, self.cfg.logit_softcap, use_triton)
+        return softcapped_cross_entropy(logits, targets, cap, use_triton, mtp)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -2205,6 +2325,8 @@ class Schedule:
         self.num_iterations = cfg.num_iterations  # scheduled steps
         self.total_steps = cfg.num_iterations + cfg.extension_steps
         self.untie_step = round(cfg.untie_frac * cfg.num_iterations)  # with --tie_embed
+        self.mtp = parse_mtp_schedule(cfg.mtp_schedule) if cfg.mtp_schedule else [[(1.0, 1.0)]]
+        self.mtp_offsets = max(len(stage) for stage in self.mtp)
         self.batches = _parse_stage_list(cfg, "batch_schedule", int)
         self.lr_multipliers = _parse_stage_list(cfg, "lr_schedule", float)
         block = cfg.window_block
@@ -2231,6 +2353,19 @@ class Schedule:
         if step >= self.num_iterations and self.cfg.extension_steps:
             return len(self.batches)
         return min(step * len(self.batches) // self.num_iterations, len(self.batches) - 1)
+
+    def mtp_weights(self, step: int) -> list[float]:
+        """The multi-token loss weights of a step (mtp_offsets of them, unnormalised): linear within the stage; the
+        extension keeps the last stage's end."""
+        stage = self.stage(step)
+        stages = len(self.batches)
+        if stage >= stages:
+            weights = [end for _, end in self.mtp[-1]]
+        else:
+            start, end = -(-stage * self.num_iterations // stages), -(-(stage + 1) * self.num_iterations // stages)
+            t = (step - start) / max(end - start, 1)
+            weights = [a + (b - a) * t for a, b in self.mtp[stage]]
+        return weights + [0.0] * (self.mtp_offsets - len(weights))
 
     def micro_batches(self, step: int) -> int:
         """Micro-batches in this step, summed over all ranks."""
@@ -2968,6 +3103,8 @@ def train(cfg: Config, comm: Comm, log: RunLog) -> TrainResult:
                 train_time_ms += 1000 * (time.perf_counter() - clock)
                 watch.flush(other_work_follows=True)
                 seen = schedule.validation_step(step)
+                if schedule.mtp_offsets > 1:
+                    model.set_mtp_weights([1.0])
                 if history != schedule.long_window_history(seen):
                     history = schedule.long_window_history(seen)
                     model.rotary.set_window_history(history)
@@ -2987,6 +3124,8 @@ def train(cfg: Config, comm: Comm, log: RunLog) -> TrainResult:
                 model.rotary.set_window_history(history)
             windows = schedule.windows(step)
             set_hyperparameters(optimizers, schedule, step)
+            if schedule.mtp_offsets > 1:
+                model.set_mtp_weights(schedule.mtp_weights(step))
             if diloco is not None:
                 diloco.step = step + 1  # what a peer healing from us during this step resumes at
             launch_started = time.perf_counter()

@@ -97,9 +97,11 @@ def load_script(relative_path: str):
     return module
 
 
-def fp8_head_reference(x, weight, targets, cap: float, grad_loss):
+def fp8_head_reference(x, weight, targets, cap: float, grad_loss, offset=0.0, divisor=None, mtp=None):
     """The FP8 lm_head's arithmetic (train_gpt._Fp8SoftcappedHead) in float64 on the CPU, with autograd for
-    the softcapped cross-entropy: (per-row losses, grad_x, grad_w) for the upstream gradient grad_loss."""
+    the softcapped cross-entropy, z = cap * sigmoid((logit + offset) / divisor) (divisor: cap / 4 unless given):
+    (per-row losses, grad_x, grad_w) for the upstream gradient grad_loss. mtp = (weights, period): each row's loss is
+    the weighted sum of its cross-entropies to the tokens 1, 2, ... ahead that lie in its micro-batch of period rows."""
     import torch
     e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
     x, weight, targets, grad_loss = (t.detach().cpu() for t in (x, weight, targets, grad_loss))
@@ -108,8 +110,16 @@ def fp8_head_reference(x, weight, targets, cap: float, grad_loss):
     x_q = (x.float() / x_scale).clamp(-448, 448).to(e4m3).double() * x_scale.double()
     w_q = (weight.float() / w_scale).clamp(-448, 448).to(e4m3).double() * w_scale.double()
     logits = (x_q @ w_q.T).requires_grad_()
-    z = cap * torch.sigmoid(logits * (4.0 / cap))
-    losses = torch.logsumexp(z, dim=1) - z.gather(1, targets[:, None].long())[:, 0]
+    z = cap * torch.sigmoid((logits + offset) / (divisor or cap / 4))
+    if mtp is None:
+        losses = torch.logsumexp(z, dim=1) - z.gather(1, targets[:, None].long())[:, 0]
+    else:
+        weights, period = mtp
+        losses = torch.zeros(len(targets), dtype=torch.float64)
+        for i in range(len(targets)):
+            for k, w in enumerate(weights.tolist()):
+                if i % period + k < period:
+                    losses[i] = losses[i] + w * (torch.logsumexp(z[i], 0) - z[i, targets[i + k]])
     losses.backward(grad_loss.double())
     grad_scale = (grad_loss.float().abs().max() / 2 ** 15).clamp(min=1e-30)
     grad = (logits.grad / grad_scale.double()).to(e5m2).double() * grad_scale.double()

@@ -23,7 +23,7 @@ def head_inputs(rows=96, dim=64, vocab=1000, seed=0):
 def run_head(x, weight, targets, grad_loss: float, cap=30.0):
     """The head's mean loss and its gradients for an upstream gradient of grad_loss, on the plain-torch path."""
     x, weight = x.clone().requires_grad_(), weight.clone().requires_grad_()
-    loss = tg._Fp8SoftcappedHead.apply(x, weight, targets, cap, False)
+    loss = tg._Fp8SoftcappedHead.apply(x, weight, targets, (cap, 0.0, cap / 4), False, None, 0)
     loss.backward(torch.tensor(grad_loss))
     return loss.detach(), x.grad, weight.grad
 
@@ -40,6 +40,24 @@ def test_plain_fp8_head_matches_the_float64_reference():
     exact, exact_x, exact_w = unquantised_head_reference(x, weight, targets, 30.0, per_row)
     assert relative_error(loss, exact.mean()) < 2e-2
     assert relative_error(grad_x, exact_x) < 0.15 and relative_error(grad_w, exact_w) < 0.15
+
+
+def test_plain_fp8_head_with_multi_token_weights_matches_the_float64_reference():
+    """Three offsets, micro-batches of 32 rows, the speedrun's 23 * sigmoid((x + 5) / 7.5): the plain-torch path of
+    the FP8 head against the float64 reference with the same quantisation."""
+    x, weight, targets = head_inputs(seed=2)
+    weights, period, cap = torch.tensor([1.0, 0.5, 0.25]) / 1.75, 32, (23.0, 5.0, 7.5)
+    x, weight = x.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss = tg._Fp8SoftcappedHead.apply(x, weight, targets, cap, False, weights, period)
+    loss.backward(torch.tensor(0.7))
+    per_row = torch.full((x.size(0),), 0.7 / x.size(0))
+    ref_losses, ref_x, ref_w = fp8_head_reference(x, weight, targets, 23.0, per_row, offset=5.0, divisor=7.5,
+                                                  mtp=(weights, period))
+    torch.testing.assert_close(loss.detach().double(), ref_losses.mean(), rtol=1e-5, atol=1e-5)
+    assert relative_error(x.grad, ref_x) < 1e-3 and relative_error(weight.grad, ref_w) < 1e-3
+    # the weights matter: next-token only is far off
+    next_only, _, _ = fp8_head_reference(x, weight, targets, 23.0, per_row, offset=5.0, divisor=7.5)
+    assert abs(next_only.mean().item() - loss.item()) > 1e-2
 
 
 def test_fp8_head_gradient_scale_follows_the_upstream_gradient():

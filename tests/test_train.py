@@ -478,6 +478,20 @@ def test_tied_embedding_follows_the_head_until_the_untie_step(tiny_data):
     assert same == [True, True, False, False]
 
 
+def test_multi_token_weights_follow_the_stages():
+    cfg = tg.Config(num_iterations=480, extension_steps=40, mtp_schedule="1,0.5,0.25>0/1,0.5>0/1")
+    s = tg.Schedule(cfg)
+    assert s.mtp_offsets == 3
+    got = {step: s.mtp_weights(step) for step in (0, 80, 159, 160, 240, 320, 519)}
+    assert got[0] == [1, 0.5, 0.25] and got[80] == [1, 0.5, 0.125] and 0 < got[159][2] < 0.002
+    assert got[160] == [1, 0.5, 0] and got[240] == [1, 0.25, 0] and got[320] == [1, 0, 0] and got[519] == [1, 0, 0]
+    assert tg.Schedule(tg.Config()).mtp_weights(0) == [1.0]
+    for bad, message in (("1,0.5/1", "one entry per stage"), ("1,x/1/1", "bad --mtp_schedule"),
+                         ("0,1/1/1", "the next token's above 0")):
+        with pytest.raises(tg.UserError, match=message):
+            tg.parse_cli(["--preset=tiny", f"--mtp_schedule={bad}"])
+
+
 def test_loss_watch_names_step_and_rank():
     watch = tg.LossWatch(tg.Comm(rank=0, world_size=1), torch.device("cpu"))
     watch.push(0, torch.tensor(3.0))
@@ -597,9 +611,11 @@ def _train_on_rank(rank, world_size, cfg):
 
 
 # The speedrun's model and optimizer extras that are off by default: gates, smear, backout, zero value tables, NorMuon
-# with its lr scaling and cautious weight decay, the embedding tied to the head (untied at step 2 of 3).
+# with its lr scaling and cautious weight decay, the embedding tied to the head (untied at step 2 of 3), multi-token
+# prediction and the shifted soft cap.
 EXTRAS = dict(gates=1, smear=1, backout_from=2, value_embed_init_std=0, normuon_beta2=0.95, muon_shape_lr=1,
-              muon_proj_lr_mul=2, muon_weight_decay=1.2, tie_embed=1)
+              muon_proj_lr_mul=2, muon_weight_decay=1.2, tie_embed=1, mtp_schedule="1,0.5,0.25>0/1,0.5>0/1",
+              logit_softcap=23, logit_offset=5)
 
 
 @pytest.mark.parametrize("extras", [{}, EXTRAS], ids=["defaults", "extras"])
@@ -671,6 +687,8 @@ def test_a_packed_forward_computes_the_losses_of_separate_ones(tiny_data, extras
                 p.normal_(0, 0.1)
         if model.smear_scale is not None:  # the smear on, so that a packed forward could leak through it
             model.smear_scale.fill_(1.0)
+        if model.mtp_weights.numel() > 1:  # predictions of later tokens too, which must stay in their micro-batch
+            model.set_mtp_weights([1.0, 0.5, 0.25])
     windows = list(tg.val_batches_for_rank(tg.shard_paths(cfg.val_files, "val_files"), cfg, tg.Comm()))[:2]
     assert windows[1][0] != BOS  # the second chunk starts mid-document
     losses = {}

@@ -27,11 +27,11 @@ CHECK = textwrap.dedent("""
         logits = (torch.randn(rows, vocab, generator=g) * 8).to(torch.bfloat16)
         targets = torch.randint(0, vocab, (rows,), generator=g)
         x = logits.clone().requires_grad_()
-        (2.5 * tg.softcapped_cross_entropy(x, targets, 30.0, use_triton=True)).backward()
+        (2.5 * tg.softcapped_cross_entropy(x, targets, (30.0, 0.0, 7.5), use_triton=True)).backward()
         ref_x = logits.double().requires_grad_()
         ref = torch.nn.functional.cross_entropy(30.0 * torch.sigmoid(ref_x / 7.5), targets)
         (2.5 * ref).backward()
-        loss = tg.softcapped_cross_entropy(logits, targets, 30.0, use_triton=True)
+        loss = tg.softcapped_cross_entropy(logits, targets, (30.0, 0.0, 7.5), use_triton=True)
         grad_error = ((x.grad.double() - ref_x.grad).norm() / ref_x.grad.norm()).item()
         print(rows, vocab, loss.item(), ref.item(), grad_error)
 """)
@@ -58,7 +58,7 @@ FP8_GRAD_CHECK = textwrap.dedent("""
     # (124.5 becomes 64; a GPU gives 128), so the e5m2 output is checked on the GPU (tests/gpu)
     grad = torch.zeros(rows, vocab)
     tg.CE_FP8_BLOCK, tg.CE_FP8_TAIL = 256, 128  # 1001 = 3 blocks and a tail of 233 in two masked pieces
-    tg.softcapped_ce_fp8(logits, targets, cap, losses, grad)
+    tg.softcapped_ce_fp8(logits, targets, (cap, 0.0, cap / 4), losses, grad)
     x = logits.double().requires_grad_()
     ref = torch.nn.functional.cross_entropy(cap * torch.sigmoid(x / (cap / 4)), targets, reduction="none")
     ref.sum().backward()  # each row's gradient for an upstream gradient of 1
@@ -75,6 +75,39 @@ def test_fp8_loss_and_gradient_kernel_matches_float64_and_the_transpose_keeps_th
     assert float(loss_error) < 1e-5, stdout
     assert float(grad_error) < 1e-5, stdout
     assert same == "True", "transpose_fp8 must give the bits of torch's transpose"
+
+
+MTP_CHECK = textwrap.dedent("""
+    import torch, train_gpt as tg
+    g = torch.Generator().manual_seed(0)
+    rows, vocab, period, cap = 24, 1001, 8, (23.0, 5.0, 7.5)
+    logits = (torch.randn(rows, vocab, generator=g) * 8).to(torch.bfloat16)
+    targets = torch.randint(0, vocab, (rows,), generator=g)
+    targets[5] = targets[6] = targets[7]  # a token repeated: rows 5 and 6 have one target at several offsets
+    weights = torch.tensor([1.0, 0.5, 0.25]) / 1.75
+    losses, grad = torch.zeros(rows), torch.zeros(rows, vocab)  # float32 gradient: see FP8_GRAD_CHECK
+    tg.CE_FP8_BLOCK, tg.CE_FP8_TAIL = 256, 128
+    tg.softcapped_ce_fp8(logits, targets, cap, losses, grad, (weights, period))
+    x = logits.double().requires_grad_()
+    z = cap[0] * torch.sigmoid((x + cap[1]) / cap[2])
+    ref = torch.zeros(rows, dtype=torch.float64)
+    for i in range(rows):
+        for k in range(3):
+            if i % period + k < period:  # inside the row's micro-batch
+                ref[i] += weights[k].double() * (torch.logsumexp(z[i], 0) - z[i, targets[i + k]])
+    ref.sum().backward()
+    print(((losses.double() - ref.detach()).abs().max() / ref.detach().abs().max()).item(),
+          ((grad.double() / tg.GRAD_E5M2_MAX - x.grad).norm() / x.grad.norm()).item(),
+          grad.abs().max().item() <= tg.GRAD_E5M2_MAX)
+""")
+
+
+def test_fp8_loss_kernel_with_multi_token_weights_and_a_shifted_cap_in_the_interpreter():
+    """Three offsets weighted 1 : 0.5 : 0.25, micro-batches of 8 rows (the last rows of each predict fewer tokens),
+    a token that is the target at several offsets, and the speedrun's 23 * sigmoid((x + 5) / 7.5): losses and
+    gradient against float64 autograd, no gradient value past the e5m2 scale."""
+    loss_error, grad_error, bounded = run_in_interpreter(MTP_CHECK).split()
+    assert float(loss_error) < 1e-5 and float(grad_error) < 1e-5 and bounded == "True"
 
 
 ROWS_CHECK = textwrap.dedent("""

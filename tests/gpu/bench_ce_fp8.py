@@ -62,7 +62,7 @@ def trainer(logits, targets, cap, losses, grad_q, block=None, warps=None):
     chosen = tg.CE_FP8_BLOCK, tg.CE_FP8_WARPS
     tg.CE_FP8_BLOCK, tg.CE_FP8_WARPS = block or chosen[0], warps or chosen[1]
     try:
-        tg.softcapped_ce_fp8(logits, targets, cap, losses, grad_q)
+        tg.softcapped_ce_fp8(logits, targets, (cap, 0.0, cap / 4), losses, grad_q)
     finally:
         tg.CE_FP8_BLOCK, tg.CE_FP8_WARPS = chosen
 

@@ -32,7 +32,7 @@ def main():
 
     def step(use_triton, compiled=True):
         torch._dynamo.reset()
-        loss_fn = lambda x, y: tg.softcapped_cross_entropy(x, y, cap, use_triton)  # noqa: E731
+        loss_fn = lambda x, y: tg.softcapped_cross_entropy(x, y, (cap, 0.0, cap / 4), use_triton)  # noqa: E731
         if compiled:
             loss_fn = torch.compile(loss_fn, fullgraph=True)
 
@@ -60,10 +60,10 @@ def head():
     targets = torch.randint(0, vocab, (rows,), device="cuda")
 
     def bf16_head(x, w, y):
-        return tg.softcapped_cross_entropy(x @ w.to(x.dtype).T, y, cap)
+        return tg.softcapped_cross_entropy(x @ w.to(x.dtype).T, y, (cap, 0.0, cap / 4))
 
     def fp8_head(x, w, y):
-        return tg.fp8_softcapped_head(x, w, y, cap)
+        return tg.fp8_softcapped_head(x, w, y, (cap, 0.0, cap / 4))
 
     def step(fn, compiled=True):
         torch._dynamo.reset()
@@ -143,8 +143,8 @@ def packed():
         print(f"{name}: {ms:.3f} ms ({3 * logits.numel() / ms / 1e6:.0f} GB/s of one read and the fp8 write), "
               f"gradient error against float64 {error:.4f}", flush=True)
 
-    forward_ms = median_ms(lambda: tg._softcapped_ce_rows(logits, targets, cap))
-    _, lse = tg._softcapped_ce_rows(logits, targets, cap)
+    forward_ms = median_ms(lambda: tg._softcapped_ce_rows(logits, targets, (cap, 0.0, cap / 4)))
+    _, lse = tg._softcapped_ce_rows(logits, targets, (cap, 0.0, cap / 4))
     grad_loss = torch.full((rows,), 1.0 / rows, device="cuda")
     grad_scale = grad_loss.abs().amax() / tg.GRAD_E5M2_MAX
     gradient = lambda: _two_kernel_gradient[(triton.cdiv(rows, 128), triton.cdiv(vocab, 64))](  # noqa: E731
@@ -159,7 +159,7 @@ def packed():
     chosen = (tg.CE_FP8_BLOCK, tg.CE_FP8_WARPS)
     for config in ((1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16)):
         tg.CE_FP8_BLOCK, tg.CE_FP8_WARPS = config
-        launch = lambda: tg.softcapped_ce_fp8(logits, targets, cap, losses, grad_q)  # noqa: E731
+        launch = lambda: tg.softcapped_ce_fp8(logits, targets, (cap, 0.0, cap / 4), losses, grad_q)  # noqa: E731
         ms = median_ms(launch)
         launch()
         loss_error = ((losses[:check].double() - exact_loss).abs().max() / exact_loss.abs().max()).item()

@@ -215,7 +215,7 @@ def test_softcapped_cross_entropy_kernel_matches_float64(rows, vocab, compiled):
     if compiled:
         loss_fn = torch.compile(loss_fn, fullgraph=True, dynamic=False)
     x = logits.cuda().requires_grad_()
-    loss = loss_fn(x, targets.cuda(), 30.0)
+    loss = loss_fn(x, targets.cuda(), (30.0, 0.0, 7.5))
     (2.5 * loss).backward()
 
     ref_x = logits.double().requires_grad_()
@@ -262,7 +262,7 @@ def test_fp8_head_matches_float64(compiled):
     x = tg.rms_norm(torch.randn(rows, dim, generator=g)).to(torch.bfloat16)
     weight = torch.randn(vocab, dim, generator=g) * 0.05
     targets = torch.randint(0, vocab, (rows,), generator=g)
-    head = lambda x, w, y: tg._Fp8SoftcappedHead.apply(x, w, y, 30.0, True)  # noqa: E731
+    head = lambda x, w, y: tg._Fp8SoftcappedHead.apply(x, w, y, (30.0, 0.0, 7.5), True, None, 0)  # noqa: E731
     if compiled:
         head = torch.compile(head, fullgraph=True, dynamic=False)
     xc, wc = x.cuda().requires_grad_(), weight.cuda().requires_grad_()
@@ -295,7 +295,7 @@ def test_fp8_loss_kernel_matches_float64(vocab):
     targets[::2] = top[::2, 0]  # half the targets among the likely tokens: their -1 dominates the row
     losses = torch.empty(rows, device="cuda")
     grad = torch.empty(rows, vocab, device="cuda", dtype=torch.float8_e5m2)
-    tg.softcapped_ce_fp8(logits, targets, cap, losses, grad)
+    tg.softcapped_ce_fp8(logits, targets, (cap, 0.0, cap / 4), losses, grad)
 
     x = logits.double().requires_grad_()
     ref = torch.nn.functional.cross_entropy(cap * torch.sigmoid(x / (cap / 4)), targets, reduction="none")
@@ -305,6 +305,33 @@ def test_fp8_loss_kernel_matches_float64(vocab):
     slack = 0.13 * x.grad.abs() + 2.0 ** -16 / tg.GRAD_E5M2_MAX
     assert ((got - x.grad).abs() <= slack).all()
     assert relative_error(got, x.grad) < 0.06  # e5m2 rounding, not a systematic error
+
+
+def test_fp8_loss_kernel_with_multi_token_weights_matches_float64():
+    """Multi-token losses (offsets 1 : 0.5 : 0.25 inside micro-batches of 128 rows, repeated targets) with the
+    speedrun's shifted cap 23 * sigmoid((x + 5) / 7.5), the PTX approximations on: losses within 1e-5 of float64,
+    gradient values within e5m2's half step."""
+    rows, vocab, period, cap = 512, 50304, 128, (23.0, 5.0, 7.5)
+    g = torch.Generator(device="cuda").manual_seed(12)
+    logits = (torch.randn(rows, vocab, generator=g, device="cuda") * 2 - 4).to(torch.bfloat16)
+    targets = torch.randint(0, vocab, (rows,), generator=g, device="cuda")
+    targets[10:13] = targets[12]
+    weights = torch.tensor([1.0, 0.5, 0.25], device="cuda") / 1.75
+    losses = torch.empty(rows, device="cuda")
+    grad = torch.empty(rows, vocab, device="cuda", dtype=torch.float8_e5m2)
+    tg.softcapped_ce_fp8(logits, targets, cap, losses, grad, (weights, period))
+    x = logits.double().requires_grad_()
+    z = cap[0] * torch.sigmoid((x + cap[1]) / cap[2])
+    lse = torch.logsumexp(z, dim=1)
+    position = torch.arange(rows, device="cuda") % period
+    ref = torch.zeros(rows, dtype=torch.float64, device="cuda")
+    for k in range(3):
+        ahead = torch.cat([targets[k:], targets[:k]])
+        ref = ref + weights[k].double() * (position + k < period) * (lse - z.gather(1, ahead[:, None])[:, 0])
+    ref.sum().backward()
+    assert ((losses.double() - ref.detach()).abs() / ref.detach()).max().item() < 1e-5
+    got = grad.double() / tg.GRAD_E5M2_MAX
+    assert ((got - x.grad).abs() <= 0.13 * x.grad.abs() + 2.0 ** -16 / tg.GRAD_E5M2_MAX).all()
 
 
 @pytest.mark.parametrize("shape", [(16384, 50304), (1000, 50257)])
