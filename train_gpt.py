@@ -128,6 +128,9 @@ class Config:
     # "Smear" (speedrun 2025-09): each token's embedding adds a gated copy of the previous token's, the gate read
     # from its own first gate_dims channels; not across a document start. Starts off (zero scale).
     smear: bool = False
+    # On the long-window layers each key's position-free half (the dims Rotary leaves unrotated) comes from the
+    # previous token, not across a document or micro-batch start (speedrun 2025-12-14, "partial key offset").
+    key_offset: bool = False
     # "Backout" (speedrun 2025-12): the head reads the residual minus a learned share (init 0.5) of this layer's
     # output; -1 turns it off. Gates, smear, backout and zero value tables together (the speedrun's layer 7):
     # better at step 160 of bench2 and worse at its end than without (docs/performance.md), so off by default.
@@ -1770,22 +1773,27 @@ def make_attention(cfg: Config, device: torch.device, seq_len: int):
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, dim: int, num_heads: int, head_dim: int, gate_dims: int = 0):
+    def __init__(self, dim: int, num_heads: int, head_dim: int, gate_dims: int = 0, shift_keys: bool = False):
         super().__init__()
-        self.num_heads, self.head_dim, self.gate_dims = num_heads, head_dim, gate_dims
+        self.num_heads, self.head_dim, self.gate_dims, self.shift_keys = num_heads, head_dim, gate_dims, shift_keys
         # Q, K, V and O stacked as one [4*dim, dim] matrix (each block out x in): the same shape as the
         # MLP weights, so the optimizer can treat all matrices of the model as one stack.
         self.qkvo_w = nn.Parameter(torch.empty(4 * dim, dim))
         # gate weights per head: row 0 the output gate, row 1 the value-embedding gate
         self.gate_w = nn.Parameter(torch.zeros(2, num_heads, gate_dims)) if gate_dims else None
 
-    def forward(self, x: Tensor, value_embed: Tensor, value_mix: Tensor, rope, mask, attend) -> Tensor:
+    def forward(self, x: Tensor, value_embed: Tensor, value_mix: Tensor, rope, mask, attend, starts: Tensor) -> Tensor:
         T, dim = x.shape
         cos, sin, scale = rope
         w = self.qkvo_w.to(x.dtype)
         q, k, v = (x @ w[: 3 * dim].T).view(T, 3, self.num_heads, self.head_dim).unbind(1)
         q, k = rms_norm(q), rms_norm(k)  # QK-norm
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.shift_keys:  # Rotary pairs dim i with i + head_dim/2 and leaves the second half of each half still
+            halves = k.view(T, self.num_heads, 2, self.head_dim // 2)
+            still = halves[..., self.head_dim // 4:]
+            still = torch.where(starts[:, None, None, None], still, torch.cat([still[:1], still[:-1]]))
+            k = torch.cat([halves[..., : self.head_dim // 4], still], dim=-1).view_as(k)
         # Value embeddings (speedrun 2024-12, after Zhou et al. 2024); layers without one get zeros, which
         # leaves the learned scale of v and lets every attention block share one compiled graph.
         value_embed = value_mix[1] * value_embed.view_as(v)
@@ -1815,22 +1823,23 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: Config, has_attention: bool):
+    def __init__(self, cfg: Config, has_attention: bool, shift_keys: bool = False):
         super().__init__()
-        self.attn = (CausalSelfAttention(cfg.model_dim, cfg.num_heads, cfg.head_dim, cfg.gate_dims if cfg.gates else 0)
-                     if has_attention else None)
+        self.attn = (CausalSelfAttention(cfg.model_dim, cfg.num_heads, cfg.head_dim, cfg.gate_dims if cfg.gates else 0,
+                                         shift_keys) if has_attention else None)
         self.mlp = MLP(cfg.model_dim, cfg.mlp_ratio * cfg.model_dim, cfg.fused_mlp and cfg.triton_kernels)
         # [residual scale, embedding (x0) scale, value scale, value-embedding scale, bigram scale]
         self.lambdas = nn.Parameter(torch.tensor([cfg.residual_init, 0.0, 0.5, 0.5, 0.1]))
         self.attend = None  # the attention backend, set by GPT
 
-    def forward(self, x: Tensor, x0: Tensor, value_embed: Tensor, rope, mask, bigram: Tensor | None) -> Tensor:
+    def forward(self, x: Tensor, x0: Tensor, value_embed: Tensor, rope, mask, bigram: Tensor | None,
+                starts: Tensor) -> Tensor:
         lambdas = self.lambdas.to(x.dtype)
         x = lambdas[0] * x + lambdas[1] * x0  # every layer can re-read the embedding (speedrun 2024-11)
         if bigram is not None:
             x = x + lambdas[4] * bigram
         if self.attn is not None:
-            x = x + self.attn(rms_norm(x), value_embed, lambdas[2:], rope, mask, self.attend)
+            x = x + self.attn(rms_norm(x), value_embed, lambdas[2:], rope, mask, self.attend, starts)
         return x + self.mlp(rms_norm(x))
 
 
@@ -1870,7 +1879,7 @@ class GPT(nn.Module):
         self.embed = nn.Embedding(vocab, dim)
         num_value_embeds = 1 + max((int(c) for c in cfg.value_embed_layout if c != "."), default=-1)
         self.value_embeds = nn.ModuleList(nn.Embedding(vocab, dim) for _ in range(num_value_embeds))
-        self.blocks = nn.ModuleList(Block(cfg, kind != "-") for kind in cfg.attn_layout)
+        self.blocks = nn.ModuleList(Block(cfg, kind != "-", cfg.key_offset and kind == "L") for kind in cfg.attn_layout)
         for block in self.blocks:
             block.attend = attend
         # sigmoid(-1.5) ~ 0.18 (speedrun 2025-09). Shape [1], not a 0-d scalar: torchft's DiLoCo cannot
@@ -1973,11 +1982,12 @@ class GPT(nn.Module):
               masks: dict) -> Tensor:
         """Everything after the embedding lookups."""
         cfg = self.cfg
-        if self.smear_scale is not None:  # never across a document start (BOS) or a packed micro-batch's start
+        # where a document (BOS) or a packed micro-batch starts: nothing reaches across (smear, key offset)
+        starts = (tokens == cfg.bos_token) | (torch.arange(tokens.numel(), device=tokens.device) % cfg.micro_batch_tokens == 0)
+        if self.smear_scale is not None:
             previous = torch.cat([token_rows[:1] * 0, token_rows[:-1]])
             gate = self.smear_scale * torch.sigmoid(token_rows[:, : cfg.gate_dims] @ self.smear_gate_w.to(token_rows.dtype))
-            starts = torch.arange(tokens.numel(), device=tokens.device) % cfg.micro_batch_tokens == 0
-            token_rows = token_rows + (gate * ((tokens != cfg.bos_token) & ~starts))[:, None] * previous
+            token_rows = token_rows + (gate * ~starts)[:, None] * previous
         x0 = rms_norm(token_rows).to(self.compute_dtype)
         value_embeds = [rows.to(self.compute_dtype) for rows in value_rows]
         # Every attention block should call its compiled graph with inputs that look alike to dynamo's
@@ -1996,7 +2006,7 @@ class GPT(nn.Module):
                 x = x + gate * skip
             ve_index = cfg.value_embed_layout[i]
             value_embed = no_value_embed if ve_index == "." else value_embeds[int(ve_index)]
-            x = block(x, x0, value_embed, rope, masks.get(cfg.attn_layout[i]), bigram)
+            x = block(x, x0, value_embed, rope, masks.get(cfg.attn_layout[i]), bigram, starts)
             if i == cfg.skip_from:
                 skip = x
             if i == cfg.backout_from:

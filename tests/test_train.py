@@ -386,6 +386,36 @@ def test_fa3_path_passes_documents_and_window():
 
 # --------------------------------------------------------------------------------------- model pieces
 
+def test_key_offset_gives_each_key_the_still_half_of_the_previous_one():
+    """With shift_keys, the key dims Rotary leaves unrotated come from the previous position, except where a document
+    or micro-batch starts; the rotated dims, the queries and the values are untouched."""
+    torch.manual_seed(0)
+    T, heads, head_dim = 12, 2, 16
+    rotary = tg.Rotary(head_dim, T)
+    seen = {}
+
+    def attend(q, k, v, mask):
+        seen.setdefault("k", []).append(k)
+        return v
+    x = torch.randn(T, heads * head_dim)
+    starts = torch.zeros(T, dtype=torch.bool)
+    starts[[0, 5]] = True
+    plain = tg.CausalSelfAttention(heads * head_dim, heads, head_dim)
+    shifted = tg.CausalSelfAttention(heads * head_dim, heads, head_dim, shift_keys=True)
+    shifted.qkvo_w.data.copy_(plain.qkvo_w.data.normal_())
+    for attn in (plain, shifted):
+        attn(x, torch.zeros(T, heads * head_dim), torch.ones(2), rotary.tables(), None, attend, starts)
+    k, got = seen["k"]
+    assert (rotary.base_freqs[head_dim // 4:] == 0).all() and (rotary.base_freqs[: head_dim // 4] != 0).all()
+    still = torch.zeros(head_dim, dtype=torch.bool)
+    still[head_dim // 4: head_dim // 2] = still[3 * head_dim // 4:] = True
+    want = k.clone()
+    for t in range(T):
+        if not starts[t]:
+            want[t][:, still] = k[t - 1][:, still]
+    assert torch.equal(got, want) and not torch.equal(got, k)
+
+
 def test_yarn_keeps_fast_frequencies_and_slows_slow_ones():
     freqs = torch.tensor([10.0, 1.0, 0.01])
     scaled = tg.yarn_rescale(freqs, old_window=384, new_window=896)
@@ -612,10 +642,10 @@ def _train_on_rank(rank, world_size, cfg):
 
 # The speedrun's model and optimizer extras that are off by default: gates, smear, backout, zero value tables, NorMuon
 # with its lr scaling and cautious weight decay, the embedding tied to the head (untied at step 2 of 3), multi-token
-# prediction and the shifted soft cap.
+# prediction, the shifted soft cap, the key offset.
 EXTRAS = dict(gates=1, smear=1, backout_from=2, value_embed_init_std=0, normuon_beta2=0.95, muon_shape_lr=1,
               muon_proj_lr_mul=2, muon_weight_decay=1.2, tie_embed=1, mtp_schedule="1,0.5,0.25>0/1,0.5>0/1",
-              logit_softcap=23, logit_offset=5)
+              logit_softcap=23, logit_offset=5, key_offset=1)
 
 
 @pytest.mark.parametrize("extras", [{}, EXTRAS], ids=["defaults", "extras"])
