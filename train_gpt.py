@@ -227,6 +227,14 @@ PRESETS = {
     ),
 }
 
+# The options the speedrun's 2026-02-06 record uses that are not our defaults (docs/performance.md says why each is
+# not): for A/B runs against the defaults, e.g. tests/gpu/ml_bench.sh "" "--preset=record".
+PRESETS["record"] = dict(
+    normuon_beta2=0.95, muon_lr=0.023, muon_shape_lr=True, muon_proj_lr_mul=2.0, muon_weight_decay=1.2,
+    gates=True, smear=True, backout_from=7, value_embed_init_std=0.0, tie_embed=True, key_offset=True,
+    mtp_schedule="1,0.5,0.25>0/1,0.5>0/1", logit_softcap=23.0, logit_offset=5.0, logit_divisor=7.5,
+)
+
 CLI_ONLY_FLAGS = ("preset", "check", "help")
 COMPILE_MODES = ("auto", "default", "max-autotune-no-cudagraphs", "max-autotune", "reduce-overhead")
 CUDA_GRAPH_MODES = ("max-autotune", "reduce-overhead")  # inductor replays CUDA graphs in these

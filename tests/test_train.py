@@ -57,6 +57,12 @@ def test_bad_values_are_named(arg, message):
         tg.parse_cli([arg])
 
 
+def test_record_preset_holds_the_speedrun_options():
+    cfg, _ = tg.parse_cli(["--preset=record", "--muon_lr=0.03"])
+    assert cfg.tie_embed and cfg.gates and cfg.normuon_beta2 == 0.95 and cfg.muon_lr == 0.03
+    assert tg.Schedule(cfg).mtp_weights(0) == [1.0, 0.5, 0.25]
+
+
 def test_preset_and_overrides():
     cfg, flags = tg.parse_cli(["--preset=tiny", "--num_iterations=3", "--adam_betas=0.9,0.99", "--compile=1"])
     assert (cfg.model_dim, cfg.num_iterations, cfg.adam_betas, cfg.compile) == (64, 3, (0.9, 0.99), True)
