@@ -16,6 +16,7 @@ import functools
 import gc
 import glob
 import hashlib
+import itertools
 import json
 import logging
 import math
@@ -2385,6 +2386,10 @@ class Schedule:
             weights = [a + (b - a) * t for a, b in self.mtp[stage]]
         return weights + [0.0] * (self.mtp_offsets - len(weights))
 
+    def micro_batches_before(self, step: int) -> int:
+        """Micro-batches of all steps before this one, summed over all ranks."""
+        return sum(self.micro_batches(s) for s in range(step))
+
     def micro_batches(self, step: int) -> int:
         """Micro-batches in this step, summed over all ranks."""
         return self.batches[min(self.stage(step), len(self.batches) - 1)]
@@ -3087,8 +3092,14 @@ def train(cfg: Config, comm: Comm, log: RunLog) -> TrainResult:
     def note_new_pass(number: int):  # called from the loader thread; repeated data skews the losses
         log(f"note: the training data starts over (pass {number}); later losses are on repeated data")
 
-    batches = Prefetcher(train_batches_for_rank(train_paths, cfg, comm, note_new_pass), cfg.micro_batch_tokens, device,
-                         bigram_rows=cfg.bigram_rows, packed=trainer.packed, bos=cfg.bos_token)
+    def batches_from(step: int) -> Prefetcher:
+        """This rank's micro-batches from those of `step` on (the earlier ones are read and dropped)."""
+        skip = schedule.micro_batches_before(step) // comm.world_size
+        windows = itertools.islice(train_batches_for_rank(train_paths, cfg, comm, note_new_pass), skip, None)
+        return Prefetcher(windows, cfg.micro_batch_tokens, device, bigram_rows=cfg.bigram_rows, packed=trainer.packed,
+                          bos=cfg.bos_token)
+
+    batches = batches_from(0)
     val_losses = []
     reported = 0
     history = None
@@ -3150,8 +3161,11 @@ def train(cfg: Config, comm: Comm, log: RunLog) -> TrainResult:
             loss = train_step(model, optimizers, batches, windows, trainer.forwards(step, comm.world_size))
             launch_ms = 1000 * (time.perf_counter() - launch_started)
             if diloco is not None and diloco.step != step + 1:  # healed from a peer inside this step
-                log(f"diloco: recovered weights and optimizer state from a peer; step {step + 1} -> {diloco.step}")
+                log(f"diloco: recovered weights and optimizer state from a peer; step {step + 1} -> {diloco.step}; "
+                    f"the data goes on from this rank's micro-batch {schedule.micro_batches_before(diloco.step) // comm.world_size}")
                 step = diloco.step - 1
+                batches.close()  # a restarted replica read from the start of its share: go on where the peer is
+                batches = batches_from(diloco.step)
             watch.push(step, loss)
             elapsed_ms = train_time_ms + 1000 * (time.perf_counter() - clock)
             step_times.add(step + 1, elapsed_ms - previous_ms, launch_ms)

@@ -351,9 +351,12 @@ def test_killed_replica_rejoins_with_the_weights_of_its_peer(tiny_data, tmp_path
     finally:
         lighthouse.shutdown()
     assert "step:96/96 val_loss" in logs["survivor"]
-    recovered = re.search(r"^diloco: recovered weights and optimizer state from a peer; step \d+ -> (\d+)$",
-                          logs["restarted"], re.M)
+    recovered = re.search(r"^diloco: recovered weights and optimizer state from a peer; step \d+ -> (\d+); "
+                          r"the data goes on from this rank's micro-batch (\d+)$", logs["restarted"], re.M)
     assert recovered and int(recovered.group(1)) > 4
+    # it reads on from where its own share of the data is at that step, not from the start
+    schedule = tg.Schedule(tg.parse_cli(["--device=cpu", *TINY, *flags])[0])
+    assert int(recovered.group(2)) == schedule.micro_batches_before(int(recovered.group(1))) > 0
     survivor_syncs = {(step, fragment): digest for step, fragment, _, digest in SYNC.findall(logs["survivor"])}
     rejoined = [(step, fragment, digest) for step, fragment, replicas, digest in SYNC.findall(logs["restarted"])
                 if replicas == "2"]

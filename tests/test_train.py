@@ -479,6 +479,7 @@ def test_scheduled_steps_then_extension_steps():
     assert s.total_steps == 520
     assert [s.stage(i) for i in (0, 159, 160, 320, 479, 480, 519)] == [0, 0, 1, 2, 2, 3, 3]
     assert [s.micro_batches(i) for i in (0, 160, 479, 480, 519)] == [8, 16, 24, 24, 24]
+    assert s.micro_batches_before(0) == 0 and s.micro_batches_before(162) == 160 * 8 + 2 * 16
     assert s.lr_multiplier(215) == 1.52 and s.lr_multiplier(216) < 1.52  # cooldown from 480 * 0.45 = 216
     assert math.isclose(s.lr_multiplier(480), cfg.final_lr_frac) and math.isclose(s.lr_multiplier(519), cfg.final_lr_frac)
     assert s.windows(479) == (640, 1408) and s.windows(480) == (768, 1664) and s.windows(520) == (768, 2560)
