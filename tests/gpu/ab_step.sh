@@ -9,10 +9,7 @@
 # With .bench/ carried (copies of ../shared/bench) the steps read the bench stream, else random tokens. The
 # inductor cache comes from .cache/inductor.tar.xz.part* when carried and goes back under $OUT/cache.
 set -uo pipefail
-OUT=${OUT:-/tmp/device_out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/inductor_cache}
-source tests/gpu/inductor_cache.sh
-nvidia-smi --query-gpu=name --format=csv,noheader
+source tests/gpu/prelude.sh
 data=()
 if ls .bench/*.bin.xz >/dev/null 2>&1; then
     python3 tests/gpu/unpack_bench.py && data=(--train_files='/tmp/bench/docs_train_*.bin')
@@ -25,10 +22,7 @@ fi
 n=0
 for flags in "$@"; do
     n=$((n + 1))
-    settings=() options=()
-    for word in $flags; do  # leading NAME=value words are environment settings, the rest flags
-        if [[ $word =~ ^[A-Z_][A-Z0-9_]*= ]]; then settings+=("$word"); else options+=("$word"); fi
-    done
+    split_flag_set "$flags"
     env "${settings[@]}" timeout "${RUN_LIMIT_S:-170}" python3 tests/gpu/bench_step.py --bench_steps="${STEPS:-6}" \
         "${data[@]}" "${options[@]}" > "$OUT/ab_$n.txt" 2>&1
     echo "== [$n] $flags (exit $?)"

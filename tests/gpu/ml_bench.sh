@@ -10,10 +10,7 @@
 # carried to the device; the inductor cache comes from .cache/inductor.tar.xz.part* when carried (PACK_CACHE=1
 # packs it back under $OUT/cache).
 set -uo pipefail
-OUT=${OUT:-/tmp/device_out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/inductor_cache}
-source tests/gpu/inductor_cache.sh
-nvidia-smi --query-gpu=name --format=csv,noheader
+source tests/gpu/prelude.sh
 python3 - <<'EOF'
 import lzma, pathlib
 out = pathlib.Path("/tmp/bench2")
@@ -31,10 +28,7 @@ schedule=(--train_files='/tmp/bench2/docs_train_*.bin' --val_files=/tmp/bench2/d
 n=0
 for flags in "$@"; do
     n=$((n + 1))
-    settings=() options=()
-    for word in $flags; do  # leading NAME=value words are environment settings, the rest flags
-        if [[ $word =~ ^[A-Z_][A-Z0-9_]*= ]]; then settings+=("$word"); else options+=("$word"); fi
-    done
+    split_flag_set "$flags"
     (
         start=$(date +%s)
         env "${settings[@]}" bash -c 'timeout "${RUN_LIMIT_S:-580}" python3 "${TRAINER:-train_gpt.py}" "$@"' _ \
