@@ -83,11 +83,12 @@ def test_outer_step_matches_hand_computation(lr, momentum):
     assert moved  # the inner steps did change the weights, so the check above is not vacuous
 
 
-def train_replicas_in_threads(cfg, data_seeds, steps, init_sync, on_local=None):
+def train_replicas_in_threads(cfg, data_seeds, steps, init_sync, on_local=None, before_step=None):
     """Replicas as threads of this process, as torchft's own tests run them: each with its model (same seed),
     optimizers, manager and StreamingDiLoCo, trained on dummy_batches(cfg, seed) with the schedule set every step
     as the training loop sets it. on_local(replica, step, named weights) sees each inner step's weights before
-    DiLoCo's hook. Returns [(final weights, the run)] by replica."""
+    DiLoCo's hook; before_step(replica, step, run) runs before each step. Returns [(final weights, the run)] by
+    replica."""
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=len(data_seeds))
     schedule = tg.Schedule(cfg)
     replicas = []
@@ -118,6 +119,8 @@ def train_replicas_in_threads(cfg, data_seeds, steps, init_sync, on_local=None):
             for step in range(steps):
                 if on_local is not None:
                     step_of[0] = step
+                if before_step is not None:
+                    before_step(index, step, run)
                 tg.set_hyperparameters(optimizers, schedule, step)
                 run.step = step + 1
                 tg.train_step(model, optimizers, batches, schedule.windows(step), forwards=1)
@@ -218,6 +221,43 @@ def test_a_synced_fragment_is_the_mean_of_the_replicas_local_weights():
                     else:
                         assert torch.equal(got, local[replica, step][name]), f"{name} step {step}"
     assert not torch.equal(local[0, 7][fragment_names[1][0]], local[1, 7][fragment_names[1][0]])
+
+
+def test_a_replica_whose_commit_fails_rolls_back_and_heals_at_the_next_sync():
+    """A fault on one replica between its all-reduce and its commit vote (torchft's report_error): that replica does
+    not commit and takes its fragment's last global weights back, while the other commits. One commit behind, it
+    heals from its peer at the next quorum, and after that sync the two hold the same weights again."""
+    cfg = tiny_diloco_config(sync_every=2, num_fragments=1, num_iterations=6)
+    after = {}
+    original_hook = tg.StreamingDiLoCo._after_sync_hook
+
+    def record_after(self, *args):
+        original_hook(self, *args)
+        replica = int(self.manager._replica_id.split("_")[1].split(":")[0])
+        after[replica, self.step - 1] = {name: p.detach().clone() for name, p in self.model.named_parameters()}
+
+    def fault(replica, step, run):  # replica 1's sync after step 3 fails between its all-reduce and the commit vote
+        if replica == 1 and step == 3:
+            should_commit = run.manager.should_commit
+
+            def failing(*args, **kwargs):
+                run.manager.report_error(RuntimeError("a fault injected by the test"))
+                run.manager.should_commit = should_commit
+                return should_commit(*args, **kwargs)
+            run.manager.should_commit = failing
+
+    tg.StreamingDiLoCo._after_sync_hook = record_after
+    try:
+        results = train_replicas_in_threads(cfg, data_seeds=(1, 2), steps=6, init_sync=False, before_step=fault)
+    finally:
+        tg.StreamingDiLoCo._after_sync_hook = original_hook
+    runs = [run for _, run in results]
+    assert [(run.syncs, run.committed, run.heals) for run in runs] == [(3, 3, 0), (3, 2, 1)]
+    same = lambda a, b: all(torch.equal(weight, b[name]) for name, weight in a.items())  # noqa: E731
+    assert same(after[0, 1], after[1, 1])
+    assert same(after[1, 3], after[1, 1])  # rolled back to the global weights of the sync after step 1
+    assert not same(after[0, 3], after[0, 1])  # while replica 0 went on
+    assert same(after[0, 5], after[1, 5])  # healed and synced: one model again
 
 
 def test_diloco_flags_are_checked():
