@@ -205,7 +205,9 @@ class Config:
     diloco: bool = False
     diloco_replicas: int = 2  # replica groups in the run; each reads its own share of the data
     replica: int = 0  # this group's index, 0 .. diloco_replicas-1
-    sync_every: int = 32  # inner steps between two syncs of a fragment; may differ per replica (see README)
+    # inner steps between two syncs of a fragment; may differ per replica (see README). On the CPU benchmark 8 cost
+    # 0.005 nats against data parallelism, 16 0.025, 32 0.056 (docs/performance.md).
+    sync_every: int = 8
     num_fragments: int = 2  # contiguous groups of blocks, synced in turn
     fragment_sync_delay: int = 0  # inner steps between launching a fragment's all-reduce and applying it
     fragment_update_alpha: float = 0.0  # after a sync the fragment is (1 - alpha) * global + alpha * local

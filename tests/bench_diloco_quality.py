@@ -7,8 +7,8 @@ The shards (GPT-2 tokens, e.g. ../shared/bench2's) are decoded back to text and 
 257, BOS 256), so the tiny model trains on real text at CPU speed. Each configuration trains the tiny preset for STEPS
 steps (default 320) on data that does not repeat, and prints its final validation loss:
   dp           plain data parallelism on 2 processes, twice a replica's batch (the same tokens as 2 replicas);
-  LR:MOMENTUM  2 DiLoCo replicas of 1 process each (a lighthouse on this machine), --sync_every=8 --num_fragments=2,
-               that outer lr and Nesterov momentum (1.0:0 is plain averaging).
+  LR:MOMENTUM[:H]  2 DiLoCo replicas of 1 process each (a lighthouse on this machine), --sync_every=H (default 8)
+               --num_fragments=2, that outer lr and Nesterov momentum (1.0:0 is plain averaging).
 CONFIGS is a comma-separated list (default dp,1.0:0,0.7:0.9). Needs torchft for the DiLoCo runs.
 """
 import glob
@@ -90,12 +90,12 @@ def main():
             losses = [final_val_loss((work / "dp.txt").read_text())]
         else:
             from torchft.coordination import LighthouseServer
-            outer_lr, momentum = config.split(":")
+            outer_lr, momentum, sync_every = (config.split(":") + ["8"])[:3]
             lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
-            name = f"diloco_{outer_lr}_{momentum}"
+            name = f"diloco_{outer_lr}_{momentum}_{sync_every}"
             procs = [subprocess.Popen(
                 [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={free_port()}",
-                 str(REPO / "train_gpt.py"), *common, "--diloco=1", f"--replica={r}", "--sync_every=8",
+                 str(REPO / "train_gpt.py"), *common, "--diloco=1", f"--replica={r}", f"--sync_every={sync_every}",
                  "--num_fragments=2", f"--outer_lr={outer_lr}", f"--outer_momentum={momentum}", f"--run_id={name}_{r}"],
                 env=dict(env, TORCHFT_LIGHTHOUSE=lighthouse.address()), stdout=subprocess.DEVNULL,
                 stderr=open(work / f"{name}_{r}.err", "w")) for r in range(2)]
