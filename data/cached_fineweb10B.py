@@ -11,9 +11,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-# Run as a script, this folder stands first on sys.path, where data/tokenize.py would shadow the
-# standard library's tokenize (imported by torch): put the repository there instead.
-sys.path[0] = str(REPO)
+sys.path.insert(0, str(REPO))
 from train_gpt import DataError, read_shard  # noqa: E402  (the trainer's own shard checks)
 
 DATASET = "kjj0/fineweb10B-gpt2"

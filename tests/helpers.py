@@ -87,8 +87,7 @@ def run_on_ranks(target, world_size: int, *args, timeout: float = 300) -> list:
 
 
 def load_script(relative_path: str):
-    """Import a script of the repository under its own name, without putting its folder on sys.path
-    (data/tokenize.py would shadow the standard library's tokenize)."""
+    """Import a script of the repository (a file, not a package module) under its own name."""
     path = REPO / relative_path
     spec = importlib.util.spec_from_file_location(path.stem + "_script", path)
     module = importlib.util.module_from_spec(spec)

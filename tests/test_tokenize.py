@@ -1,4 +1,4 @@
-"""data/tokenize.py: text files and JSONL into shards, and back."""
+"""data/tokenize_text.py: text files and JSONL into shards, and back."""
 import json
 import subprocess
 import sys
@@ -9,7 +9,7 @@ import pytest
 import train_gpt as tg
 from helpers import REPO, load_script
 
-tokenize = load_script("data/tokenize.py")
+tokenize = load_script("data/tokenize_text.py")
 BOS = 50256
 
 
@@ -65,7 +65,7 @@ def test_jsonl_field_and_bad_line(tmp_path):
 def test_cli_refuses_to_overwrite_and_reports_missing_input(tmp_path):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "local_val_000000.bin").write_bytes(b"x")
-    run = lambda *a: subprocess.run([sys.executable, str(REPO / "data" / "tokenize.py"), *map(str, a)],
+    run = lambda *a: subprocess.run([sys.executable, str(REPO / "data" / "tokenize_text.py"), *map(str, a)],
                                     capture_output=True, text=True, timeout=120)
     result = run(tmp_path / "missing.txt", "--out", tmp_path / "new")
     assert result.returncode == 1 and "missing.txt: no such file or directory" in result.stderr
@@ -83,9 +83,35 @@ def test_real_gpt2_encoding_when_available(tmp_path):
         pytest.skip(f"tiktoken's gpt2 files are not available offline here ({type(e).__name__})")
     (tmp_path / "a.txt").write_text("Hello world")
     (tmp_path / "b.txt").write_text("Second document.")
-    result = subprocess.run([sys.executable, str(REPO / "data" / "tokenize.py"), tmp_path / "a.txt", tmp_path / "b.txt",
+    result = subprocess.run([sys.executable, str(REPO / "data" / "tokenize_text.py"), tmp_path / "a.txt", tmp_path / "b.txt",
                              "--out", tmp_path / "out", "--val_tokens", "1"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     shards = sorted((tmp_path / "out").glob("*.bin"))
     tokens = np.concatenate([tg.read_shard(str(p)) for p in shards]).tolist()
     assert [50256, 15496, 995] in [tokens[i:i + 3] for i in range(len(tokens))]  # "Hello world"
+
+
+def test_validation_never_takes_more_than_half_and_one_document_works(tmp_path):
+    """A corpus smaller than --val_tokens: validation gets at most half of all tokens, the document that crosses
+    half cut there (its rest, after a BOS, opens the train shard); a single document is split the same way."""
+    texts = ["a" * 50, "b" * 400, "c" * 30]  # shuffled order decides which one crosses half
+    for case, docs in (("three", texts), ("one", ["only " * 40])):
+        (tmp_path / case).mkdir()
+        for i, text in enumerate(docs):
+            (tmp_path / case / f"{i}.txt").write_text(text)
+        written = tokenize.tokenize_documents(tokenize.read_documents(tokenize.input_files([str(tmp_path / case)]), None),
+                                              byte_encoder, tmp_path / f"out_{case}", "t", val_tokens=10_000_000,
+                                              shard_tokens=1000, seed=3, progress=False)
+        val = tg.read_shard(str(written[0]))
+        train = np.concatenate([tg.read_shard(str(p)) for p in written[1:]])
+        total = sum(len(t) + 1 for t in docs)
+        assert 0 < len(val) <= total // 2 and val[0] == BOS and train[0] == BOS
+        assert len(val) == total // 2 or case == "three" and len(documents_of(written[0])) == 2
+        text = "".join(documents_of(written[0])) + "".join(documents_of(written[1]))
+        assert sorted(text) == sorted("".join(docs))  # every character once, in validation or in train
+
+
+def test_offline_error_names_the_files_tiktoken_needs(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tiktoken", None)  # import fails as if not installed
+    with pytest.raises(tokenize.TokenizeError, match=r"vocab\.bpe and encoder\.json .* TIKTOKEN_CACHE_DIR"):
+        tokenize.gpt2_encoder()

@@ -1,26 +1,21 @@
 """Turn your own text into token shards that train_gpt.py reads (GPT-2 BPE via tiktoken).
 
-    python data/tokenize.py DOCS_DIR/ notes.txt --out data/mytext          # every file is one document
-    python data/tokenize.py dump.jsonl --jsonl_field text --out data/mytext
+    python data/tokenize_text.py DOCS_DIR/ notes.txt --out data/mytext          # every file is one document
+    python data/tokenize_text.py dump.jsonl --jsonl_field text --out data/mytext
 
 Every document is encoded with tiktoken's `gpt2` encoding and prefixed by BOS (50256). Documents are
-shuffled (--seed), the first ones fill the validation shard ({name}_val_000000.bin, --val_tokens), the
-rest the train shards ({name}_train_000001.bin, ...) of --shard_tokens each. Offline, tiktoken reads the
-BPE files from TIKTOKEN_CACHE_DIR.
+shuffled (--seed), the first ones fill the validation shard ({name}_val_000000.bin) up to --val_tokens but
+never past half of all tokens (the document that crosses half is cut there: a single document is split in
+two), the rest the train shards ({name}_train_000001.bin, ...) of --shard_tokens each. Offline, tiktoken reads
+the BPE files from TIKTOKEN_CACHE_DIR.
 """
+import argparse
+import json
 import os
 import sys
+from pathlib import Path
 
-# This file shares its name with the standard library's tokenize module (which numpy and inspect import):
-# run as a script, its folder must not stand first on sys.path.
-if sys.path and os.path.abspath(sys.path[0] or ".") == os.path.dirname(os.path.abspath(__file__)):
-    sys.path.pop(0)
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import numpy as np  # noqa: E402
+import numpy as np
 
 BOS = 50256
 MAGIC, VERSION = 20240520, 1
@@ -81,14 +76,31 @@ def tokenize_documents(documents, encode, out: Path, name: str, val_tokens: int,
     if not docs:
         raise TokenizeError("no documents found in the inputs")
     np.random.default_rng(seed).shuffle(docs)
-    out.mkdir(parents=True, exist_ok=True)
-    written, val, index = [], [], 0
-    while index < len(docs) - 1 and sum(len(d) for d in val) < val_tokens:
+    total = sum(len(d) for d in docs)
+    if total < 4:
+        raise TokenizeError(f"the inputs hold {total} tokens: too few for a validation and a train shard")
+    half = total // 2
+    target = min(val_tokens, half)
+    val, index, taken = [], 0, 0
+    while index < len(docs) - 1 and taken < target:
         val.append(docs[index])
+        taken += len(docs[index])
         index += 1
-    written.append(out / f"{name}_val_000000.bin")
+    cut = None
+    if not val:  # a single document: its head is the validation
+        cut, index = docs[0], 1
+    elif taken > half:  # the last document taken crosses half of all tokens: cut it there
+        cut = val.pop()
+        taken -= len(cut)
+    rest = []
+    if cut is not None:
+        keep = max(target - taken, 2)
+        val.append(cut[:keep])
+        rest = [np.concatenate([[BOS], cut[keep:]]).astype(np.uint16)]
+    out.mkdir(parents=True, exist_ok=True)
+    written = [out / f"{name}_val_000000.bin"]
     write_shard(written[-1], np.concatenate(val))
-    train = np.concatenate(docs[index:])
+    train = np.concatenate(rest + docs[index:])
     for number, start in enumerate(range(0, len(train), shard_tokens), start=1):
         written.append(out / f"{name}_train_{number:06d}.bin")
         write_shard(written[-1], train[start: start + shard_tokens])
@@ -100,9 +112,10 @@ def gpt2_encoder():
         import tiktoken
         encoding = tiktoken.get_encoding("gpt2")
     except Exception as e:  # no package, no network, no cached files: all end the same way for the user
-        reason = str(e).splitlines()[0][:160] if str(e) else ""
-        raise TokenizeError(f"could not load tiktoken's gpt2 encoding ({type(e).__name__}: {reason}). Install tiktoken, "
-                            "and offline set TIKTOKEN_CACHE_DIR to a directory holding the GPT-2 BPE files") from None
+        raise TokenizeError(
+            f"could not load tiktoken's gpt2 encoding ({type(e).__name__}). Install tiktoken; offline, tiktoken needs "
+            "GPT-2's vocab.bpe and encoder.json in the folder TIKTOKEN_CACHE_DIR names, under the names "
+            "6d1cbeee0f20b3d9449abfede4726ed8212e3aee and 6c7ea1a7e38e3a7f062df639a5b80947f075ffe6") from None
     return lambda text: encoding.encode_ordinary(text)
 
 
@@ -112,7 +125,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--name", default="local", help="shard name prefix")
     parser.add_argument("--jsonl_field", help="read JSONL files, one document per line, from this field")
-    parser.add_argument("--val_tokens", type=int, default=10_485_760)
+    parser.add_argument("--val_tokens", type=int, default=10_485_760,
+                        help="validation tokens (whole documents), at most half of all tokens")
     parser.add_argument("--shard_tokens", type=int, default=100_000_000)
     parser.add_argument("--seed", type=int, default=1234, help="document shuffle seed")
     parser.add_argument("--force", action="store_true", help="overwrite existing shards of this name")
