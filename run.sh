@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A record attempt on this machine's GPUs:  ./run.sh [--name=value ...]
 # Installs nothing. Checks the config and the data first, so mistakes show as one line, then runs
-# torchrun with one process per GPU (8, 4, 2 or 1; NPROC=... to choose).
+# torchrun with one process per GPU (8, 4, 2 or 1; NPROC=... to choose; with --device=cpu, NPROC processes, 1 unless set).
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -12,6 +12,21 @@ fi
 # One line on stderr for a bad flag, a missing GPU or bad data (a missing shard names the download command).
 python train_gpt.py --check "$@" || exit 1
 gpus=$(python -c "import torch; print(torch.cuda.device_count())")
+if [ -n "${NPROC:-}" ]; then
+    case "$NPROC" in
+        1|2|4|8) ;;
+        *) echo "error: NPROC=$NPROC: use 1, 2, 4 or 8 (every stage's batch splits evenly over those)" >&2; exit 1 ;;
+    esac
+fi
+case " $* " in
+    *" --device=cpu "*)
+        echo "launching ${NPROC:=1} process(es) on the CPU"
+        exec torchrun --standalone --nproc_per_node="$NPROC" train_gpt.py "$@" ;;
+esac
+if [ -n "${NPROC:-}" ] && [ "$NPROC" -gt "$gpus" ]; then
+    echo "error: NPROC=$NPROC, but torch sees $gpus GPU(s)" >&2
+    exit 1
+fi
 if [ -z "${NPROC:-}" ]; then
     NPROC=0
     for n in 8 4 2 1; do

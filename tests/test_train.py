@@ -4,6 +4,7 @@ import dataclasses
 import gc
 import hashlib
 import math
+import os
 import re
 import subprocess
 import sys
@@ -823,7 +824,7 @@ def test_check_and_help_flags(tiny_data, tmp_path):
     assert usage.returncode == 0 and "--num_iterations=1515" in usage.stdout and "--compile_cache=" in usage.stdout
 
 
-def test_run_sh_checks_before_launching(tmp_path):
+def test_run_sh_checks_before_launching(tmp_path, tiny_data):
     if torch.cuda.is_available():
         pytest.skip("on a GPU machine run.sh would launch a real run")
     no_cuda = subprocess.run(["bash", str(REPO / "run.sh")], capture_output=True, text=True, timeout=120)
@@ -837,6 +838,11 @@ def test_run_sh_checks_before_launching(tmp_path):
     bad = subprocess.run(["bash", str(REPO / "run.sh"), "--device=cpu", "--preset=tiny",
                           f"--train_files={tmp_path / '*.bin'}"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and "notes.bin: not a token shard" in bad.stderr  # rejected before any launch
+    train, val = tiny_data
+    three = subprocess.run(["bash", str(REPO / "run.sh"), "--device=cpu", *TINY, f"--train_files={train}",
+                            f"--val_files={val}"], capture_output=True, text=True, timeout=120, env=dict(os.environ, NPROC="3"))
+    assert three.returncode == 1 and "launching" not in three.stdout and three.stderr.strip() == (
+        "error: NPROC=3: use 1, 2, 4 or 8 (every stage's batch splits evenly over those)")
 
 
 def test_cuda_graph_modes_give_every_parameter_a_kept_gradient(tiny_data):
