@@ -165,8 +165,8 @@ class Config:
     extension_windows: str = "6:13"  # windows of the extension steps (speedrun 2025-12 records)
     final_windows: str = "6:20"  # windows for the final validation (YaRN extends the long one)
     window_block: int = 128
-    cooldown_frac: float = 0.55  # the lr decays linearly over this last fraction of training ...
-    final_lr_frac: float = 0.1  # ... down to this fraction
+    cooldown_frac: float = 0.55  # the lr decays linearly over this last fraction of the scheduled steps ...
+    final_lr_frac: float = 0.1  # ... down to this fraction, where the extension steps stay
     # optimizers
     # Adam's groups (betas, weight decay multipliers: speedrun 2025-12 records): the value-embedding and bigram
     # tables ("table"), the token embedding, the head, and the scalars (adam_betas). Weight decay is cautious and
