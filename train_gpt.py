@@ -2088,6 +2088,9 @@ def shard_paths(pattern: str, flag: str) -> list[str]:
         raise DataError(f"--{flag}={pattern!r} matches no files. Download FineWeb shards with "
                         f"`python data/cached_fineweb10B.py 9` or point --{flag} at your own shards")
     for path in paths:
+        if os.path.isdir(path):
+            raise DataError(f"--{flag}={pattern!r} matches the folder {path}: give the shard files, e.g. "
+                            f"--{flag}='{os.path.join(path, '*.bin')}'")
         read_shard(path)
     return paths
 

@@ -218,6 +218,13 @@ def test_empty_glob_is_named(tmp_path):
         tg.shard_paths(str(tmp_path / "none_*.bin"), "val_files")
 
 
+def test_a_folder_given_as_shards_is_named(tmp_path):
+    (tmp_path / "shards").mkdir()
+    with pytest.raises(tg.DataError, match=r"--train_files='.*shards' matches the folder .*shards: give the shard "
+                                           r"files, e.g. --train_files='.*shards/\*\.bin'"):
+        tg.shard_paths(str(tmp_path / "shards"), "train_files")
+
+
 def test_too_little_validation_data(tiny_data):
     train, val = tiny_data
     cfg = tiny_config(train, val, val_tokens=1_000_192)
