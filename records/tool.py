@@ -4,7 +4,7 @@
     python records/tool.py diff A [B]                 # code diff of two records/logs/.py files (B: ./train_gpt.py)
     python records/tool.py compare A B ...            # step_avg, time, val loss at common steps, loss curves
     python records/tool.py stats LOGS_OR_DIRS ...     # mean/std and the one-sided t-test p-value vs --target
-    python records/tool.py extract LOG [-o FILE]      # the exact train_gpt.py a log was produced by
+    python records/tool.py extract LOG [-o FILE]      # the exact train_gpt.py a log (or a record's logs) ran
 
 A, B, ... are record directories (records/<date>_<name>/ with *.txt logs), log files, or (for diff) .py files.
 A log that is malformed or cut off (no final "==== end ====") is an error naming the file and line.
@@ -268,7 +268,10 @@ def cmd_stats(args):
 
 
 def cmd_extract(args):
-    run = parse_log(Path(args.log))
+    runs = runs_of(args.log)  # a log, or a record directory whose logs ran one code
+    if len({run.sha256 for run in runs}) > 1:
+        raise ToolError(f"{args.log}: its {len(runs)} logs ran different code; name one of them")
+    run = runs[0]
     actual = hashlib.sha256(run.code.encode("utf-8")).hexdigest()
     if actual != run.sha256:
         raise ToolError(f"{args.log}:2: the code block does not match its sha256 (the log was edited or corrupted)")

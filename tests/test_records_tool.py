@@ -108,6 +108,15 @@ def test_extract_round_trip_and_refusals(tmp_path):
     assert cli("extract", log, "-o", out).returncode == 0 and out.read_text() == CODE
     again = cli("extract", log, "-o", out)
     assert again.returncode == 1 and "exists; pass --force" in again.stderr
+    # a record directory: its logs' one code, or one line when they ran different code
+    record = tmp_path / "record"
+    record.mkdir()
+    synthetic_log(record / "a.txt")
+    synthetic_log(record / "b.txt")
+    assert cli("extract", record).stdout == CODE
+    synthetic_log(record / "b.txt", code=CODE.replace("x = 1", "x = 2"))
+    mixed = cli("extract", record)
+    assert mixed.returncode == 1 and mixed.stderr.strip() == f"error: {record}: its 2 logs ran different code; name one of them"
 
 
 @pytest.mark.parametrize("cut, message", [(6, "code block ends early: header says 4 lines"),
