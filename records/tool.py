@@ -222,7 +222,7 @@ def cmd_compare(args):
             matplotlib.use("Agg")
             import matplotlib.pyplot as plt
         except ImportError:
-            raise ToolError("matplotlib is not installed; pip install matplotlib for --png") from None
+            raise ToolError("matplotlib is not installed; pip install -r requirements-plot.txt for --png") from None
     groups = [(target, runs_of(target)) for target in args.targets]
     curves = []
     for target, runs in groups:
