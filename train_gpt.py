@@ -224,7 +224,7 @@ PRESETS = {
     # A model small enough to train on two CPU processes in seconds, for tests and laptops.
     "tiny": dict(
         num_layers=4, model_dim=64, num_heads=2, head_dim=32, attn_layout="SLSL", value_embed_layout="0..1",
-        skip_from=1, skip_to=2, micro_batch_tokens=256, max_doc_len=128, window_block=16,
+        skip_from=1, skip_to=2, micro_batch_tokens=256, max_doc_len=256, window_block=16,
         batch_schedule="8,8,16", window_schedule="1:2,2:4,3:6", final_windows="4:8",
         num_iterations=24, extension_steps=0, val_loss_every=8, val_tokens=2048, compile=False,
         muon_momentum_warmup=8, muon_momentum_cooldown=4, bigram_rows=4096,

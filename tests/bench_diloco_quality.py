@@ -32,8 +32,8 @@ BYTE_BOS = 256
 
 def byte_shard(paths: list[str], out: Path, max_bytes: int, piece: int = 127) -> int:
     """Decode GPT-2 token shards document by document and write their UTF-8 bytes as a shard, in pieces of at most
-    `piece` bytes each after a BOS (the tiny preset cuts documents at 128 tokens: longer ones would lose their
-    rest)."""
+    `piece` bytes each after a BOS (under the tiny preset's document length, so no text is cut away; the figures in
+    docs/performance.md used 127)."""
     import tiktoken
     encoding = tiktoken.get_encoding("gpt2")
     pieces, total = [], 0
