@@ -3480,7 +3480,9 @@ def main(argv: list[str] | None = None) -> int:
         log.finish()
         return 0
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        # Before the process group exists every rank hits the same launch mistake: one line, from rank 0.
+        if comm is not None or os.environ.get("RANK", "0") == "0":
+            print(f"error: {e}", file=sys.stderr)
         return 1
     finally:
         if comm is not None and dist.is_initialized():

@@ -88,10 +88,17 @@ def test_cuda_requested_without_cuda_is_an_error(tiny_data, capsys):
     assert "pass --device=cpu" in capsys.readouterr().err
 
 
-def test_world_size_must_divide_8(monkeypatch):
+def test_world_size_must_divide_8(monkeypatch, tiny_data, capsys):
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(tg.UserError, match="world size 3 is not supported"):
         tg.init_distributed(tiny_config("x", "y"))
+    # under torchrun every rank hits it: rank 0 says it, in one line, and the others say nothing
+    train, val = tiny_data
+    for rank, lines in (("1", 0), ("0", 1)):
+        monkeypatch.setenv("RANK", rank)
+        assert tg.main(["--device=cpu", *TINY, f"--train_files={train}", f"--val_files={val}"]) == 1
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == lines and err.count("world size 3 is not supported") == lines
 
 
 # ------------------------------------------------------------------------------------------------ data
