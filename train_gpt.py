@@ -550,21 +550,24 @@ def softcap(logits: Tensor, cap: tuple) -> Tensor:
     return cap[0] * torch.sigmoid((logits.float() + cap[1]) / cap[2])
 
 
-def multi_token_losses(z: Tensor, targets: Tensor, mtp: tuple | None) -> Tensor:
-    """Per-row loss of softcapped logits z [rows, vocab]: cross-entropy to the next token, or with mtp = (weights [K],
-    period) the weighted sum over k < K of the cross-entropy to the token k + 1 ahead (row i's targets[i + k]),
-    for the k that stay inside the row's micro-batch of `period` rows (multi-token prediction)."""
-    lse = torch.logsumexp(z, dim=1)
+def multi_token_targets(targets: Tensor, mtp: tuple | None) -> list[tuple[Tensor, Tensor]]:
+    """Per offset k, (each row's weight [rows], its target k + 1 ahead [rows]): mtp = (weights [K], period) gives
+    row i targets[i + k] at weights[k] where i + k stays inside the row's micro-batch of `period` rows, and 0
+    elsewhere (multi-token prediction); None gives the next token at weight 1."""
     if mtp is None:
-        return lse - z.gather(1, targets[:, None].long())[:, 0]
+        return [(torch.ones_like(targets, dtype=torch.float32), targets.long())]
     weights, period = mtp
-    rows = z.size(0)
-    position = torch.arange(rows, device=z.device) % period
-    losses = torch.zeros_like(lse)
-    for k in range(weights.numel()):
-        ahead = torch.cat([targets[k:], targets[:k]]).long()  # wraps: those rows are masked below
-        losses = losses + weights[k] * (position + k < period) * (lse - z.gather(1, ahead[:, None])[:, 0])
-    return losses
+    position = torch.arange(targets.numel(), device=targets.device) % period
+    # the rolled targets wrap around at the end, where the weight is 0
+    return [(weights[k] * (position + k < period), torch.cat([targets[k:], targets[:k]]).long())
+            for k in range(weights.numel())]
+
+
+def multi_token_losses(z: Tensor, targets: Tensor, mtp: tuple | None) -> Tensor:
+    """Per-row loss of softcapped logits z [rows, vocab]: the weighted sum of the cross-entropies to the targets of
+    multi_token_targets (the next token's alone without mtp)."""
+    lse = torch.logsumexp(z, dim=1)
+    return sum(w * (lse - z.gather(1, ahead[:, None])[:, 0]) for w, ahead in multi_token_targets(targets, mtp))
 
 
 def softcapped_cross_entropy(logits: Tensor, targets: Tensor, cap: tuple, use_triton: bool | None = None,
@@ -817,18 +820,13 @@ class _Fp8SoftcappedHead(torch.autograd.Function):
 
 
 def multi_token_grad(z: Tensor, targets: Tensor, mtp: tuple | None) -> Tensor:
-    """d multi_token_losses / d z, row by row: the weights inside the micro-batch times softmax(z), minus each
-    weight at its target."""
-    rows = z.size(0)
-    weights, period = mtp if mtp is not None else (torch.ones(1, device=z.device), rows)
-    position = torch.arange(rows, device=z.device) % period
+    """d multi_token_losses / d z, row by row: the row's weights times softmax(z), minus each weight at its target."""
     softmax = torch.softmax(z, dim=1)
+    rows = torch.arange(z.size(0), device=z.device)
     d = torch.zeros_like(softmax)
-    for k in range(weights.numel()):
-        w = weights[k] * (position + k < period)  # [rows]
-        ahead = torch.cat([targets[k:], targets[:k]]).long()
+    for w, ahead in multi_token_targets(targets, mtp):
         d += w[:, None] * softmax
-        d[torch.arange(rows, device=z.device), ahead] -= w
+        d[rows, ahead] -= w
     return d
 
 
@@ -1235,6 +1233,11 @@ class DistAdam(torch.optim.Optimizer):
                 self._launch_reduce(bucket)
         gathers = []
         tied = self.is_tied()
+        for index, group in enumerate(self.param_groups):  # each group's lr and decay, once a step
+            if index not in self.scalars:
+                self.scalars[index] = torch.zeros(2, device=group["params"][0].device)
+            self.scalars[index][0].fill_(group["lr"])  # a fill kernel each: no host-to-device copy to wait for
+            self.scalars[index][1].fill_(group["lr"] ** 2 * group["weight_decay"])
         for bucket in self.launched:
             if tied and bucket is self.tied_buckets[0]:
                 continue  # its gradient goes into the leader's update below
@@ -1290,11 +1293,7 @@ class DistAdam(torch.optim.Optimizer):
             state["exp_avg_sq"] = torch.zeros_like(owned)
         state["step"] += 1
         group = self.param_groups[bucket.group_index]
-        if bucket.group_index not in self.scalars:
-            self.scalars[bucket.group_index] = torch.zeros(2, device=owned.device)
         scalars = self.scalars[bucket.group_index]
-        scalars[0].fill_(group["lr"])  # a fill kernel each: no host-to-device copy to wait for
-        scalars[1].fill_(group["lr"] ** 2 * group["weight_decay"])
         beta1, beta2 = group["betas"]
         self.update_(owned, grad_shard, state["exp_avg"], state["exp_avg_sq"], state["step"], scalars[0], scalars[1],
                      beta1, beta2, group["eps"])
