@@ -14,7 +14,6 @@ CONFIGS is a comma-separated list (default dp,1.0:0,0.7:0.9). Needs torchft for 
 import glob
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,7 +24,9 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))
 import train_gpt as tg  # noqa: E402
+from helpers import free_port, write_shard  # noqa: E402
 
 BYTE_BOS = 256
 
@@ -50,16 +51,8 @@ def byte_shard(paths: list[str], out: Path, max_bytes: int, piece: int = 127) ->
         if total >= max_bytes:
             break
     tokens = np.concatenate(pieces)[:max_bytes]
-    header = np.zeros(256, dtype="<i4")
-    header[:3] = (20240520, 1, len(tokens))
-    out.write_bytes(header.tobytes() + tokens.astype("<u2").tobytes())
+    write_shard(out, tokens)
     return len(tokens)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def final_val_loss(log: str) -> float:

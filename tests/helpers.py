@@ -86,6 +86,27 @@ def run_on_ranks(target, world_size: int, *args, timeout: float = 300) -> list:
     return [by_rank[r] for r in range(world_size)]
 
 
+def train_scheduled_steps(model, optimizers, cfg, steps: int, seed: int = 1, before_step=None, after_step=None):
+    """Train on the warm-up's random batches (train_gpt.dummy_batches(cfg, seed)) as the training loop does, one
+    forward a step: each step sets the schedule's hyperparameters and trains with its windows. before_step(step)
+    and after_step(step), when given, run around each step."""
+    import torch
+    import train_gpt as tg
+    schedule = tg.Schedule(cfg)
+    batches = tg.Prefetcher(tg.dummy_batches(cfg, seed=seed), cfg.micro_batch_tokens, torch.device("cpu"),
+                            bigram_rows=cfg.bigram_rows, bos=cfg.bos_token)
+    try:
+        for step in range(steps):
+            if before_step is not None:
+                before_step(step)
+            tg.set_hyperparameters(optimizers, schedule, step)
+            tg.train_step(model, optimizers, batches, schedule.windows(step), forwards=1)
+            if after_step is not None:
+                after_step(step)
+    finally:
+        batches.close()
+
+
 def load_script(relative_path: str):
     """Import a script of the repository (a file, not a package module) under its own name."""
     path = REPO / relative_path

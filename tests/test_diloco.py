@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import train_gpt as tg
-from helpers import REPO, TINY, free_port
+from helpers import REPO, TINY, free_port, train_scheduled_steps
 
 torchft = pytest.importorskip("torchft", reason="torchft is not installed (pip install torchft): DiLoCo untested")
 from torchft.coordination import LighthouseServer  # noqa: E402
@@ -90,7 +90,6 @@ def train_replicas_in_threads(cfg, data_seeds, steps, init_sync, on_local=None, 
     DiLoCo's hook; before_step(replica, step, run) runs before each step. Returns [(final weights, the run)] by
     replica."""
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=len(data_seeds))
-    schedule = tg.Schedule(cfg)
     replicas = []
     for index, _ in enumerate(data_seeds):
         torch.manual_seed(cfg.seed)
@@ -112,20 +111,17 @@ def train_replicas_in_threads(cfg, data_seeds, steps, init_sync, on_local=None, 
             optimizers[-1].register_step_post_hook(lambda *_: on_local(
                 index, step_of[0], {name: p.detach().clone() for name, p in model.named_parameters()}))
         run = tg.StreamingDiLoCo(cfg, model, optimizers, torch.device("cpu"), lambda line: None, manager=manager)
-        batches = tg.Prefetcher(tg.dummy_batches(cfg, seed=data_seeds[index]), cfg.micro_batch_tokens,
-                                torch.device("cpu"), bigram_rows=cfg.bigram_rows, bos=cfg.bos_token)
+
+        def prepare(step):
+            if on_local is not None:
+                step_of[0] = step
+            if before_step is not None:
+                before_step(index, step, run)
+            run.step = step + 1
         run.__enter__()
         try:
-            for step in range(steps):
-                if on_local is not None:
-                    step_of[0] = step
-                if before_step is not None:
-                    before_step(index, step, run)
-                tg.set_hyperparameters(optimizers, schedule, step)
-                run.step = step + 1
-                tg.train_step(model, optimizers, batches, schedule.windows(step), forwards=1)
+            train_scheduled_steps(model, optimizers, cfg, steps, seed=data_seeds[index], before_step=prepare)
         finally:
-            batches.close()
             run.close()
         results[index] = ({name: p.detach().clone() for name, p in model.named_parameters()}, run)
 
@@ -141,6 +137,25 @@ def train_replicas_in_threads(cfg, data_seeds, steps, init_sync, on_local=None, 
     return results
 
 
+@contextlib.contextmanager
+def weights_after_each_sync_hook():
+    """{(replica, step): named weights} right after each step's DiLoCo hook, for replicas trained meanwhile by
+    train_replicas_in_threads (replica ids test_N)."""
+    after = {}
+    original_hook = tg.StreamingDiLoCo._after_sync_hook
+
+    def record_after(self, *args):
+        original_hook(self, *args)
+        replica = int(self.manager._replica_id.split("_")[1].split(":")[0])
+        after[replica, self.step - 1] = {name: p.detach().clone() for name, p in self.model.named_parameters()}
+
+    tg.StreamingDiLoCo._after_sync_hook = record_after
+    try:
+        yield after
+    finally:
+        tg.StreamingDiLoCo._after_sync_hook = original_hook
+
+
 def test_replicas_on_the_same_data_train_like_one_replica():
     """Two replicas fed the same micro-batches, one fragment synced after every step, plain averaging
     (outer lr 1, momentum 0, alpha 0): each step's sync gives back the local weights, so both replicas end with
@@ -153,16 +168,7 @@ def test_replicas_on_the_same_data_train_like_one_replica():
     torch.manual_seed(cfg.seed)
     model = tg.GPT(cfg, tg.SdpaAttention(), torch.float32)
     model.lm_head.weight.data.normal_(std=0.02, generator=torch.Generator().manual_seed(1))
-    optimizers = tg.build_optimizers(model, cfg)
-    schedule = tg.Schedule(cfg)
-    batches = tg.Prefetcher(tg.dummy_batches(cfg, seed=1), cfg.micro_batch_tokens, torch.device("cpu"),
-                            bigram_rows=cfg.bigram_rows, bos=cfg.bos_token)
-    try:
-        for step in range(steps):
-            tg.set_hyperparameters(optimizers, schedule, step)
-            tg.train_step(model, optimizers, batches, schedule.windows(step), forwards=1)
-    finally:
-        batches.close()
+    train_scheduled_steps(model, tg.build_optimizers(model, cfg), cfg, steps)
     reference = {name: p.detach().clone() for name, p in model.named_parameters()}
 
     results = train_replicas_in_threads(cfg, data_seeds=(1, 1), steps=steps, init_sync=True)
@@ -192,19 +198,8 @@ def test_a_synced_fragment_is_the_mean_of_the_replicas_local_weights():
     def on_local(replica, step, weights):
         local[replica, step] = weights
 
-    after = {}
-    original_hook = tg.StreamingDiLoCo._after_sync_hook
-
-    def record_after(self, *args):  # the weights after each step's DiLoCo hook
-        original_hook(self, *args)
-        replica = int(self.manager._replica_id.split("_")[1].split(":")[0])
-        after[replica, self.step - 1] = {name: p.detach().clone() for name, p in self.model.named_parameters()}
-
-    tg.StreamingDiLoCo._after_sync_hook = record_after
-    try:
+    with weights_after_each_sync_hook() as after:
         results = train_replicas_in_threads(cfg, data_seeds=(1, 2), steps=8, init_sync=False, on_local=on_local)
-    finally:
-        tg.StreamingDiLoCo._after_sync_hook = original_hook
     assert [run.heals for _, run in results] == [0, 0]
     run = results[0][1]
     names = {id(p): name for name, p in run.model.named_parameters()}
@@ -228,13 +223,6 @@ def test_a_replica_whose_commit_fails_rolls_back_and_heals_at_the_next_sync():
     not commit and takes its fragment's last global weights back, while the other commits. One commit behind, it
     heals from its peer at the next quorum, and after that sync the two hold the same weights again."""
     cfg = tiny_diloco_config(sync_every=2, num_fragments=1, num_iterations=6)
-    after = {}
-    original_hook = tg.StreamingDiLoCo._after_sync_hook
-
-    def record_after(self, *args):
-        original_hook(self, *args)
-        replica = int(self.manager._replica_id.split("_")[1].split(":")[0])
-        after[replica, self.step - 1] = {name: p.detach().clone() for name, p in self.model.named_parameters()}
 
     def fault(replica, step, run):  # replica 1's sync after step 3 fails between its all-reduce and the commit vote
         if replica == 1 and step == 3:
@@ -246,11 +234,8 @@ def test_a_replica_whose_commit_fails_rolls_back_and_heals_at_the_next_sync():
                 return should_commit(*args, **kwargs)
             run.manager.should_commit = failing
 
-    tg.StreamingDiLoCo._after_sync_hook = record_after
-    try:
+    with weights_after_each_sync_hook() as after:
         results = train_replicas_in_threads(cfg, data_seeds=(1, 2), steps=6, init_sync=False, before_step=fault)
-    finally:
-        tg.StreamingDiLoCo._after_sync_hook = original_hook
     runs = [run for _, run in results]
     assert [(run.syncs, run.committed, run.heals) for run in runs] == [(3, 3, 0), (3, 2, 1)]
     same = lambda a, b: all(torch.equal(weight, b[name]) for name, weight in a.items())  # noqa: E731

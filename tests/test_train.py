@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import train_gpt as tg
-from helpers import BOS, REPO, TINY, TOKENS, VOCAB, cu_seqlens_of, learnable_documents, run_on_ranks, write_shard
+from helpers import (BOS, REPO, TINY, TOKENS, VOCAB, cu_seqlens_of, learnable_documents, run_on_ranks,
+                     train_scheduled_steps, write_shard)
 
 BATCHES = dict(bos=BOS, vocab_size=VOCAB)  # bos_aligned_batches' arguments for these shards
 
@@ -517,16 +518,9 @@ def test_tied_embedding_follows_the_head_until_the_untie_step(tiny_data):
     model = tg.GPT(cfg, tg.SdpaAttention(), torch.float32)
     assert torch.equal(model.embed.weight, model.lm_head.weight) and model.lm_head.weight.std() < 0.01
     optimizers = tg.build_optimizers(model, cfg)
-    batches = tg.Prefetcher(tg.dummy_batches(cfg, seed=1), cfg.micro_batch_tokens, torch.device("cpu"),
-                            bigram_rows=cfg.bigram_rows, bos=cfg.bos_token)
     same = []
-    try:
-        for step in range(4):
-            tg.set_hyperparameters(optimizers, schedule, step)
-            tg.train_step(model, optimizers, batches, schedule.windows(step), forwards=1)
-            same.append(torch.equal(model.embed.weight, model.lm_head.weight))
-    finally:
-        batches.close()
+    train_scheduled_steps(model, optimizers, cfg, 4,
+                          after_step=lambda step: same.append(torch.equal(model.embed.weight, model.lm_head.weight)))
     assert same == [True, True, False, False]
 
 
@@ -565,17 +559,12 @@ def test_optimizers_follow_the_schedule_after_loading_a_state_dict(tiny_data):
         model = tg.GPT(cfg, tg.SdpaAttention(), torch.float32)
         model.lm_head.weight.data.normal_(std=0.02)
         optimizers = tg.build_optimizers(model, cfg)
-        batches = tg.Prefetcher(tg.dummy_batches(cfg, seed=1), cfg.micro_batch_tokens, torch.device("cpu"),
-                                bigram_rows=cfg.bigram_rows, bos=cfg.bos_token)
-        try:
-            for step in range(cfg.num_iterations):
-                if step == reload_at:
-                    for opt in optimizers:
-                        opt.load_state_dict(tg.detached_copy(opt.state_dict()))
-                tg.set_hyperparameters(optimizers, schedule, step)
-                tg.train_step(model, optimizers, batches, schedule.windows(step), forwards=1)
-        finally:
-            batches.close()
+
+        def reload(step):
+            if step == reload_at:
+                for opt in optimizers:
+                    opt.load_state_dict(tg.detached_copy(opt.state_dict()))
+        train_scheduled_steps(model, optimizers, cfg, cfg.num_iterations, before_step=reload)
         return model.state_dict()
 
     # the schedule moves after step 3: lr (stage 2 and the cooldown) and Muon's momentum (its warm-up)
