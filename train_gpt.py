@@ -154,8 +154,8 @@ class Config:
     # Micro-batches of one rank packed into each forward/backward; 0: auto, the most (up to 8 on a GPU of at least
     # PACK_8_MIN_GIB, else 4) that divides every stage's and the validation's micro-batches per rank. Each
     # micro-batch starts a document and its positions, so a packed forward computes the same losses. Fewer,
-    # larger kernels: 1xH100, last stage, 763 ms per step at 1, 728 at 2, 711 at 4 (session h); 665 at 4 and
-    # 649 at 8 with session j's kernels, for a peak memory of 37.2 and 64.3 GiB (README, Speed).
+    # larger kernels: 1xH100, last stage, 763 ms per step at 1, 728 at 2, 711 at 4 with the earlier plain-torch
+    # loss and MLP; 665 at 4 and 649 at 8 with the fused ones, for a peak memory of 37.2 and 64.3 GiB.
     forward_micro_batches: int = 0
     max_doc_len: int = 2048  # longer documents are cut
     # Schedules over equal stages of training (comma separated, one entry per stage):
@@ -2977,7 +2977,7 @@ class Trainer:
 
 
 # Auto packs up to 8 micro-batches per forward only on a GPU with at least this much memory (GiB). Default config,
-# FP8 head, 1xH100 (session j): peak allocated 37.2 GiB with 4 per forward, 64.3 GiB with 8.
+# FP8 head, fused loss and MLP kernels, 1xH100: peak allocated 37.2 GiB with 4 per forward, 64.3 GiB with 8.
 PACK_8_MIN_GIB = 72
 
 
@@ -2985,7 +2985,7 @@ def resolve_forward_micro_batches(cfg: Config, world_size: int, device_memory_gi
     """--forward_micro_batches, or for 0 the most micro-batches that every stage's and the validation's
     micro-batches per rank divide into: up to 8 on a GPU of at least PACK_8_MIN_GIB, up to 4 otherwise (default
     schedule: 8 on one such GPU, 4 on 1 smaller GPU or 2 processes, 2 on 4, 1 on 8). 1xH100, last stage: 4.7%
-    faster from 1 to 2, 2.3% from 2 to 4 (session h), 2.3% from 4 to 8 (session j); the activations grow by
+    faster from 1 to 2, 2.3% from 2 to 4, 2.3% from 4 to 8 (the last with the fused kernels); the activations grow by
     about 7 GiB per micro-batch."""
     per_rank = {f"stage {i}": n // world_size for i, n in enumerate(_parse_stage_list(cfg, "batch_schedule", int))}
     per_rank["validation"] = val_micro_batches_per_rank(cfg, world_size)
@@ -3001,7 +3001,7 @@ def resolve_forward_micro_batches(cfg: Config, world_size: int, device_memory_gi
 
 def resolve_compile_mode(cfg: Config, comm: Comm, device: torch.device) -> str:
     """--compile_mode=auto: reduce-overhead (CUDA graphs) on a single GPU, where it measured 2% faster steps
-    than default (README, Speed); default on several GPUs, where on 2xH200 graphs were no faster and the
+    than default (docs/performance.md); default on several GPUs, where on 2xH200 graphs were no faster and the
     weights after 30 steps differed from default's by more than two default runs differ (README, Hardware),
     and on CPUs, which have no graphs."""
     if cfg.compile_mode != "auto":

@@ -1,8 +1,8 @@
 """Device benchmark (not part of the tests): the FP8 head's fused loss-and-gradient kernel at a packed forward's
-65,536 rows, over launch shapes, against the kernel it replaced (session j's, kept here) and against that
+65,536 rows, over launch shapes, against the previous kernel it replaced (kept here) and against that
 kernel's loads and stores around no arithmetic (the memory floor of two passes over the row); with the loss's
 and the gradient's error against float64 on two kinds of logits (Gaussian, and model-like: most logits low, a
-few dozen candidates per row above them), and how many e5m2 values differ from session j's kernel. Prints
+few dozen candidates per row above them), and how many e5m2 values differ from the previous kernel's. Prints
 median milliseconds (CUDA events, warm-up excluded), three interleaved rounds.
 
     python tests/gpu/bench_ce_fp8.py [ROWS]     # 65,536 by default; the trainer's packed forward has 131,072
@@ -21,7 +21,7 @@ from bench_optimizers import kernel_median_ms as median_ms  # noqa: E402
 
 
 @triton.jit
-def _session_j_kernel(Logits, Targets, Loss, Grad, V, stride, cap: tl.constexpr, grad_max: tl.constexpr,
+def _previous_kernel(Logits, Targets, Loss, Grad, V, stride, cap: tl.constexpr, grad_max: tl.constexpr,
                       BLOCK: tl.constexpr, MEMORY_ONLY: tl.constexpr):
     """The kernel before this one: tl.sigmoid and tl.exp in both passes (six MUFU operations per logit), the
     target's -1 compared for at every logit. MEMORY_ONLY: its loads and stores around no arithmetic."""
@@ -52,9 +52,9 @@ def _session_j_kernel(Logits, Targets, Loss, Grad, V, stride, cap: tl.constexpr,
         tl.store(Grad + start + cols, grad.to(Grad.dtype.element_ty), mask=inside)
 
 
-def session_j(logits, targets, cap, losses, grad_q, block=1024, warps=4, memory_only=False):
+def previous(logits, targets, cap, losses, grad_q, block=1024, warps=4, memory_only=False):
     rows, vocab = logits.shape
-    _session_j_kernel[(rows,)](logits, targets, losses, grad_q, vocab, logits.stride(0), cap, tg.GRAD_E5M2_MAX,
+    _previous_kernel[(rows,)](logits, targets, losses, grad_q, vocab, logits.stride(0), cap, tg.GRAD_E5M2_MAX,
                                BLOCK=block, MEMORY_ONLY=memory_only, num_warps=warps)
 
 
@@ -100,10 +100,10 @@ def main():
         if kind == "model-like":  # the target is usually among the candidates
             targets = logits.float().argmax(dim=1)
         ref_loss, ref_grad = float64_reference(logits[:check], targets[:check], cap)
-        session_j(logits, targets, cap, losses, grad_q)
+        previous(logits, targets, cap, losses, grad_q)
         before = grad_q[:check].double() / tg.GRAD_E5M2_MAX
         print(f"{kind}: mean float64 loss of {check} rows {ref_loss.mean().item():.6f}", flush=True)
-        for name, run in (("session j's kernel", session_j), ("the trainer's kernel", trainer)):
+        for name, run in (("the previous kernel", previous), ("the trainer's kernel", trainer)):
             grad_q.zero_()
             run(logits, targets, cap, losses, grad_q)
             got = grad_q[:check].double() / tg.GRAD_E5M2_MAX
@@ -111,11 +111,11 @@ def main():
             bias = (losses[:check].double() - ref_loss).mean().item()
             worst = (losses[:check].double() - ref_loss).abs().max().item()
             print(f"  {name:20s} loss bias {bias:+.2e}, max {worst:.2e}; gradient error {grad_err:.4f}, "
-                  f"{(got != before).double().mean().item():.4%} of e5m2 values differ from session j's", flush=True)
+                  f"{(got != before).double().mean().item():.4%} of e5m2 values differ from the previous kernel's", flush=True)
     copy = torch.empty_like(logits)
     print(f"yardstick, a copy of the bf16 logits: {median_ms(lambda: copy.copy_(logits)):.3f} ms")
-    runs = {"session j's kernel (1024, 4)": lambda: session_j(logits, targets, cap, losses, grad_q),
-            "memory only, session j's loops (8192, 32)": lambda: session_j(logits, targets, cap, losses, grad_q,
+    runs = {"the previous kernel (1024, 4)": lambda: previous(logits, targets, cap, losses, grad_q),
+            "memory only, the previous kernel's loops (8192, 32)": lambda: previous(logits, targets, cap, losses, grad_q,
                                                                             8192, 32, memory_only=True)}
     for block, warps in ((4096, 8), (8192, 16), (8192, 32), (16384, 16), (16384, 32)):
         runs[f"trainer's kernel ({block}, {warps})"] = functools.partial(trainer, logits, targets, cap, losses,

@@ -11,7 +11,7 @@ windows, and the largest difference from the default options' output and gradien
 1xH100, torch 2.11 (2026-11-23): the defaults were fastest (short window 0.78 ms forward + backward, long 0.88).
 ROWS_GUARANTEED_SAFE gave NaN: it requires every row to keep a key in every block it visits, and a partial block
 at a document start or window edge has rows with none, though each row keeps itself.
-1xH100, 2026-11-23 (session f): the backward with 8 warps and 2 stages (the second set below) measured 0.98 / 1.07 ms
+1xH100, 2026-11-23: the backward with 8 warps and 2 stages (the second set below) measured 0.98 / 1.07 ms
 forward + backward (short / long window) against 1.13 / 1.22 for the defaults here, with the same bits; but in the
 trainer (tests/gpu/bench_step.py, last stage) flex's backward kernels took 81.2 ms per step against 77.1, so it
 stays out. This benchmark's compiled function alone does not predict the whole-model graph.

@@ -26,7 +26,7 @@ CHECK_ROWS = 4096
 # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT, warps, stages), as train_gpt.RELU2_MM_CONFIG. Tried and dropped
 # (2026-11-24, 1xH100): loading the backward's post tile before the K loop (3-50 ms: the tile sat in registers
 # through the loop), tl.range(warp_specialize=True) (no faster), 2 programs per SM with tiles small enough for two
-# (slower); tiles over 232 KB of shared memory fail, and so do 256 x 256 tiles over 16 warps (session l: ptxas
+# (slower); tiles over 232 KB of shared memory fail, and so do 256 x 256 tiles over 16 warps (ptxas
 # finds 128 registers a thread too few for the wgmma), which would have read a third less from L2.
 CONFIGS = [
     (128, 256, 64, 8, 2, 8, 3), (128, 256, 64, 16, 2, 8, 3), (256, 128, 64, 16, 2, 8, 3), (128, 128, 64, 8, 2, 4, 3),

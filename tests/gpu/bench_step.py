@@ -236,7 +236,7 @@ def main() -> int:
                 forwards = trainer.forwards(step, comm.world_size)
                 # The timed steps run back to back, as in training (the host queues step n + 1 while the GPU
                 # runs step n), and are timed by CUDA events at each step's start: a step's time is the GPU's
-                # from its start to the next one's, idle waiting for the host included. (Until session l each
+                # from its start to the next one's, idle waiting for the host included. (Until 2026-11-24 each
                 # step was timed alone between two synchronizes, which also counted the GPU waiting for the
                 # host's first launches: on 1xH100 the last stage 629.8 / 631.8 against 625.3 / 629.1 ms.)
                 for _ in range(3):

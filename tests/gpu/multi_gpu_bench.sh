@@ -3,7 +3,7 @@
 #   OUT=/some/dir [BENCHES="sparse dense world1"] bash tests/gpu/multi_gpu_bench.sh STEPS [all|bench|diloco]
 # 1. tests/gpu/bench_step.py at world size 2 with sparse bigram comms on (sparse), then off (dense), then
 #    at world size 1 on the same machine (world1); BENCHES picks which, and may add "graphs" (world size 2
-#    under CUDA graphs, which --compile_mode=auto leaves off there: no faster on 2xH200, README Speed). The
+#    under CUDA graphs, which --compile_mode=auto leaves off there: no faster on 2xH200, docs/performance.md). The
 #    benches read the bench stream (real document lengths and bigram rows);
 # 2. a plain 2-GPU run of STEPS steps on the bench stream, then streaming DiLoCo with 2 replicas of one
 #    GPU each (a lighthouse on this machine, torchft from .whl/), same STEPS: final loss, wall time, syncs.
