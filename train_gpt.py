@@ -103,39 +103,38 @@ class Config:
     skip_from: int = 3  # the output of this layer is added (gated) to the input of skip_to
     skip_to: int = 6
     # The head's logits x become cap * sigmoid((x + offset) / divisor) (speedrun 2024-11; 2025-12-26: 23, 5, 7.5).
-    logit_softcap: float = 30.0
-    logit_offset: float = 0.0
+    logit_softcap: float = 23.0
+    logit_offset: float = 5.0
     logit_divisor: float = 7.5
     # Multi-token prediction (speedrun 2025-12-22): per stage, separated by '/', the weights of the losses to the
     # tokens 1, 2, ... ahead, all from the same logits; "a>b" goes linearly from a to b over the stage; the
     # extension keeps the last stage's. The weights are normalised to sum to 1; validation is next-token only.
-    # Empty: next token only. The speedrun's: "1,0.5,0.25>0/1,0.5>0/1".
-    mtp_schedule: str = ""
+    # Empty: next token only.
+    mtp_schedule: str = "1,0.5,0.25>0/1,0.5>0/1"
     attn_scale: float = 0.1  # softmax scale of the QK-normed heads (speedrun 2025-12), raised as windows grow
     residual_init: float = 1.1  # each layer's input is residual_init * x + ... at the start (speedrun 2025-12)
     head_init_std: float = 0.005  # the head starts as N(0, std^2) (speedrun 2025-12-19); 0 starts it at zero
     # The token embedding starts as a copy of the head and trains tied to it (one Adam update from the sum of both
     # gradients, with the head's settings) until untie_frac of the scheduled steps, then each goes on alone with a
     # copy of the shared Adam state (speedrun 2025-12-22).
-    tie_embed: bool = False
+    tie_embed: bool = True
     untie_frac: float = 0.667
     attn_out_zero_init: bool = False  # O projections start at zero (muP-like) instead of like Q, K and V (2026-01-30)
-    value_embed_init_std: float = 1.0  # the speedrun starts its value-embedding tables at zero (2025-12)
+    value_embed_init_std: float = 0.0  # value-embedding tables start at zero (speedrun 2025-12)
     # Per-token gates read from the first gate_dims channels of a layer's normed input (speedrun 2025-12-29 and
     # 2026-01): each attention head's output times sigmoid(.), each head's value embedding times 2 sigmoid(.), the
     # skip times 2 sigmoid(.) of the embedding's channels; all start as constants (zero weights).
-    gates: bool = False
+    gates: bool = True
     gate_dims: int = 12
     # "Smear" (speedrun 2025-09): each token's embedding adds a gated copy of the previous token's, the gate read
     # from its own first gate_dims channels; not across a document start. Starts off (zero scale).
-    smear: bool = False
+    smear: bool = True
     # On the long-window layers each key's position-free half (the dims Rotary leaves unrotated) comes from the
     # previous token, not across a document or micro-batch start (speedrun 2025-12-14, "partial key offset").
-    key_offset: bool = False
+    key_offset: bool = True
     # "Backout" (speedrun 2025-12): the head reads the residual minus a learned share (init 0.5) of this layer's
-    # output; -1 turns it off. Gates, smear, backout and zero value tables together (the speedrun's layer 7):
-    # better at step 160 of bench2 and worse at its end than without (docs/performance.md), so off by default.
-    backout_from: int = -1
+    # output; -1 turns it off.
+    backout_from: int = 7
     # Hashed (previous token, token) embedding added to the residual stream (speedrun 2026-01-19);
     # 0 turns it off. Its gradient rows travel sparsely between ranks unless sparse_bigram_comms=0.
     bigram_rows: int = 5 * 50304
@@ -184,15 +183,13 @@ class Config:
     scalar_lr_mul: float = 5.0
     # NorMuon (Li et al. 2025, arXiv:2510.05491; speedrun 2025-10-24): each orthogonalised update is rescaled per
     # row (or column: per entry of its longer side) by a second-moment estimate with this beta2, keeping its
-    # Frobenius norm; 0 is plain Muon. The speedrun's settings are --normuon_beta2=0.95 --muon_lr=0.023
-    # --muon_shape_lr=1 --muon_proj_lr_mul=2 --muon_weight_decay=1.2; on bench2, with Adam's settings below, they
-    # learned far slower in the first stage than plain Muon at 0.06 (docs/performance.md), so they are not the default.
-    normuon_beta2: float = 0.0
+    # Frobenius norm; 0 is plain Muon (--preset=plain pairs it with lr 0.06 and no shape lr, multiplier or decay).
+    normuon_beta2: float = 0.95
     # The lr of a matrix is muon_lr, times sqrt(max(1, rows/cols)) of its (split) shape as stored with muon_shape_lr
     # (speedrun 2025-10-27), times muon_proj_lr_mul for the MLP's output projections (speedrun 2025-12-11).
-    muon_lr: float = 0.06
-    muon_shape_lr: bool = False
-    muon_proj_lr_mul: float = 1.0
+    muon_lr: float = 0.023
+    muon_shape_lr: bool = True
+    muon_proj_lr_mul: float = 2.0
     muon_momentum: float = 0.95
     muon_momentum_start: float = 0.85  # warmed up to muon_momentum over the first steps
     muon_momentum_warmup: int = 300
@@ -200,7 +197,7 @@ class Config:
     # Cautious weight decay (Chen et al. 2025; speedrun 2025-11-10): where update and weight agree in sign the
     # weight shrinks by lr_eff * muon_weight_decay * lr each step, lr_eff the matrix's lr and lr its group's
     # scheduled one: the decay follows the lr squared.
-    muon_weight_decay: float = 0.0
+    muon_weight_decay: float = 1.2
     # across nodes: streaming DiLoCo on torchft, imported only with --diloco=1 (README: "Training across nodes")
     diloco: bool = False
     diloco_replicas: int = 2  # replica groups in the run; each reads its own share of the data
@@ -224,7 +221,7 @@ PRESETS = {
     # A model small enough to train on two CPU processes in seconds, for tests and laptops.
     "tiny": dict(
         num_layers=4, model_dim=64, num_heads=2, head_dim=32, attn_layout="SLSL", value_embed_layout="0..1",
-        skip_from=1, skip_to=2, micro_batch_tokens=256, max_doc_len=256, window_block=16,
+        skip_from=1, skip_to=2, backout_from=2, micro_batch_tokens=256, max_doc_len=256, window_block=16,
         batch_schedule="8,8,16", window_schedule="1:2,2:4,3:6", final_windows="4:8",
         num_iterations=24, extension_steps=0, val_loss_every=8, val_tokens=2048, compile=False,
         muon_momentum_warmup=8, muon_momentum_cooldown=4, bigram_rows=4096,
@@ -234,12 +231,12 @@ PRESETS = {
     ),
 }
 
-# The options the speedrun's 2026-02-06 record uses that are not our defaults (docs/performance.md says why each is
-# not): for A/B runs against the defaults, e.g. tests/gpu/ml_bench.sh "" "--preset=record".
-PRESETS["record"] = dict(
-    normuon_beta2=0.95, muon_lr=0.023, muon_shape_lr=True, muon_proj_lr_mul=2.0, muon_weight_decay=1.2,
-    gates=True, smear=True, backout_from=7, value_embed_init_std=0.0, tie_embed=True, key_offset=True,
-    mtp_schedule="1,0.5,0.25>0/1,0.5>0/1", logit_softcap=23.0, logit_offset=5.0, logit_divisor=7.5,
+# The model and optimizers before the speedrun 2026-02 record's ideas became the defaults, for A/B runs against
+# them, e.g. tests/gpu/ml_bench.sh "" "--preset=plain" (docs/performance.md compares the two).
+PRESETS["plain"] = dict(
+    normuon_beta2=0.0, muon_lr=0.06, muon_shape_lr=False, muon_proj_lr_mul=1.0, muon_weight_decay=0.0,
+    gates=False, smear=False, backout_from=-1, value_embed_init_std=1.0, tie_embed=False, key_offset=False,
+    mtp_schedule="", logit_softcap=30.0, logit_offset=0.0, logit_divisor=7.5,
 )
 
 CLI_ONLY_FLAGS = ("preset", "check", "help")
@@ -399,7 +396,7 @@ def validate_config(cfg: Config) -> None:
 
 
 def config_help() -> str:
-    lines = ["usage: train_gpt.py [--preset=tiny] [--check] [--name=value ...]", "", "config fields (defaults):"]
+    lines = ["usage: train_gpt.py [--preset=tiny|plain] [--check] [--name=value ...]", "", "config fields (defaults):"]
     for f in dataclasses.fields(Config):
         lines.append(f"  --{f.name}={f.default}")
     return "\n".join(lines)

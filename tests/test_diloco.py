@@ -174,17 +174,19 @@ def test_replicas_on_the_same_data_train_like_one_replica():
     results = train_replicas_in_threads(cfg, data_seeds=(1, 1), steps=steps, init_sync=True)
     assert [run.heals for _, run in results] == [0, 1]
     assert all(run.committed == steps for _, run in results)
-    # The outer step's backup - (backup - local) rounds in the last bit. The hidden matrices and the scalars keep
-    # within 1e-5 of their scale of one replica's weights (a replica stuck at its step-0 lr and momentum put them 1e-2
-    # or more away); Adam's embedding tables, whose rarely touched rows take normalised steps from tiny gradients,
-    # carry the rounding further and are left out. The replicas, which round alike, end bit-equal in everything.
+    # The outer step's backup - (backup - local) rounds in the last bit. Where a matrix entry's update is near zero
+    # that bit can flip Muon's cautious weight decay (decay only where update and weight agree in sign) for one
+    # step: lr_eff * muon_weight_decay * lr, about 6e-4 of the weight. So the hidden matrices and the scalars keep
+    # within 1e-3 of their scale of one replica's weights (a replica stuck at its step-0 lr and momentum put them
+    # 1e-2 or more away); Adam's embedding tables, whose rarely touched rows take normalised steps from tiny
+    # gradients, carry the rounding further and are left out. The replicas, which round alike, end bit-equal.
     errors = {}
     for name, expected in reference.items():
         assert torch.equal(results[0][0][name], results[1][0][name]), name
         if "embed" not in name:
             errors[name] = float((results[0][0][name] - expected).abs().max() / expected.abs().max())
     worst = max(errors, key=errors.get)
-    assert errors[worst] < 1e-4, f"{worst}: {errors[worst]:.2e} of its scale from one replica's weights"
+    assert errors[worst] < 1e-3, f"{worst}: {errors[worst]:.2e} of its scale from one replica's weights"
 
 
 def test_a_synced_fragment_is_the_mean_of_the_replicas_local_weights():

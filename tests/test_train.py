@@ -59,10 +59,13 @@ def test_bad_values_are_named(arg, message):
         tg.parse_cli([arg])
 
 
-def test_record_preset_holds_the_speedrun_options():
-    cfg, _ = tg.parse_cli(["--preset=record", "--muon_lr=0.03"])
+def test_defaults_hold_the_speedrun_options_and_plain_turns_them_off():
+    cfg, _ = tg.parse_cli(["--muon_lr=0.03"])
     assert cfg.tie_embed and cfg.gates and cfg.normuon_beta2 == 0.95 and cfg.muon_lr == 0.03
     assert tg.Schedule(cfg).mtp_weights(0) == [1.0, 0.5, 0.25]
+    plain, _ = tg.parse_cli(["--preset=plain"])
+    assert not (plain.tie_embed or plain.gates or plain.smear or plain.key_offset or plain.normuon_beta2)
+    assert plain.backout_from == -1 and tg.Schedule(plain).mtp_weights(0) == [1.0]
 
 
 def test_preset_and_overrides():
@@ -531,7 +534,7 @@ def test_multi_token_weights_follow_the_stages():
     got = {step: s.mtp_weights(step) for step in (0, 80, 159, 160, 240, 320, 519)}
     assert got[0] == [1, 0.5, 0.25] and got[80] == [1, 0.5, 0.125] and 0 < got[159][2] < 0.002
     assert got[160] == [1, 0.5, 0] and got[240] == [1, 0.25, 0] and got[320] == [1, 0, 0] and got[519] == [1, 0, 0]
-    assert tg.Schedule(tg.Config()).mtp_weights(0) == [1.0]
+    assert tg.Schedule(tg.Config(mtp_schedule="")).mtp_weights(0) == [1.0]
     for bad, message in (("1,0.5/1", "one entry per stage"), ("1,x/1/1", "bad --mtp_schedule"),
                          ("0,1/1/1", "the next token's above 0")):
         with pytest.raises(tg.UserError, match=message):
