@@ -3410,6 +3410,21 @@ class StreamingDiLoCo:
 # main
 
 
+def keep_freed_cpu_memory() -> bool:
+    """On the CPU a step allocates and frees buffers above glibc's largest mmap threshold (32 MB): one forward's
+    logits with GPT-2's vocabulary are 50 MB. glibc maps each such buffer afresh and unmaps it when freed, so every
+    step page-faults all of them in again (the tiny preset with GPT-2's vocabulary: 8.4M page faults and as much
+    kernel as user time in 4 steps). Served from the heap, which keeps freed memory for reuse, those steps ran 2.5x
+    faster. glibc only: returns whether it took effect."""
+    import ctypes
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_max = -1, -4
+    return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
+
+
 def init_distributed(cfg: Config) -> Comm:
     """World size 1 without torchrun; under torchrun, one process per GPU (or CPU process with gloo)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -3465,6 +3480,8 @@ def main(argv: list[str] | None = None) -> int:
             print("ok: config, device and data files look right")
             return 0
         check_inputs(cfg)  # before anything is written or compiled
+        if cfg.device == "cpu":
+            keep_freed_cpu_memory()
         comm = init_distributed(cfg)
         if not cfg.run_id:
             run_id = [str(uuid.uuid4())]

@@ -875,3 +875,24 @@ def test_auto_compile_mode_uses_cuda_graphs_on_one_gpu_only(tiny_data):
     assert tg.resolve_compile_mode(dataclasses.replace(cfg, diloco=True), tg.Comm(0, 1, 0), cuda) == "default"
     explicit = dataclasses.replace(cfg, compile_mode="max-autotune-no-cudagraphs")
     assert tg.resolve_compile_mode(explicit, tg.Comm(0, 8, 0), cuda) == "max-autotune-no-cudagraphs"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_cpu_runs_take_large_buffers_from_the_heap_which_keeps_them_for_reuse():
+    code = """
+import ctypes, torch, train_gpt as tg
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks".split()]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = MallInfo2
+def mapped_bytes_with_a_64mb_buffer():
+    buffer = torch.ones(16 * 2**20)
+    return libc.mallinfo2().hblkhd
+before = mapped_bytes_with_a_64mb_buffer()
+assert tg.keep_freed_cpu_memory()
+print(before, mapped_bytes_with_a_64mb_buffer())
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    before, after = map(int, out.stdout.split())
+    assert before >= 64 * 2**20 > after  # glibc mapped the buffer by itself (freed: unmapped), then no longer
