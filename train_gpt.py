@@ -50,172 +50,191 @@ class UserError(Exception):
     """Bad input (flag, value, file). main() prints it as one line and exits non-zero."""
 
 
+# A Config field is `name: type = _<group>(default, "help")`: the helper of its group (_data, _run, ...) records the
+# group and the one line of help that --help prints (config_help). A group's fields stand together, in CONFIG_GROUPS'
+# order.
+CONFIG_GROUPS = ("data", "run", "model", "optimizers", "speed switches", "DiLoCo")
+
+
+def _config_field(group: str):
+    def config_field(default, help: str):
+        return dataclasses.field(default=default, metadata=dict(group=group, help=help))
+    return config_field
+
+
+_data, _run, _model, _optim, _speed, _diloco = map(_config_field, CONFIG_GROUPS)
+
+
 @dataclass(frozen=True)
 class Config:
-    # data
-    train_files: str = "data/fineweb10B/fineweb_train_*.bin"
-    val_files: str = "data/fineweb10B/fineweb_val_*.bin"
-    val_tokens: int = 10_485_760  # fixed, so that runs compare (the speedrun's value)
-    train_repeat: bool = False  # start the train shards over when they run out (small local corpora)
-    # run
+    """Every setting of a run, each one a flag --name=value; `python train_gpt.py --help` lists them by group."""
+    # ---- data
+    train_files: str = _data("data/fineweb10B/fineweb_train_*.bin", "training shards, a glob")
+    val_files: str = _data("data/fineweb10B/fineweb_val_*.bin", "validation shards, a glob")
+    # the speedrun's value; the same in every run, so that validation losses compare
+    val_tokens: int = _data(10_485_760, "tokens scored by each validation, a multiple of micro_batch_tokens")
+    train_repeat: bool = _data(False, "start the training shards over when they run out (small corpora)")
+    vocab_size: int = _data(50257, "tokenizer's vocabulary size (GPT-2's); the model pads it to a multiple of 128")
+    bos_token: int = _data(50256, "token that starts every document of a shard (GPT-2's <|endoftext|>)")
+    max_doc_len: int = _data(2048, "tokens kept of a document; the rest of a longer one is skipped")
+    # ---- run: schedule, validation, logging, seeds
     # 1515 scheduled steps, then 40 more (the speedrun's 2026-02 record): on bench2 this shape beat the same 520
     # steps cooled down to their end (docs/performance.md)
-    num_iterations: int = 1515  # scheduled steps: the stages split them and the lr cools down over them ...
-    extension_steps: int = 40  # ... then these, at the last stage's batch, extension_windows and the final lr
-    val_loss_every: int = 250  # 0: validate only at the end
-    seed: int = 0
-    run_id: str = ""  # empty: a fresh uuid
-    log_dir: str = "logs"
-    device: str = "cuda"  # cuda | cpu
-    compile: bool = True  # torch.compile the model, over --compile_scope
-    compile_scope: str = "auto"  # whole | regional (each block and the loss head) | auto: see build_and_warm_up
-    compile_cache: str = ""  # file for torch's compile artifacts: loaded before the warm-up, saved after it
-    # torch.compile mode: auto (reduce-overhead on one GPU, default elsewhere: see resolve_compile_mode) |
-    # default | max-autotune-no-cudagraphs (inductor benchmarks Triton GEMM templates against cuBLAS and fuses
-    # pointwise epilogues into the winners; a much longer cold compile) | reduce-overhead (the compiled forward
-    # and backward replay as CUDA graphs: no per-kernel launch cost on the host; every graph recorded after the
-    # warm-up is logged as a warning) | max-autotune
-    compile_mode: str = "auto"
-    # Inductor tunes the block sizes of each Triton kernel it generates by coordinate descent (CUDA only). 1xH100,
-    # last stage, two calls: 648.3 -> 640.6 and 645.9 -> 645.4 ms per step (inductor's kernels 100.0 -> 92.4 and
-    # 100.0 -> 95.6 ms; the tuning itself is timed, so it varies); a cold compile takes 80-90 s instead of 50 (the
-    # inductor cache keeps the tuned configs).
-    tune_kernels: bool = True
-    attn_backend: str = "auto"  # auto | fa3 | flex | sdpa
-    triton_kernels: bool = True  # 0: plain torch for Newton-Schulz, the loss and the MLP even where Triton is present (A/B)
-    # The lm_head's three matmuls in FP8 (e4m3 activations and weights, e5m2 logit gradients, scaled per
-    # tensor; speedrun 2024-12 idea, scales ours): Hopper runs them at about twice the bf16 rate, and
-    # validation goes through the same FP8 forward. GPUs older than Ada/Hopper need --fp8_head=0; CPUs run
-    # the same quantised arithmetic in plain torch.
-    fp8_head: bool = True
-    # model
-    vocab_size: int = 50257  # padded to a multiple of 128 inside the model
-    bos_token: int = 50256  # starts every document of a shard: GPT-2's <|endoftext|>
-    num_layers: int = 11
-    model_dim: int = 768
-    num_heads: int = 6
-    head_dim: int = 128
-    mlp_ratio: int = 4
-    # One character per layer. attn_layout: S short window, L long window, - no attention.
-    # value_embed_layout: which value-embedding table is mixed into that layer's values, . for none.
-    attn_layout: str = "SSSLSS-SSSL"
-    value_embed_layout: str = "01......234"
-    skip_from: int = 3  # the output of this layer is added (gated) to the input of skip_to
-    skip_to: int = 6
-    # The head's logits x become cap * sigmoid((x + offset) / divisor) (speedrun 2024-11; 2025-12-26: 23, 5, 7.5).
-    logit_softcap: float = 23.0
-    logit_offset: float = 5.0
-    logit_divisor: float = 7.5
-    # Multi-token prediction (speedrun 2025-12-22): per stage, separated by '/', the weights of the losses to the
-    # tokens 1, 2, ... ahead, all from the same logits; "a>b" goes linearly from a to b over the stage; the
-    # extension keeps the last stage's. The weights are normalised to sum to 1; validation is next-token only.
-    # Empty: next token only.
-    mtp_schedule: str = "1,0.5,0.25>0/1,0.5>0/1"
-    attn_scale: float = 0.1  # softmax scale of the QK-normed heads (speedrun 2025-12), raised as windows grow
-    residual_init: float = 1.1  # each layer's input is residual_init * x + ... at the start (speedrun 2025-12)
-    head_init_std: float = 0.005  # the head starts as N(0, std^2) (speedrun 2025-12-19); 0 starts it at zero
-    # The token embedding starts as a copy of the head and trains tied to it (one Adam update from the sum of both
-    # gradients, with the head's settings) until untie_frac of the scheduled steps, then each goes on alone with a
-    # copy of the shared Adam state (speedrun 2025-12-22).
-    tie_embed: bool = True
-    untie_frac: float = 0.667
-    attn_out_zero_init: bool = False  # O projections start at zero (muP-like) instead of like Q, K and V (2026-01-30)
-    value_embed_init_std: float = 0.0  # value-embedding tables start at zero (speedrun 2025-12)
-    # Per-token gates read from the first gate_dims channels of a layer's normed input (speedrun 2025-12-29 and
-    # 2026-01): each attention head's output times sigmoid(.), each head's value embedding times 2 sigmoid(.), the
-    # skip times 2 sigmoid(.) of the embedding's channels; all start as constants (zero weights).
-    gates: bool = True
-    gate_dims: int = 12
-    # "Smear" (speedrun 2025-09): each token's embedding adds a gated copy of the previous token's, the gate read
-    # from its own first gate_dims channels; not across a document start. Starts off (zero scale).
-    smear: bool = True
-    # On the long-window layers each key's position-free half (the dims Rotary leaves unrotated) comes from the
-    # previous token, not across a document or micro-batch start (speedrun 2025-12-14, "partial key offset").
-    key_offset: bool = True
-    # "Backout" (speedrun 2025-12): the head reads the residual minus a learned share (init 0.5) of this layer's
-    # output; -1 turns it off.
-    backout_from: int = 7
-    # Hashed (previous token, token) embedding added to the residual stream (speedrun 2026-01-19);
-    # 0 turns it off. Its gradient rows travel sparsely between ranks unless sparse_bigram_comms=0.
-    bigram_rows: int = 5 * 50304
-    sparse_bigram_comms: bool = True
-    # Embedding tables (token, value, bigram) add only the rows a forward touched into a kept dense .grad
-    # (_RowLookup), instead of a dense [rows, dim] gradient per forward plus a dense accumulation; the
-    # lookups then run outside the compiled graph (1xH100: 2-3% faster steps).
-    row_embedding_grads: bool = True
-    # The MLP's ReLU^2 in the epilogues of two Triton matmuls (_FusedReLU2MLP) on CUDA with --triton_kernels;
-    # 0: cuBLAS matmuls and inductor's elementwise kernels (A/B).
-    fused_mlp: bool = True
+    num_iterations: int = _run(1515, "scheduled steps: the stages split them and the lr cools down over them")
+    extension_steps: int = _run(40, "further steps at the last stage's batch, the final lr and extension_windows")
     # batch: every micro-batch is micro_batch_tokens tokens, the unit of data and of the loss, and every
     # forward/backward packs the same number of them, so there is one compiled shape; the batch-size
     # schedule only changes how many micro-batches make a step.
-    micro_batch_tokens: int = 16 * 1024
-    # Micro-batches of one rank packed into each forward/backward; 0: auto, the most (up to 8 on a GPU of at least
-    # PACK_8_MIN_GIB, else 4) that divides every stage's and the validation's micro-batches per rank. Each
-    # micro-batch starts a document and its positions, so a packed forward computes the same losses. Fewer,
-    # larger kernels: 1xH100, last stage, 763 ms per step at 1, 728 at 2, 711 at 4 with the earlier plain-torch
-    # loss and MLP; 665 at 4 and 649 at 8 with the fused ones, for a peak memory of 37.2 and 64.3 GiB.
-    forward_micro_batches: int = 0
-    max_doc_len: int = 2048  # longer documents are cut
+    micro_batch_tokens: int = _run(16 * 1024, "tokens per micro-batch, a multiple of 128; each starts a document")
     # Schedules over equal stages of training (comma separated, one entry per stage):
-    batch_schedule: str = "8,16,24"  # micro-batches per step, summed over all ranks
-    lr_schedule: str = "1.0,1.52,1.73"  # lr multiplier per stage: bigger batches take larger steps
-    window_schedule: str = "1:3,3:7,5:11"  # short:long attention windows, in window_block tokens
-    extension_windows: str = "6:13"  # windows of the extension steps (speedrun 2025-12 records)
-    final_windows: str = "6:20"  # windows for the final validation (YaRN extends the long one)
-    window_block: int = 128
-    cooldown_frac: float = 0.55  # the lr decays linearly over this last fraction of the scheduled steps ...
-    final_lr_frac: float = 0.1  # ... down to this fraction, where the extension steps stay
-    # optimizers
+    batch_schedule: str = _run("8,16,24", "micro-batches per step in each stage, summed over all ranks; multiples of 8")
+    lr_schedule: str = _run("1.0,1.52,1.73", "lr multiplier of each stage: bigger batches take larger steps")
+    window_schedule: str = _run("1:3,3:7,5:11", "short:long attention windows of each stage, in window_block tokens")
+    # extension_windows: the speedrun's 2025-12 records
+    extension_windows: str = _run("6:13", "short:long windows of the extension steps, in window_block tokens")
+    final_windows: str = _run("6:20", "short:long windows of the final validation (YaRN extends the long one)")
+    window_block: int = _run(128, "tokens per unit of the attention windows")
+    cooldown_frac: float = _run(0.55, "last fraction of the scheduled steps, over which the lr decays linearly")
+    final_lr_frac: float = _run(0.1, "lr multiplier at the end of the cooldown, kept by the extension steps")
+    val_loss_every: int = _run(250, "steps between validations; 0: validate only at the end")
+    seed: int = _run(0, "seed of the initial weights and the warm-up's batches, not of the data order")
+    run_id: str = _run("", "name of the run and of its log, log_dir/<run_id>.txt; empty: a fresh uuid")
+    log_dir: str = _run("logs", "folder of the logs")
+    device: str = _run("cuda", "cuda | cpu (gloo, float32, no Triton)")
+    # ---- model
+    num_layers: int = _model(11, "transformer blocks")
+    model_dim: int = _model(768, "width of the residual stream")
+    num_heads: int = _model(6, "attention heads per layer; num_heads * head_dim = model_dim")
+    head_dim: int = _model(128, "channels per attention head, a multiple of 4")
+    mlp_ratio: int = _model(4, "MLP hidden width, in multiples of model_dim")
+    attn_layout: str = _model("SSSLSS-SSSL", "one character per layer: S short window, L long window, - no attention")
+    value_embed_layout: str = _model(
+        "01......234", "one character per layer: the value-embedding table its values mix in, . for none")
+    skip_from: int = _model(3, "layer whose output is added, gated, to the input of layer skip_to")
+    skip_to: int = _model(6, "layer whose input takes skip_from's output")
+    # The head's logits x become cap * sigmoid((x + offset) / divisor) (speedrun 2024-11; 2025-12-26: 23, 5, 7.5).
+    logit_softcap: float = _model(23.0, "cap of the head's soft-capped logits, at most 4 * logit_divisor")
+    logit_offset: float = _model(5.0, "offset added to a logit inside the soft cap's sigmoid")
+    logit_divisor: float = _model(7.5, "divisor of the offset logit inside the soft cap's sigmoid")
+    # Multi-token prediction (speedrun 2025-12-22): per stage, separated by '/', the weights of the losses to the
+    # tokens 1, 2, ... ahead, all from the same logits; "a>b" goes linearly from a to b over the stage; the
+    # extension keeps the last stage's. The weights are normalised to sum to 1; validation is next-token only.
+    mtp_schedule: str = _model("1,0.5,0.25>0/1,0.5>0/1",
+                               "per-stage ('/') loss weights of the tokens 1, 2, ... ahead; a>b ramps; empty: off")
+    # the speedrun's 2025-12 records: attn_scale, residual_init, value_embed_init_std and (2025-12-19) head_init_std
+    attn_scale: float = _model(0.1, "softmax scale of the QK-normed heads; raised as the long window grows")
+    residual_init: float = _model(1.1, "initial scale of the residual in each layer's input")
+    head_init_std: float = _model(0.005, "std of the head's normal initialisation; 0: zeros")
+    value_embed_init_std: float = _model(0.0, "std of the value-embedding tables' normal initialisation; 0: zeros")
+    # muP-like (2026-01-30)
+    attn_out_zero_init: bool = _model(False, "attention output projections start at zero, not like Q, K and V")
+    # The token embedding starts as a copy of the head and trains tied to it (one Adam update from the sum of both
+    # gradients, with the head's settings) until untie_frac of the scheduled steps, then each goes on alone with a
+    # copy of the shared Adam state (speedrun 2025-12-22).
+    tie_embed: bool = _model(True, "the token embedding starts as the head and trains tied to it until untie_frac")
+    untie_frac: float = _model(0.667, "fraction of the scheduled steps after which embedding and head train apart")
+    # Per-token gates read from the first gate_dims channels of a layer's normed input (speedrun 2025-12-29 and
+    # 2026-01): each attention head's output times sigmoid(.), each head's value embedding times 2 sigmoid(.), the
+    # skip times 2 sigmoid(.) of the embedding's channels; all start as constants (zero weights).
+    gates: bool = _model(True, "per-token gates on each head's output, each head's value embedding and the skip")
+    gate_dims: int = _model(12, "leading channels of a layer's normed input that its gates read")
+    # "Smear" (speedrun 2025-09): the gate reads the token's own first gate_dims channels; not across a document
+    # start. Starts off (zero scale).
+    smear: bool = _model(True, "each token's embedding adds a gated copy of the previous token's")
+    # On the long-window layers each key's position-free half (the dims Rotary leaves unrotated) comes from the
+    # previous token, not across a document or micro-batch start (speedrun 2025-12-14, "partial key offset").
+    key_offset: bool = _model(True, "long-window layers take each key's unrotated half from the previous token")
+    # "Backout" (speedrun 2025-12): the learned share starts at 0.5.
+    backout_from: int = _model(7, "the head reads the residual minus a learned share of this layer's output; -1: off")
+    # Hashed (previous token, token) embedding added to the residual stream (speedrun 2026-01-19).
+    bigram_rows: int = _model(5 * 50304, "rows of the hashed (previous token, token) embedding table; 0: off")
+    # ---- optimizers
     # Adam's groups (betas, weight decay multipliers: speedrun 2025-12 records): the value-embedding and bigram
     # tables ("table"), the token embedding, the head, and the scalars (adam_betas). Weight decay is cautious and
     # follows the lr squared: a decayed weight shrinks by lr^2 * adam_weight_decay * the group's multiplier a step.
-    adam_lr: float = 0.008
-    adam_betas: tuple[float, float] = (0.9, 0.99)
-    table_betas: tuple[float, float] = (0.75, 0.95)
-    head_betas: tuple[float, float] = (0.5, 0.95)
-    adam_eps: float = 1e-10
-    adam_weight_decay: float = 0.005
-    table_wd_mul: float = 5.0
-    head_wd_mul: float = 150.0
-    embed_lr_mul: float = 75.0  # token, value and bigram embeddings
-    head_lr_mul: float = 1.0
-    scalar_lr_mul: float = 5.0
+    # Tied to the head (tie_embed), the token embedding takes the head's settings, also once untied; untied from
+    # the start, the tables' lr and betas and no decay.
+    adam_lr: float = _optim(0.008, "Adam's base lr, times each group's multiplier")
+    adam_betas: tuple[float, float] = _optim((0.9, 0.99), "Adam betas of the scalars and gates")
+    table_betas: tuple[float, float] = _optim(
+        (0.75, 0.95), "Adam betas of the value and bigram tables (and the token embedding at tie_embed=0)")
+    head_betas: tuple[float, float] = _optim(
+        (0.5, 0.95), "Adam betas of the head (and the token embedding at tie_embed=1)")
+    adam_eps: float = _optim(1e-10, "Adam's epsilon")
+    adam_weight_decay: float = _optim(0.005, "Adam's cautious weight decay, times lr^2 and the group's multiplier")
+    table_wd_mul: float = _optim(5.0, "weight-decay multiplier of the value and bigram tables")
+    head_wd_mul: float = _optim(150.0, "weight-decay multiplier of the head (and the token embedding at tie_embed=1)")
+    embed_lr_mul: float = _optim(
+        75.0, "lr multiplier of value and bigram tables (and the token embedding at tie_embed=0)")
+    head_lr_mul: float = _optim(1.0, "lr multiplier of the head (and the token embedding at tie_embed=1)")
+    scalar_lr_mul: float = _optim(5.0, "lr multiplier of the scalars (layer lambdas, skip, backout, smear scale)")
     # NorMuon (Li et al. 2025, arXiv:2510.05491; speedrun 2025-10-24): each orthogonalised update is rescaled per
     # row (or column: per entry of its longer side) by a second-moment estimate with this beta2, keeping its
     # Frobenius norm; 0 is plain Muon (--preset=plain pairs it with lr 0.06 and no shape lr, multiplier or decay).
-    normuon_beta2: float = 0.95
+    normuon_beta2: float = _optim(0.95, "NorMuon's second-moment beta2; 0: plain Muon")
     # The lr of a matrix is muon_lr, times sqrt(max(1, rows/cols)) of its (split) shape as stored with muon_shape_lr
     # (speedrun 2025-10-27), times muon_proj_lr_mul for the MLP's output projections (speedrun 2025-12-11).
-    muon_lr: float = 0.023
-    muon_shape_lr: bool = True
-    muon_proj_lr_mul: float = 2.0
-    muon_momentum: float = 0.95
-    muon_momentum_start: float = 0.85  # warmed up to muon_momentum over the first steps
-    muon_momentum_warmup: int = 300
-    muon_momentum_cooldown: int = 50  # and back down over the last steps
+    muon_lr: float = _optim(0.023, "Muon's lr of the hidden matrices")
+    muon_shape_lr: bool = _optim(True, "scale a matrix's lr by sqrt(max(1, rows/cols))")
+    muon_proj_lr_mul: float = _optim(2.0, "lr multiplier of the MLP's output projections")
+    muon_momentum: float = _optim(0.95, "Muon's momentum between its warm-up and its cooldown")
+    muon_momentum_start: float = _optim(0.85, "Muon's momentum at the first step and at the end")
+    muon_momentum_warmup: int = _optim(300, "first steps, over which the momentum rises linearly to muon_momentum")
+    muon_momentum_cooldown: int = _optim(50, "last steps, over which the momentum falls linearly to the start's")
     # Cautious weight decay (Chen et al. 2025; speedrun 2025-11-10): where update and weight agree in sign the
     # weight shrinks by lr_eff * muon_weight_decay * lr each step, lr_eff the matrix's lr and lr its group's
     # scheduled one: the decay follows the lr squared.
-    muon_weight_decay: float = 1.2
-    # across nodes: streaming DiLoCo on torchft, imported only with --diloco=1 (README: "Training across nodes")
-    diloco: bool = False
-    diloco_replicas: int = 2  # replica groups in the run; each reads its own share of the data
-    replica: int = 0  # this group's index, 0 .. diloco_replicas-1
-    # inner steps between two syncs of a fragment; may differ per replica (see README). On the CPU benchmark 8 cost
-    # 0.005 nats against data parallelism, 16 0.025, 32 0.056 (docs/performance.md).
-    sync_every: int = 8
-    num_fragments: int = 2  # contiguous groups of blocks, synced in turn
-    fragment_sync_delay: int = 0  # inner steps between launching a fragment's all-reduce and applying it
-    fragment_update_alpha: float = 0.0  # after a sync the fragment is (1 - alpha) * global + alpha * local
-    # The outer SGD step on each fragment's averaged pseudogradient: the new global weights are (1 - outer_lr) * global
-    # + outer_lr * the replicas' mean (momentum 0; outer_lr 1 is plain averaging). At speedrun lengths (syncs every 8
-    # steps) 0.7 without momentum came within 0.005 nats of data parallelism, the Streaming DiLoCo paper's 0.7 with
-    # Nesterov 0.9 0.24 behind (tests/bench_diloco_quality.py, docs/performance.md).
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.0  # Nesterov
-    min_replicas: int = 1  # a sync commits only with at least this many replicas in the quorum
-
+    muon_weight_decay: float = _optim(1.2, "Muon's cautious weight decay, times the matrix's and the scheduled lr")
+    # ---- speed switches
+    compile: bool = _speed(True, "torch.compile the model, over compile_scope")
+    # auto: see build_and_warm_up for why whole
+    compile_scope: str = _speed("auto", "whole | regional (each block and the loss head) | auto (whole)")
+    compile_cache: str = _speed("", "file of torch's compile artifacts, loaded before the warm-up, saved after it")
+    # max-autotune-no-cudagraphs: inductor benchmarks Triton GEMM templates against cuBLAS and fuses pointwise
+    # epilogues into the winners (a much longer cold compile); reduce-overhead: the compiled forward and backward
+    # replay as CUDA graphs, no per-kernel launch cost on the host (every graph recorded after the warm-up is logged
+    # as a warning). auto: see resolve_compile_mode.
+    compile_mode: str = _speed(
+        "auto", "auto: reduce-overhead on one GPU, else default; or max-autotune[-no-cudagraphs]")
+    # 1xH100, last stage, two calls: 648.3 -> 640.6 and 645.9 -> 645.4 ms per step (inductor's kernels 100.0 -> 92.4
+    # and 100.0 -> 95.6 ms; the tuning itself is timed, so it varies); a cold compile takes 80-90 s instead of 50 (the
+    # inductor cache keeps the tuned configs).
+    tune_kernels: bool = _speed(True, "inductor tunes its Triton kernels' block sizes by coordinate descent (CUDA)")
+    attn_backend: str = _speed("auto", "auto (fa3 if it imports, else flex on CUDA, sdpa on CPU) | fa3 | flex | sdpa")
+    triton_kernels: bool = _speed(True, "Triton kernels for Newton-Schulz, the loss and the MLP (CUDA); 0: plain torch")
+    # e4m3 activations and weights, e5m2 logit gradients, scaled per tensor (speedrun 2024-12 idea, scales ours):
+    # Hopper runs them at about twice the bf16 rate, and validation goes through the same FP8 forward. CPUs run the
+    # same quantised arithmetic in plain torch.
+    fp8_head: bool = _speed(True, "the head's three matmuls in FP8; a GPU needs compute capability 8.9+")
+    # The MLP's ReLU^2 in the epilogues of two Triton matmuls (_FusedReLU2MLP), on CUDA with triton_kernels; 0: cuBLAS
+    # matmuls and inductor's elementwise kernels (A/B).
+    fused_mlp: bool = _speed(True, "the MLP as two Triton matmuls with ReLU^2 fused; needs compute capability 9.0+")
+    # The embedding tables (token, value, bigram) through _RowLookup, instead of a dense [rows, dim] gradient per
+    # forward plus a dense accumulation; the lookups then run outside the compiled graph (1xH100: 2-3% faster steps).
+    row_embedding_grads: bool = _speed(
+        True, "embedding tables add only the rows a forward touched into their .grad; 0: dense")
+    sparse_bigram_comms: bool = _speed(True, "the bigram table's gradient rows travel sparsely between ranks")
+    # auto: the most (up to 8 on a GPU of at least PACK_8_MIN_GIB, else 4) that divides every stage's and the
+    # validation's micro-batches per rank. Each micro-batch starts a document and its positions, so a packed
+    # forward computes the same losses. Fewer, larger kernels: 1xH100, last stage, 763 ms per step at 1, 728 at 2,
+    # 711 at 4 with the earlier plain-torch loss and MLP; 665 at 4 and 649 at 8 with the fused ones, for a peak
+    # memory of 37.2 and 64.3 GiB.
+    forward_micro_batches: int = _speed(0, "micro-batches of one rank packed into each forward/backward; 0: auto")
+    # ---- DiLoCo: across nodes, streaming DiLoCo on torchft (README: "Training across nodes")
+    diloco: bool = _diloco(False, "train replica groups that sync rarely (streaming DiLoCo on torchft)")
+    diloco_replicas: int = _diloco(2, "replica groups in the run; each reads its own share of the data")
+    replica: int = _diloco(0, "this group's index, 0 .. diloco_replicas-1")
+    # On the CPU benchmark 8 cost 0.005 nats against data parallelism, 16 0.025, 32 0.056 (docs/performance.md).
+    sync_every: int = _diloco(8, "inner steps between two syncs of a fragment; may differ per replica (README)")
+    num_fragments: int = _diloco(2, "contiguous groups of blocks, synced in turn")
+    fragment_sync_delay: int = _diloco(0, "inner steps between launching a fragment's all-reduce and applying it")
+    fragment_update_alpha: float = _diloco(0.0, "after a sync the fragment is (1 - alpha) * global + alpha * local")
+    # The new global weights are (1 - outer_lr) * global + outer_lr * the replicas' mean (momentum 0). At speedrun
+    # lengths (syncs every 8 steps) 0.7 without momentum came within 0.005 nats of data parallelism, the Streaming
+    # DiLoCo paper's 0.7 with Nesterov 0.9 0.24 behind (tests/bench_diloco_quality.py, docs/performance.md).
+    outer_lr: float = _diloco(0.7, "lr of the outer SGD step on a fragment's averaged pseudogradient; 1: plain mean")
+    outer_momentum: float = _diloco(0.0, "Nesterov momentum of the outer SGD step")
+    min_replicas: int = _diloco(1, "a sync commits only with at least this many replicas in the quorum")
 
 PRESETS = {
     # A model small enough to train on two CPU processes in seconds, for tests and laptops.
@@ -302,7 +321,7 @@ def _parse_stage_list(cfg: Config, name: str, parse) -> list:
     try:
         return [parse(item) for item in text.split(",")]
     except ValueError:
-        raise UserError(f"bad --{name}={text!r}: see the Config docstring for its form") from None
+        raise UserError(f"bad --{name}={text!r}: see --help for its form") from None
 
 
 def parse_mtp_schedule(text: str) -> list[list[tuple[float, float]]]:
@@ -396,9 +415,25 @@ def validate_config(cfg: Config) -> None:
 
 
 def config_help() -> str:
-    lines = ["usage: train_gpt.py [--preset=tiny|plain] [--check] [--name=value ...]", "", "config fields (defaults):"]
-    for f in dataclasses.fields(Config):
-        lines.append(f"  --{f.name}={f.default}")
+    """--help: each group's fields as --name=default, a flag's own value, with their help in one column."""
+    def flag(f: dataclasses.Field) -> str:
+        value = f.default
+        if isinstance(value, bool):
+            value = int(value)
+        elif isinstance(value, tuple):
+            value = ",".join(map(str, value))
+        return f"--{f.name}={value}"
+
+    fields = dataclasses.fields(Config)
+    width = max(len(flag(f)) for f in fields if len(flag(f)) <= 32)  # a longer flag has its help on the next line
+    lines = [f"usage: train_gpt.py [--preset={'|'.join(PRESETS)}] [--check] [--name=value ...]"]
+    for group in CONFIG_GROUPS:
+        lines += ["", f"{group}:"]
+        for f in fields:
+            if f.metadata.get("group") == group:
+                text = flag(f)
+                gap = "  " if len(text) <= width else "\n" + " " * (width + 4)
+                lines.append(f"  {text:{width}}{gap}{f.metadata['help']}")
     return "\n".join(lines)
 
 

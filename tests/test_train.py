@@ -830,6 +830,29 @@ def test_check_and_help_flags(tiny_data, tmp_path):
     assert usage.returncode == 0 and "--num_iterations=1515" in usage.stdout and "--compile_cache=" in usage.stdout
 
 
+def test_every_config_field_has_a_group_and_one_line_of_help_that_help_prints():
+    fields = dataclasses.fields(tg.Config)
+    for f in fields:
+        text = f.metadata.get("help", "")
+        assert text.strip() and "\n" not in text and len(text) <= 100, f"--{f.name} needs one line of help"
+        assert f.metadata.get("group") in tg.CONFIG_GROUPS, f"--{f.name} needs a group of {tg.CONFIG_GROUPS}"
+    order = [tg.CONFIG_GROUPS.index(f.metadata["group"]) for f in fields]
+    assert order == sorted(order), "a group's fields stand together, the groups in CONFIG_GROUPS' order"
+    # --help: a header per group, then each of its fields as --name=default and its help (on the next line after a
+    # long flag)
+    listed, group, lines = {}, None, tg.config_help().splitlines()
+    for i, line in enumerate(lines):
+        if line.endswith(":") and not line.startswith(" "):
+            group = line[:-1]
+        elif line.startswith("  --"):
+            flag, _, text = line.strip().partition("  ")
+            listed[flag[2:].partition("=")[0]] = (group, (text or lines[i + 1]).strip(), flag)
+    assert {name: entry[:2] for name, entry in listed.items()} == {
+        f.name: (f.metadata["group"], f.metadata["help"]) for f in fields}
+    # every printed default is a valid flag value
+    assert tg.parse_cli([flag for _, _, flag in listed.values()])[0] == tg.Config()
+
+
 def test_run_sh_checks_before_launching(tmp_path, tiny_data):
     if torch.cuda.is_available():
         pytest.skip("on a GPU machine run.sh would launch a real run")
