@@ -3448,9 +3448,9 @@ class StreamingDiLoCo:
 def keep_freed_cpu_memory() -> bool:
     """On the CPU a step allocates and frees buffers above glibc's largest mmap threshold (32 MB): one forward's
     logits with GPT-2's vocabulary are 50 MB. glibc maps each such buffer afresh and unmaps it when freed, so every
-    step page-faults all of them in again (the tiny preset with GPT-2's vocabulary: 8.4M page faults and as much
-    kernel as user time in 4 steps). Served from the heap, which keeps freed memory for reuse, those steps ran 2.5x
-    faster. glibc only: returns whether it took effect."""
+    step page-faults all of them in again (the tiny preset with GPT-2's vocabulary, 8 steps: 17M page faults, more
+    kernel than user time). Served from the heap, which keeps freed memory for reuse, those steps run 2.8x faster
+    (docs/performance.md). glibc only: returns whether it took effect."""
     import ctypes
     try:
         libc = ctypes.CDLL("libc.so.6")
