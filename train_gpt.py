@@ -161,6 +161,9 @@ class Config:
     head_betas: tuple[float, float] = _optim(
         (0.5, 0.95), "Adam betas of the head (and the token embedding at tie_embed=1)")
     adam_eps: float = _optim(1e-10, "Adam's epsilon")
+    # The speedrun steps Adam on odd steps only, on two steps' gradients (since its 2025-10-24 record): half the
+    # Adam updates and, on several GPUs, half its communication.
+    adam_period: int = _optim(1, "Adam updates every adam_period steps, on the gradients summed since its last")
     adam_weight_decay: float = _optim(0.005, "Adam's cautious weight decay, times lr^2 and the group's multiplier")
     table_wd_mul: float = _optim(5.0, "weight-decay multiplier of the value and bigram tables")
     head_wd_mul: float = _optim(150.0, "weight-decay multiplier of the head (and the token embedding at tie_embed=1)")
@@ -393,7 +396,10 @@ def validate_config(cfg: Config) -> None:
     extension = [_parse_window_pair(cfg.extension_windows)] if cfg.extension_steps else []
     longest = max(max(pair) for pair in windows + [_parse_window_pair(cfg.final_windows)] + extension)
     need(longest * cfg.window_block <= cfg.micro_batch_tokens, "attention windows exceed micro_batch_tokens")
+    need(cfg.adam_period >= 1, f"--adam_period={cfg.adam_period} must be at least 1")
     if cfg.diloco:
+        need(cfg.adam_period == 1, f"--adam_period={cfg.adam_period}: DiLoCo runs need 1 (a sync would land "
+             "between the steps whose gradients Adam sums)")
         need(1 <= cfg.num_fragments <= cfg.num_layers,
              f"--num_fragments={cfg.num_fragments}: use 1 .. num_layers ({cfg.num_layers})")
         need(cfg.sync_every >= cfg.num_fragments and cfg.sync_every % cfg.num_fragments == 0,
@@ -1186,7 +1192,8 @@ class DistAdam(torch.optim.Optimizer):
       2. in launch order, for each bucket: wait for its reduce-scatter, update the owned slice with one
          fused AdamW kernel, launch all_gather_into_tensor of the updated slice into the parameter;
       3. wait for every all-gather (and unpack packed buckets into their parameters).
-    No all_reduce is issued.
+    No all_reduce is issued. A step while `accumulating` (--adam_period > 1) sends nothing and updates
+    nothing: its gradients add to the next step's, which sends their sum (and the union of both steps' rows).
 
     sparse_params (2-D, rows divisible by the world size), e.g. the bigram table: when the training loop
     passes the rows this rank's batches touched since the last step (sorted, unique; known on the host
@@ -1223,6 +1230,10 @@ class DistAdam(torch.optim.Optimizer):
                 self.buckets.append(_AdamBucket(small, index, self.world_size))
         self.launched: list[_AdamBucket] = []
         self.grad_hooks = _LaunchWhenGradsReady(self.buckets, self._launch_reduce)
+        # Set before each step by the training loop (--adam_period): while accumulating, step() and zero_grad()
+        # do nothing, so the step's gradients add to the .grad of the next, and its sparse rows wait here.
+        self.accumulating = False
+        self.deferred_rows: dict[Tensor, list] = {}
         # tied = (follower, leader), two parameters of one shape: until untie() the follower is not updated but
         # adds its gradient shard to the leader's and is overwritten with the leader after each step. Whether they
         # are still tied lives in the follower's state (empty until untie()), so a loaded state dict carries it.
@@ -1238,10 +1249,14 @@ class DistAdam(torch.optim.Optimizer):
         """Let the coming backward launch each bucket's reduce-scatter as soon as its gradients are done.
         sparse_rows: {sparse parameter: the rows each of this rank's forwards of the step touched (a list of
         sorted unique arrays)}; starts their counts exchange. Rows of other parameters are not looked at."""
+        if self.accumulating:
+            for p, row_lists in (sparse_rows or {}).items():
+                self.deferred_rows.setdefault(p, []).extend(row_lists)
+            return
         self.grad_hooks.armed = True
         for p, row_lists in (sparse_rows or {}).items():
             if p in self.sparse_params:
-                rows = union_of_rows(row_lists, p.size(0))
+                rows = union_of_rows(self.deferred_rows.pop(p, []) + list(row_lists), p.size(0))
                 self.row_exchanges[p] = _RowExchange(p, rows, self.rank, self.world_size, self.cpu_group)
 
     def _launch_reduce(self, bucket: _AdamBucket):
@@ -1258,8 +1273,14 @@ class DistAdam(torch.optim.Optimizer):
             bucket.pending = lambda: flat
         self.launched.append(bucket)
 
+    def zero_grad(self, set_to_none: bool = True):
+        if not self.accumulating:
+            super().zero_grad(set_to_none)
+
     @torch.no_grad()
     def step(self):
+        if self.accumulating:
+            return
         for bucket in self.buckets:
             if bucket.pending is None:
                 self._launch_reduce(bucket)
@@ -2003,7 +2024,8 @@ class GPT(nn.Module):
         else:
             return
         for p in params:
-            p.grad = torch.zeros_like(p)
+            if p.grad is None:  # else it holds the gradients an optimizer is adding up over steps
+                p.grad = torch.zeros_like(p)
 
     def forward(self, tokens: Tensor, targets: Tensor, masks: dict, bigrams: Tensor | None = None) -> Tensor:
         """Mean cross-entropy over one forward's tokens (one or several packed micro-batches): tokens, targets
@@ -2442,6 +2464,11 @@ class Schedule:
             lr = lr * (1 - t) + self.cfg.final_lr_frac * t
         return lr
 
+    def adam_updates(self, step: int) -> bool:
+        """Whether Adam updates at this step (else its gradients only add up): steps adam_period - 1, 2 *
+        adam_period - 1, ...; at adam_period 2 the odd steps, as in the speedrun."""
+        return (step + 1) % self.cfg.adam_period == 0
+
     def muon_momentum(self, step: int) -> float:
         """Linear warm-up from muon_momentum_start, and back down over the last steps of training."""
         cfg = self.cfg
@@ -2608,8 +2635,10 @@ def build_optimizers(model: GPT, cfg: Config) -> list[torch.optim.Optimizer]:
 def set_hyperparameters(optimizers, schedule: Schedule, step: int):
     lr_multiplier = schedule.lr_multiplier(step)
     for opt in optimizers:
-        if isinstance(opt, DistAdam) and opt.is_tied() and step >= schedule.untie_step:
-            opt.untie()
+        if isinstance(opt, DistAdam):
+            if opt.is_tied() and step >= schedule.untie_step:
+                opt.untie()
+            opt.accumulating = not schedule.adam_updates(step)
         for group in opt.param_groups:
             group["lr"] = group["initial_lr"] * lr_multiplier
             if isinstance(opt, Muon):
@@ -2704,7 +2733,7 @@ def train_step(model: GPT, optimizers, batches: Prefetcher, windows: tuple[int, 
     for opt in optimizers:
         opt.step()
         mark(type(opt).__name__)
-    model.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=True)  # each optimizer its own parameters: Adam's may be adding up
     return total / forwards
 
 

@@ -31,9 +31,10 @@ def groups(params):
     return [dict(params=[params[0], params[2]], lr=0.01), dict(params=[params[1], params[3], params[4]], lr=0.003)]
 
 
-def reference_params(world_size):
+def reference_params(world_size, period=1):
     """Adam written plainly in float64, one parameter at a time, then cautious weight decay: where the Adam
-    update and the weight share a sign the weight also loses lr^2 * weight_decay of itself."""
+    update and the weight share a sign the weight also loses lr^2 * weight_decay of itself. With period p,
+    Adam updates at steps p-1, 2p-1, ... on the gradients summed since its last update."""
     params = [p.detach().double() for p in make_params()]
     lrs = [group["lr"] for group in groups(params) for _ in group["params"]]
     order = [id(p) for group in groups(params) for p in group["params"]]
@@ -41,8 +42,10 @@ def reference_params(world_size):
     beta1, beta2 = HYPER["betas"]
     m = [torch.zeros_like(p) for p in params]
     v = [torch.zeros_like(p) for p in params]
-    for step in range(1, STEPS + 1):
-        per_rank = [rank_grads(r, step - 1) for r in range(world_size)]
+    for update in range(1, STEPS // period + 1):
+        steps = range((update - 1) * period, update * period)
+        per_rank = [[sum(gs) for gs in zip(*(rank_grads(r, s) for s in steps))] for r in range(world_size)]
+        step = update
         for i, p in enumerate(params):
             grad = sum(g[i] for g in per_rank).double() / world_size
             m[i] = beta1 * m[i] + (1 - beta1) * grad
@@ -53,12 +56,13 @@ def reference_params(world_size):
     return [p.float() for p in params]
 
 
-def dist_adam_params(rank, world_size, calls=None):
+def dist_adam_params(rank, world_size, period=1):
     params = make_params()
     opt = tg.DistAdam(groups(params), lr=0.01, **HYPER)
     for step in range(STEPS):
+        opt.accumulating = (step + 1) % period != 0
         for p, g in zip(params, rank_grads(rank, step)):
-            p.grad = g
+            p.grad = g if p.grad is None else p.grad + g
         opt.step()
         opt.zero_grad()
     state_numel = sum(s["exp_avg"].numel() + s["exp_avg_sq"].numel() for s in opt.state.values())
@@ -78,7 +82,7 @@ def test_single_process_equals_the_reference(monkeypatch):
     assert state_numel == 2 * sum(torch.Size(s).numel() for s in SHAPES)
 
 
-def _two_rank_run(rank, world_size):
+def _two_rank_run(rank, world_size, period=1):
     calls = {"all_reduce": 0, "reduce_scatter_tensor": 0, "all_gather_into_tensor": 0}
     for name in calls:
         original = getattr(dist, name)
@@ -87,7 +91,7 @@ def _two_rank_run(rank, world_size):
             calls[_name] += 1
             return _original(*args, **kwargs)
         setattr(dist, name, counted)
-    params, state_numel = dist_adam_params(rank, world_size)
+    params, state_numel = dist_adam_params(rank, world_size, period)
     return params, state_numel, calls
 
 
@@ -198,3 +202,15 @@ def test_tied_parameters_share_one_update_then_go_on_alone():
     assert opt.is_tied()
     opt.load_state_dict(state)
     assert not opt.is_tied()
+
+
+def test_with_period_2_adam_updates_every_other_step_on_two_steps_gradients():
+    want = reference_params(2, period=2)
+    assert not all(torch.equal(a, b) for a, b in zip(want, reference_params(2)))
+    got, _ = dist_adam_params(0, 1, period=2)
+    assert_close(got, reference_params(1, period=2))
+    buckets = 4
+    for params, _, calls in run_on_ranks(_two_rank_run, 2, 2):
+        assert_close(params, want)
+        # the accumulating steps send nothing
+        assert calls["reduce_scatter_tensor"] == calls["all_gather_into_tensor"] == buckets * STEPS // 2

@@ -53,6 +53,7 @@ def test_unknown_option_lists_valid_names():
     ("--preset=huge", "unknown --preset=huge"),
     ("--bos_token=50257", "--bos_token=50257 must be a token of the vocabulary (below --vocab_size=50257)"),
     ("--vocab_size=70000", "--vocab_size=70000: shards hold 16-bit tokens"),
+    ("--adam_period=0", "--adam_period=0 must be at least 1"),
 ])
 def test_bad_values_are_named(arg, message):
     with pytest.raises(tg.UserError, match=re.escape(message)):
@@ -63,6 +64,8 @@ def test_defaults_hold_the_speedrun_options_and_plain_turns_them_off():
     cfg, _ = tg.parse_cli(["--muon_lr=0.03"])
     assert cfg.tie_embed and cfg.gates and cfg.normuon_beta2 == 0.95 and cfg.muon_lr == 0.03
     assert tg.Schedule(cfg).mtp_weights(0) == [1.0, 0.5, 0.25]
+    assert [tg.Schedule(dataclasses.replace(cfg, adam_period=2)).adam_updates(s) for s in range(4)] == [
+        False, True, False, True]  # the speedrun's odd steps
     plain, _ = tg.parse_cli(["--preset=plain"])
     assert not (plain.tie_embed or plain.gates or plain.smear or plain.key_offset or plain.normuon_beta2)
     assert plain.backout_from == -1 and tg.Schedule(plain).mtp_weights(0) == [1.0]
@@ -654,21 +657,14 @@ def _train_on_rank(rank, world_size, cfg):
     return tg.train(cfg, comm, tg.RunLog(cfg, comm)).train_losses
 
 
-# The speedrun's model and optimizer extras that are off by default: gates, smear, backout, zero value tables, NorMuon
-# with its lr scaling and cautious weight decay, the embedding tied to the head (untied at step 2 of 3), multi-token
-# prediction, the shifted soft cap, the key offset.
-EXTRAS = dict(gates=1, smear=1, backout_from=2, value_embed_init_std=0, normuon_beta2=0.95, muon_shape_lr=1,
-              muon_proj_lr_mul=2, muon_weight_decay=1.2, tie_embed=1, mtp_schedule="1,0.5,0.25>0/1,0.5>0/1",
-              logit_softcap=23, logit_offset=5, key_offset=1)
-
-
-@pytest.mark.parametrize("extras", [{}, EXTRAS], ids=["defaults", "extras"])
+@pytest.mark.parametrize("extras", [{}, tg.PRESETS["plain"], dict(adam_period=2, num_iterations=4)],
+                         ids=["defaults", "plain", "adam_period"])
 def test_world_size_1_and_2_give_the_same_losses(tiny_data, tmp_path, extras):
-    cfg = tiny_config(*tiny_data, num_iterations=3, val_loss_every=0, log_dir=str(tmp_path), run_id="w1",
-                      micro_batch_tokens=128, **extras)
+    cfg = tiny_config(*tiny_data, **{**dict(num_iterations=3), **extras}, val_loss_every=0, log_dir=str(tmp_path),
+                      run_id="w1", micro_batch_tokens=128)
     single = tg.train(cfg, tg.Comm(), tg.RunLog(cfg, tg.Comm())).train_losses
     two = run_on_ranks(_train_on_rank, 2, dataclasses.replace(cfg, run_id="w2"))
-    assert len(single) == 3 and two[0] == two[1]
+    assert len(single) == cfg.num_iterations and two[0] == two[1]
     assert single[0] > single[-1]  # it trained
     np.testing.assert_allclose(two[0], single, rtol=1e-5)
 
@@ -717,7 +713,7 @@ def test_packed_forwards_train_as_separate_ones(tiny_data, tmp_path):
         np.testing.assert_allclose([v for _, v in val_losses], [v for _, v in separate.val_losses], rtol=1e-5)
 
 
-@pytest.mark.parametrize("extras", [{}, EXTRAS], ids=["defaults", "extras"])
+@pytest.mark.parametrize("extras", [{}, tg.PRESETS["plain"]], ids=["defaults", "plain"])
 def test_a_packed_forward_computes_the_losses_of_separate_ones(tiny_data, extras):
     """Two validation chunks (the second starts mid-document) in one forward against one forward each, with random
     weights so that attention carries signal: the same mean loss. A packed forward must not let the second
