@@ -253,8 +253,9 @@ PRESETS = {
     ),
 }
 
-# The model and optimizers before the speedrun 2026-02 record's ideas became the defaults, for A/B runs against
-# them, e.g. tests/gpu/ml_bench.sh "" "--preset=plain" (docs/performance.md compares the two).
+# The defaults before the rest of the speedrun 2026-02 record's ideas joined them (plain Muon at lr 0.06; no gates,
+# smear, backout, tied embedding, multi-token loss or key offset), for A/B runs, e.g.
+# tests/gpu/ml_bench.sh "" "--preset=plain" (docs/performance.md compares the two).
 PRESETS["plain"] = dict(
     normuon_beta2=0.0, muon_lr=0.06, muon_shape_lr=False, muon_proj_lr_mul=1.0, muon_weight_decay=0.0,
     gates=False, smear=False, backout_from=-1, value_embed_init_std=1.0, tie_embed=False, key_offset=False,
