@@ -234,7 +234,7 @@ class Config:
     fragment_update_alpha: float = _diloco(0.0, "after a sync the fragment is (1 - alpha) * global + alpha * local")
     # The new global weights are (1 - outer_lr) * global + outer_lr * the replicas' mean (momentum 0). At speedrun
     # lengths (syncs every 8 steps) 0.7 without momentum came within 0.005 nats of data parallelism, the Streaming
-    # DiLoCo paper's 0.7 with Nesterov 0.9 0.24 behind (tests/bench_diloco_quality.py, docs/performance.md).
+    # DiLoCo paper's 0.7 with Nesterov 0.9 0.24 behind (bench/bench_diloco_quality.py, docs/performance.md).
     outer_lr: float = _diloco(0.7, "lr of the outer SGD step on a fragment's averaged pseudogradient; 1: plain mean")
     outer_momentum: float = _diloco(0.0, "Nesterov momentum of the outer SGD step")
     min_replicas: int = _diloco(1, "a sync commits only with at least this many replicas in the quorum")
@@ -255,7 +255,7 @@ PRESETS = {
 
 # The defaults before the rest of the speedrun 2026-02 record's ideas joined them (plain Muon at lr 0.06; no gates,
 # smear, backout, tied embedding, multi-token loss or key offset), for A/B runs, e.g.
-# tests/gpu/ml_bench.sh "" "--preset=plain" (docs/performance.md compares the two).
+# bench/ml_bench.sh "" "--preset=plain" (docs/performance.md compares the two).
 PRESETS["plain"] = dict(
     normuon_beta2=0.0, muon_lr=0.06, muon_shape_lr=False, muon_proj_lr_mul=1.0, muon_weight_decay=0.0,
     gates=False, smear=False, backout_from=-1, value_embed_init_std=1.0, tie_embed=False, key_offset=False,
@@ -548,7 +548,7 @@ if triton is not None:
         _softcapped_row_grad(Logits + row * stride, GradLogits + row * grad_stride, tl.load(Targets + row),
                              tl.load(Lse + row), tl.load(GradLoss + row), V, cap, offset, divisor, BLOCK)
 
-CE_BLOCK, CE_WARPS = 1024, 4  # the loss kernels' launch shape (tests/gpu/bench_loss.py sweeps it)
+CE_BLOCK, CE_WARPS = 1024, 4  # the loss kernels' launch shape (bench/bench_loss.py sweeps it)
 
 
 def _softcapped_ce_rows(logits: Tensor, targets: Tensor, softcap: tuple) -> tuple[Tensor, Tensor]:
@@ -767,7 +767,7 @@ if triton is not None:
 
 def transpose_fp8(x: Tensor, block_m: int = 64, block_n: int = 128, warps: int = 4) -> Tensor:
     """A contiguous copy of x.T (x: contiguous [M, N] FP8) with the Triton tile kernel: torch's copy of the
-    transposed view took 5.93 ms for [16384, 50304] on 1xH100, this 0.64 ms (tests/gpu/bench_loss.py fp8_grad)."""
+    transposed view took 5.93 ms for [16384, 50304] on 1xH100, this 0.64 ms (bench/bench_loss.py fp8_grad)."""
     M, N = x.shape
     out = x.new_empty(N, M)
     _transpose_kernel[(triton.cdiv(M, block_m), triton.cdiv(N, block_n))](x, out, M, N, BLOCK_M=block_m,
@@ -779,13 +779,13 @@ def transpose_fp8(x: Tensor, block_m: int = 64, block_n: int = 128, warps: int =
 # weight gradient's (FP8 matmuls on Hopper take both operands contiguous along the reduced dimension). The
 # forward's kernel writes [T, V] and transpose_fp8 makes [V, T] from it in the backward (0.64 ms for [16384,
 # 50304] on 1xH100, bit for bit what a second launch recomputing it from the logits in [V, T] order wrote in 1.10
-# ms: tests/gpu/bench_loss.py fp8_grad, 2026-11-23).
+# ms: bench/bench_loss.py fp8_grad, 2026-11-23).
 E4M3_MAX = 448.0
 # The largest |gradient| lands at most at 2**15, under e5m2's 57344: no overflow, 2**31 of range.
 GRAD_E5M2_EXP = 15
 GRAD_E5M2_MAX = 2.0 ** GRAD_E5M2_EXP
 # The fused loss kernel's launch shape. 1xH100, one packed forward's [65536, 50304] logits
-# (tests/gpu/bench_ce_fp8.py, two calls of three interleaved rounds): 4.51-4.68 ms, against 6.29-6.54 ms for the
+# (bench/bench_ce_fp8.py, two calls of three interleaved rounds): 4.51-4.68 ms, against 6.29-6.54 ms for the
 # previous kernel (1024 x 4 warps, tl.sigmoid and tl.exp in both passes) and 4.01-4.07 ms for that kernel's loads
 # and stores around no arithmetic at 8192 x 32. 8192 x 16 took 4.8-5.1 ms, 16384 x 32 4.7-5.0, 4096 x 8 5.4-5.5,
 # 32768 x 32 9.1-9.5; at 131,072 rows 16384 x 16 stays the fastest (9.3-9.5 ms against 12.6-13.2).
@@ -912,7 +912,7 @@ if triton is not None:
         values = tl.load(Table + rows[:, None] * dim + cols[None, :], mask=inside)
         tl.store(Out + positions[:, None].to(tl.int64) * dim + cols[None, :], values.to(Out.dtype.element_ty), mask=inside)
 
-# 1xH100, one packed forward (65,536 bench-stream tokens; tests/gpu/bench_rows.py, 2026-11-24): 0.86 ms for the
+# 1xH100, one packed forward (65,536 bench-stream tokens; bench/bench_rows.py, 2026-11-24): 0.86 ms for the
 # token, five value and bigram tables, against 2.47 ms with index_add_; chunks of 16-64 and other blocks within 15%.
 ROWS_CHUNK, ROWS_BLOCK_D, ROWS_WARPS = 64, 512, 4
 
@@ -1015,7 +1015,7 @@ if triton is not None:
         return a.new_empty(a.size(0), b.size(0))
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT, warps, stages) of the MLP kernel, forward and backward. 1xH100, [65536,
-# 768] @ [768, 3072] (tests/gpu/bench_mlp.py, four calls of 2026-11-24): forward 0.57-0.64 ms, backward 0.69-0.82
+# 768] @ [768, 3072] (bench/bench_mlp.py, four calls of 2026-11-24): forward 0.57-0.64 ms, backward 0.69-0.82
 # ms, against 0.45-0.49 ms for cuBLAS's matmul alone and 0.75-0.88 / 0.87-1.01 ms with inductor's elementwise pass
 # after it. No other tile that fits in shared memory was faster in both directions (BLOCK_K 32 with 5-6 stages tied:
 # 0.548 + 0.709 against 0.570 + 0.691 ms), nor 2 programs per SM with smaller tiles (0.79-1.01 / 0.85-0.95 ms).
@@ -1662,7 +1662,7 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     (x1 cos + x2 sin, x2 cos - x1 sin); sin holds (sin, -sin) per position (Rotary). On a [T, heads, 2, head_dim/2]
     view with the halves swapped by a flip, rather than chunk and cat, inductor fuses the q/k norm's backward
     without writing fp32 intermediates to memory (1xH100: 1.62 against 1.77 ms per packed forward and backward in
-    tests/gpu/bench_qk_prep.py; in the whole model those kernels took 18.1 against 21.5 ms per last-stage step)."""
+    bench/bench_qk_prep.py; in the whole model those kernels took 18.1 against 21.5 ms per last-stage step)."""
     T, heads, dim = x.shape
     halves = x.float().view(T, heads, 2, dim // 2)
     rotated = halves * cos[:T, None, None, :] + halves.flip(-2) * sin[:T, None]
@@ -1718,7 +1718,7 @@ class FlexAttention:
     forward's overwrite. The block masks are overwritten in place too: under CUDA graphs, torch
     takes the forward's inputs that the backward keeps for fixed addresses, so masks made afresh for
     each forward had the backward graph recorded again and again (1xH100, torch 2.11: 21 recordings
-    in 6 steps, found with tests/gpu/why_rerecord.py).
+    in 6 steps, found with bench/why_rerecord.py).
     """
     name = "flex"
     block_size = 128  # FlexAttention's default tile
@@ -1793,7 +1793,7 @@ class FlashAttention3:
     FA3's backward launches a thread block for every (sequence, key tile of max_seqlen) pair, empty
     ones included, so the kernels get the document starts cut to one entry per 256 tokens (of the
     loader's one per 16) and max_seqlen the longest a document can be, when the loader says the
-    forward allows it (1xH100, 131,072 tokens, 107 documents, tests/gpu/bench_fa4.py: forward +
+    forward allows it (1xH100, 131,072 tokens, 107 documents, bench/bench_fa4.py: forward +
     backward 2.3 ms with the documents alone, 8.9 ms padded to 8,193 sequences, 395 ms with
     max_seqlen the whole forward). Training documents never pass max_doc_len; a forward with a
     longer one (validation chunks are not cut) takes max_seqlen = the forward's length, a graph of its own.

@@ -1,5 +1,5 @@
 """GPU numerics against float64 references. Skipped without CUDA; run on the device with
-`python -m pytest -q tests/gpu` (tests/gpu/device_run.sh does that before timing a training run)."""
+`python -m pytest -q tests/gpu` (bench/device_run.sh does that before timing a training run)."""
 import pytest
 import torch
 
@@ -34,7 +34,7 @@ def test_compiled_flex_attention_matches_float64(window):
 
 @pytest.mark.parametrize("window, max_doc_len", [(128, 4096), (1024, 4096), (1024, 256)])
 def test_fa3_attention_matches_float64(window, max_doc_len):
-    """The FA3 backend (where flash_attn_interface imports: tests/gpu/fa3_build.sh builds it), given the padded
+    """The FA3 backend (where flash_attn_interface imports: bench/fa3_build.sh builds it), given the padded
     document starts, count and longest document that the loader hands it, in a compiled function as the trainer
     calls it: forward and gradients against float64. With max_doc_len 256 the longest document is longer, and
     the kernels take the whole length as max_seqlen."""

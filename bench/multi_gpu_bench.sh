@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on a 2-GPU machine (repo root), results in $OUT:
-#   OUT=/some/dir [BENCHES="sparse dense world1"] bash tests/gpu/multi_gpu_bench.sh STEPS [all|bench|diloco]
-# 1. tests/gpu/bench_step.py at world size 2 with sparse bigram comms on (sparse), then off (dense), then
+#   OUT=/some/dir [BENCHES="sparse dense world1"] bash bench/multi_gpu_bench.sh STEPS [all|bench|diloco]
+# 1. bench/bench_step.py at world size 2 with sparse bigram comms on (sparse), then off (dense), then
 #    at world size 1 on the same machine (world1); BENCHES picks which, and may add "graphs" (world size 2
 #    under CUDA graphs, which --compile_mode=auto leaves off there: no faster on 2xH200, docs/performance.md). The
 #    benches read the bench stream (real document lengths and bigram rows);
@@ -15,15 +15,15 @@ steps=$1; what=${2:-all}
 OUT=${OUT:-/tmp/device_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/ind
 
-python3 tests/gpu/unpack_bench.py
-source tests/gpu/inductor_cache.sh
+python3 bench/unpack_bench.py
+source bench/inductor_cache.sh
 restore_inductor_cache  # .cache/inductor.tar.xz.part* when carried: kernels compiled by an earlier call
 [ -d .whl ] && python3 -m pip install -q --no-index --find-links .whl torchft 2>&1 | tail -2
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 
 bench() {  # bench NAME NPROC [flags...]
     local name=$1 nproc=$2; shift 2
-    BENCH_SYNC_DEBUG=1 timeout 240 torchrun --nproc_per_node="$nproc" tests/gpu/bench_step.py --bench_steps=8 \
+    BENCH_SYNC_DEBUG=1 timeout 240 torchrun --nproc_per_node="$nproc" bench/bench_step.py --bench_steps=8 \
         --train_files='/tmp/bench/docs_train_*.bin' "$@" \
         > "$OUT/$name.txt" 2>&1
     echo "== $name (exit $?)"

@@ -1,7 +1,7 @@
 """Step benchmark of the full config on random tokens (no data files), run on the device, not in CI:
 
-    python tests/gpu/bench_step.py [--bench_steps=N] [train_gpt.py flags...]
-    torchrun --nproc_per_node=8 tests/gpu/bench_step.py ...
+    python bench/bench_step.py [--bench_steps=N] [train_gpt.py flags...]
+    torchrun --nproc_per_node=8 bench/bench_step.py ...
 
 After the trainer's own warm-up it runs, for every stage of the schedule (its micro-batch count and
 attention windows), a few untimed steps and then N timed ones, and prints per stage: median step ms,
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train_gpt as tg  # noqa: E402
 
 BF16_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense, SXM datasheets

@@ -6,7 +6,7 @@ barrier lets only one consumer run its main loop at a time, so each consumer's e
 memory, TMA store) runs while the other one's MMAs keep the tensor cores busy -- the overlap the trainer's
 Triton kernel lacks (its epilogue stalls the MMAs at K = 768).
 
-    python tests/gpu/bench_gluon_mlp.py
+    python bench/bench_gluon_mlp.py
 
 1xH100, Triton 3.6, [65536, 768] @ [3072, 768]^T, two device calls on two machines (2026-11-24): correct (error against
 float64 1.7e-3, as the Triton kernel's), but not faster. 128 x 128 tiles: 0.630 / 0.624-0.667 ms with 4-5 stages
@@ -32,7 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 @gluon.jit
@@ -146,7 +146,7 @@ def relu2_pingpong(a: torch.Tensor, b: torch.Tensor, bm=128, bn=128, bk=64, stag
 
 def main():
     import train_gpt as tg
-    from bench_optimizers import kernel_median_ms as median_ms
+    from timing import kernel_median_ms as median_ms
     T, dim, hidden = 65536, 768, 3072
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(T, dim, device="cuda", generator=g).to(torch.bfloat16)

@@ -1,10 +1,10 @@
 """Device benchmark of FlexAttention's kernel options on the trainer's masks (not part of the tests).
 
-    python tests/gpu/bench_flex.py [OPTIONS_JSON ...]
+    python bench/bench_flex.py [OPTIONS_JSON ...]
 
 One micro-batch of the last training stage: q, k, v of [16384 tokens, 6 heads, 128], the short and the long
 window's block masks built by the trainer's FlexAttention from real document boundaries (/tmp/bench, as
-unpacked by tests/gpu/unpack_bench.py) or random ones. For each option set (a JSON dict of flex
+unpacked by bench/unpack_bench.py) or random ones. For each option set (a JSON dict of flex
 kernel_options; default: a built-in list) prints median ms of forward and of forward + backward for both
 windows, and the largest difference from the default options' output and gradients.
 
@@ -13,7 +13,7 @@ ROWS_GUARANTEED_SAFE gave NaN: it requires every row to keep a key in every bloc
 at a document start or window edge has rows with none, though each row keeps itself.
 1xH100, 2026-11-23: the backward with 8 warps and 2 stages (the second set below) measured 0.98 / 1.07 ms
 forward + backward (short / long window) against 1.13 / 1.22 for the defaults here, with the same bits; but in the
-trainer (tests/gpu/bench_step.py, last stage) flex's backward kernels took 81.2 ms per step against 77.1, so it
+trainer (bench/bench_step.py, last stage) flex's backward kernels took 81.2 ms per step against 77.1, so it
 stays out. This benchmark's compiled function alone does not predict the whole-model graph.
 """
 import functools
@@ -25,10 +25,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import train_gpt as tg  # noqa: E402
-from bench_optimizers import kernel_median_ms as median_ms  # noqa: E402
+from timing import kernel_median_ms as median_ms  # noqa: E402
 from helpers import cu_seqlens_of  # noqa: E402
 
 OPTION_SETS = [

@@ -1,15 +1,15 @@
 """Device benchmark: FlashAttention-4's Hopper kernels (flash_attn.cute) and FlashAttention-3 against FlexAttention
 (not part of the tests).
 
-    python tests/gpu/bench_fa4.py
+    python bench/bench_fa4.py
 
-FA4 travels in two calls (tests/gpu/fa4_site.sh); FA3 is built on the device (tests/gpu/fa3_build.sh). A variant
+FA4 travels in two calls (bench/fa4_site.sh); FA3 is built on the device (bench/fa3_build.sh). A variant
 whose package is missing prints FAILED. For the trainer's attention (causal, within documents, a
 sliding window, q already scaled) this prints
 1. errors against a float64 reference (4,096 tokens, both windows of the last stage): output and q/k/v gradients,
    for flex's Triton kernels, flex with BACKEND=FLASH (FA4 kernels under flex's block masks) and FA4's varlen call;
 2. median ms of forward and of forward + backward at the trainer's packed length (8 x 16,384 tokens), with the
-   document boundaries of /tmp/bench (tests/gpu/unpack_bench.py) or random ones.
+   document boundaries of /tmp/bench (bench/unpack_bench.py) or random ones.
 A variant that fails prints its error and the others go on.
 
 1xH100, torch 2.11, flash-attn-4 4.0.0b36 (2026-11-24), 131,072 tokens of the bench stream (107 documents):
@@ -18,7 +18,7 @@ flex forward 1.175 / 1.368 ms and forward + backward 4.008 / 5.027 ms (short / l
 against float64 were the same to three digits for both. flex's BACKEND=FLASH failed in the CuTe compiler
 ("Expected TensorSSA, but got int"). So FA4 brings nothing here, and the trainer keeps flex.
 
-FlashAttention-3 (flash-attention 0251105a built by tests/gpu/fa3_build.sh; 1xH100, 2026-11-24, same tokens): the
+FlashAttention-3 (flash-attention 0251105a built by bench/fa3_build.sh; 1xH100, 2026-11-24, same tokens): the
 same errors as flex; forward 0.579 / 0.763 ms and forward + backward 2.328 / 2.918 ms with the 107 documents alone
 (max_seqlen 2048, the longest), against flex's 1.161 / 1.316 and 4.014 / 5.048. Padded as the loader pads (8,193
 sequences) the backward launches a block per sequence and key tile: 8.92 / 9.47 ms with max_seqlen 2048, 395 ms
@@ -33,10 +33,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train_gpt as tg  # noqa: E402
-from bench_optimizers import median_ms  # noqa: E402
+from timing import median_ms  # noqa: E402
 
 
 def tokens_of(cfg: tg.Config, length: int) -> torch.Tensor:

@@ -4,14 +4,14 @@
 # length with a sliding window; every other variant (fp16, fp8, other head dims, split-KV, paged KV, softcap,
 # PackGQA, sm80) is switched off through FlashAttention's own FLASH_ATTENTION_DISABLE_* build flags.
 #
-#   bash tests/gpu/fa3_build.sh pack     here, in the repo root: the sources from the stored mirrors (the fetch
-#                                        tool's github:Dao-AILab/flash-attention, and github:NVIDIA/cutlass at
-#                                        the commit its csrc/cutlass submodule pins) into .fa3src/ (git-ignored
-#                                        through .git/info/exclude)
-#   OUT=$OUT bash tests/gpu/fa3_build.sh build    on the device, carrying .fa3src: compiles, imports the module,
-#                                        and packs it into $OUT/fa3/fa3.tar.xz.part* (copy those into .fa3/)
-#   source tests/gpu/fa3_build.sh site   on the device, carrying .fa3: unpacks to /tmp/fa3site and puts it on
-#                                        PYTHONPATH, so that `import flash_attn_interface` works
+#   bash bench/fa3_build.sh pack     here, in the repo root: the sources from the stored mirrors (the fetch
+#                                    tool's github:Dao-AILab/flash-attention, and github:NVIDIA/cutlass at
+#                                    the commit its csrc/cutlass submodule pins) into .fa3src/ (git-ignored
+#                                    through .git/info/exclude)
+#   OUT=$OUT bash bench/fa3_build.sh build    on the device, carrying .fa3src: compiles, imports the module,
+#                                    and packs it into $OUT/fa3/fa3.tar.xz.part* (copy those into .fa3/)
+#   source bench/fa3_build.sh site   on the device, carrying .fa3: unpacks to /tmp/fa3site and puts it on
+#                                    PYTHONPATH, so that `import flash_attn_interface` works
 set -uo pipefail
 FA_REPO=${FA_REPO:-/work/.mirror/Dao-AILab+flash-attention/repo}
 CUTLASS_REPO=${CUTLASS_REPO:-/work/.mirror/NVIDIA+cutlass/repo}
@@ -63,5 +63,5 @@ case "${1:-}" in
     pack) fa3_pack ;;
     build) fa3_build ;;
     site) fa3_site ;;
-    *) echo "usage: bash tests/gpu/fa3_build.sh pack|build, or source it with: site" >&2; return 2 2>/dev/null || exit 2 ;;
+    *) echo "usage: bash bench/fa3_build.sh pack|build, or source it with: site" >&2; return 2 2>/dev/null || exit 2 ;;
 esac

@@ -1,7 +1,7 @@
 """Streaming DiLoCo against data parallelism at equal tokens, on the CPU (not run by the test suite):
 
     eval "$(../shared/gpt2/use_offline.sh)"   # tiktoken's GPT-2 files, to decode the token shards to text
-    python tests/bench_diloco_quality.py 'TRAIN_SHARDS' 'VAL_SHARD' [STEPS] [CONFIGS]
+    python bench/bench_diloco_quality.py 'TRAIN_SHARDS' 'VAL_SHARD' [STEPS] [CONFIGS]
 
 The shards (GPT-2 tokens, e.g. ../shared/bench2's) are decoded back to text and re-encoded as bytes (vocabulary
 257, BOS 256), so the tiny model trains on real text at CPU speed. Each configuration trains the tiny preset for STEPS

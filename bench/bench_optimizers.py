@@ -1,42 +1,23 @@
 """Device benchmark of the optimizer step on the default model's parameters (not part of the tests).
 
-    python tests/gpu/bench_optimizers.py                          # world size 1
-    torchrun --nproc_per_node=2 tests/gpu/bench_optimizers.py     # with NCCL communication
+    python bench/bench_optimizers.py                          # world size 1
+    torchrun --nproc_per_node=2 bench/bench_optimizers.py     # with NCCL communication
 
 Prints median milliseconds (CUDA events, warm-up excluded) for: Newton-Schulz via Triton vs plain torch
 over all 32 matrices; the Adam parameters' step with DistAdam vs the all-reduce design it replaced
 (all_reduce each gradient, then torch AdamW on every replica); the whole Muon step; and optimizer state
 memory per rank.
 """
-import functools
 import os
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train_gpt as tg  # noqa: E402
-
-
-def median_ms(fn, repeats=20, warmup=3):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-# The single-kernel benchmarks (bench_loss, bench_flex, bench_mlp) take more samples of their shorter kernels.
-kernel_median_ms = functools.partial(median_ms, repeats=30, warmup=5)
+from timing import median_ms  # noqa: E402
 
 
 class AllReduceAdam:

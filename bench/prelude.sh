@@ -4,7 +4,7 @@
 #                             that run) and options (the rest: train_gpt.py flags)
 OUT=${OUT:-/tmp/device_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/inductor_cache}
-source tests/gpu/inductor_cache.sh
+source bench/inductor_cache.sh
 nvidia-smi --query-gpu=name --format=csv,noheader
 
 split_flag_set() {

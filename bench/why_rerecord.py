@@ -3,7 +3,7 @@ replay check, which static inputs moved (index, placeholder name, shape, dtype),
 A graph's inputs named primals_* are its forward's inputs (parameters, buffers, or tensors such as the
 attention block masks); torch expects those kept for the backward at fixed addresses.
 
-    python tests/gpu/why_rerecord.py [train_gpt.py flags...]
+    python bench/why_rerecord.py [train_gpt.py flags...]
 """
 import collections
 import sys
@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from torch._inductor import cudagraph_trees
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train_gpt as tg  # noqa: E402
 
 seen = collections.Counter()

@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
 # One device call for a speed change (repo root), results in $OUT:
-#   OUT=/some/dir [TESTS="-k softcapped"] [STEPS=6] bash tests/gpu/ab_step.sh "FLAGS_A" "FLAGS_B" ...
-# Runs the GPU numerics tests (pytest arguments in TESTS; TESTS=skip skips them), then tests/gpu/bench_step.py once
+#   OUT=/some/dir [TESTS="-k softcapped"] [STEPS=6] bash bench/ab_step.sh "FLAGS_A" "FLAGS_B" ...
+# Runs the GPU numerics tests (pytest arguments in TESTS; TESTS=skip skips them), then bench/bench_step.py once
 # per quoted flag set, in order, on one machine with one inductor cache (NAME=value words in a set are environment
 # settings for that run), and prints each run's compile time and
 # per-stage line (median ms, slowest/median, tokens/s, MFU, phases) and profile summary. Example, the A/B of the
-# Triton kernels: bash tests/gpu/ab_step.sh "--triton_kernels=1" "--triton_kernels=0"
+# Triton kernels: bash bench/ab_step.sh "--triton_kernels=1" "--triton_kernels=0"
 # With .bench/ carried (copies of ../shared/bench) the steps read the bench stream, else random tokens. The
 # inductor cache comes from .cache/inductor.tar.xz.part* when carried and goes back under $OUT/cache.
 set -uo pipefail
-source tests/gpu/prelude.sh
+source bench/prelude.sh
 data=()
 if ls .bench/*.bin.xz >/dev/null 2>&1; then
-    python3 tests/gpu/unpack_bench.py && data=(--train_files='/tmp/bench/docs_train_*.bin')
+    python3 bench/unpack_bench.py && data=(--train_files='/tmp/bench/docs_train_*.bin')
 fi
 restore_inductor_cache
 if [ "${TESTS:-}" != skip ]; then
@@ -23,7 +23,7 @@ n=0
 for flags in "$@"; do
     n=$((n + 1))
     split_flag_set "$flags"
-    env "${settings[@]}" timeout "${RUN_LIMIT_S:-170}" python3 tests/gpu/bench_step.py --bench_steps="${STEPS:-6}" \
+    env "${settings[@]}" timeout "${RUN_LIMIT_S:-170}" python3 bench/bench_step.py --bench_steps="${STEPS:-6}" \
         "${data[@]}" "${options[@]}" > "$OUT/ab_$n.txt" 2>&1
     echo "== [$n] $flags (exit $?)"
     grep -E "^compile_time|^data|per forward|^ +[0-9]+ +[0-9]+ +\(|^graphs|Error|error:" "$OUT/ab_$n.txt"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # FlashAttention-4 (flash_attn.cute: CuTe DSL kernels, with Hopper ones) for the device machine, which has no
-# internet. Here, in the repo root:   bash tests/gpu/fa4_site.sh
+# internet. Here, in the repo root:   bash bench/fa4_site.sh
 # downloads the wheels for its Python 3.12, unpacks them into one folder, and packs that as xz in two halves,
 # .fa4a/ and .fa4b/ (about 34 MB each; git ignores both through .git/info/exclude). The CuTe DSL's compiler library
 # alone is 193 MB unpacked, so the pack exceeds one call's 64 MiB: carry .fa4a in a first call that copies it to

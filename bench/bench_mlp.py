@@ -8,7 +8,7 @@
 2. the MLP forward + backward, compiled, fused (each tile config given) against --fused_mlp=0, and the
    gradients' error against float64.
 
-    python tests/gpu/bench_mlp.py [sweep|mlp]      # both by default
+    python bench/bench_mlp.py [sweep|mlp]      # both by default
 Prints median ms (CUDA events, warm-up excluded) and TFLOP/s.
 """
 import sys
@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train_gpt as tg  # noqa: E402
-from bench_optimizers import kernel_median_ms as median_ms  # noqa: E402
+from timing import kernel_median_ms as median_ms  # noqa: E402
 
 T, DIM, HIDDEN = 65536, 768, 3072
 CHECK_ROWS = 4096

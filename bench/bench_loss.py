@@ -6,10 +6,10 @@ gradient's [V, T] layout from its [T, V] output (the trainer's transpose_fp8 per
 the FP8 head's fused loss-and-gradient kernel. Prints median milliseconds (CUDA events, warm-up excluded) and
 effective memory bandwidths.
 
-    python tests/gpu/bench_loss.py            # the loss kernels
-    python tests/gpu/bench_loss.py head       # bf16 head against the FP8 head
-    python tests/gpu/bench_loss.py fp8_grad   # ways to make the FP8 gradient's [V, T] layout from [T, V]
-    python tests/gpu/bench_loss.py packed     # at a packed forward's 65,536 rows: the FP8 head's fused loss and
+    python bench/bench_loss.py            # the loss kernels
+    python bench/bench_loss.py head       # bf16 head against the FP8 head
+    python bench/bench_loss.py fp8_grad   # ways to make the FP8 gradient's [V, T] layout from [T, V]
+    python bench/bench_loss.py packed     # at a packed forward's 65,536 rows: the FP8 head's fused loss and
                                               # gradient kernel, against the two kernels it replaced
 """
 import functools
@@ -20,9 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train_gpt as tg  # noqa: E402
-from bench_optimizers import kernel_median_ms as median_ms  # noqa: E402  (tests/gpu is the script's directory)
+from timing import kernel_median_ms as median_ms  # noqa: E402
 
 
 def main():

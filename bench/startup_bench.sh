@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Cold and warm start of the full default config on the bench stream, one device call (repo root):
-#   OUT=/some/dir bash tests/gpu/startup_bench.sh STEPS SCOPE [RUN_LIMIT_S]
+#   OUT=/some/dir bash bench/startup_bench.sh STEPS SCOPE [RUN_LIMIT_S]
 # SCOPE: startup   -> cold run (empty inductor and Triton caches), warm run (same caches), then a run
 #                     with an empty inductor cache but the --compile_cache file the warm run wrote;
 #        versus    -> cold run with --compile_scope=regional, then one with whole: step_avg of both on one machine;
@@ -13,7 +13,7 @@ steps=$1; scope=$2; limit=${3:-450}
 OUT=${OUT:-/tmp/device_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 
-python3 tests/gpu/unpack_bench.py
+python3 bench/unpack_bench.py
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 

@@ -5,7 +5,7 @@ and the gradient's error against float64 on two kinds of logits (Gaussian, and m
 few dozen candidates per row above them), and how many e5m2 values differ from the previous kernel's. Prints
 median milliseconds (CUDA events, warm-up excluded), three interleaved rounds.
 
-    python tests/gpu/bench_ce_fp8.py [ROWS]     # 65,536 by default; the trainer's packed forward has 131,072
+    python bench/bench_ce_fp8.py [ROWS]     # 65,536 by default; the trainer's packed forward has 131,072
 """
 import functools
 import sys
@@ -15,9 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train_gpt as tg  # noqa: E402
-from bench_optimizers import kernel_median_ms as median_ms  # noqa: E402
+from timing import kernel_median_ms as median_ms  # noqa: E402
 
 
 @triton.jit

@@ -1,6 +1,6 @@
 """Bytes each rank sends per bigram-gradient update, sparse vs dense, on a real token stream (CPU only).
 
-    python tests/bench_bigram_bytes.py 'path/to/*_train_*.bin' [steps]
+    python bench/bench_bigram_bytes.py 'path/to/*_train_*.bin' [steps]
 
 Replays the trainer's own loader (BOS-aligned micro-batches split over ranks, bigram hash) for the
 default config at 8, 4 and 2 ranks and each stage of the batch schedule, and counts per rank and step:

@@ -2,11 +2,11 @@
 65,536 positions added into the token table and the five value-embedding tables (shared token indices) and
 into the bigram table, with torch's index_add_ (what a sparse embedding gradient added into a dense .grad
 runs) against train_gpt.add_rows_ (sorted runs summed before one atomic add) over a sweep of its launch shape.
-Tokens from /tmp/bench (tests/gpu/unpack_bench.py) when present, else Zipf-like random ones. Prints median
+Tokens from /tmp/bench (bench/unpack_bench.py) when present, else Zipf-like random ones. Prints median
 ms per forward and the largest error against a float64 index_add; and the value tables' lookups in float32
 against bf16 (train_gpt.gather_rows).
 
-    python tests/gpu/bench_rows.py
+    python bench/bench_rows.py
 """
 import glob
 import sys
@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train_gpt as tg  # noqa: E402
-from bench_optimizers import kernel_median_ms as median_ms  # noqa: E402
+from timing import kernel_median_ms as median_ms  # noqa: E402
 
 
 def tokens_of_one_forward(cfg: tg.Config, count: int) -> np.ndarray:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU numerics tests, then a timed training run on the bench stream, with the inductor
 # cache carried between calls. Usage (repo root, on the GPU machine):
-#   OUT=/some/dir bash tests/gpu/device_run.sh RUN_ID TIMEOUT_S [train_gpt.py flags...]
+#   OUT=/some/dir bash bench/device_run.sh RUN_ID TIMEOUT_S [train_gpt.py flags...]
 # NPROC=N runs the training under torchrun on N GPUs (a record run: NPROC=2 SKIP_GPU_TESTS=1 ... RUN_ID 560).
 # Expects .bench/*.bin.xz (copies of ../shared/bench) and, optionally, .cache/inductor.tar.xz.part*.
 set -uo pipefail
@@ -9,9 +9,9 @@ run_id=$1; budget=$2; shift 2
 OUT=${OUT:-/tmp/device_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_cache
 
-source tests/gpu/inductor_cache.sh
+source bench/inductor_cache.sh
 
-python3 tests/gpu/unpack_bench.py
+python3 bench/unpack_bench.py
 restore_inductor_cache
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
@@ -21,7 +21,7 @@ if [ "${SKIP_GPU_TESTS:-0}" != 1 ]; then
 fi
 
 if [ "${BENCH:-0}" = 1 ]; then
-    timeout 200 python3 tests/gpu/bench_optimizers.py 2>&1 | tail -12 | tee "$OUT/bench.txt"
+    timeout 200 python3 bench/bench_optimizers.py 2>&1 | tail -12 | tee "$OUT/bench.txt"
 fi
 
 start=$(date +%s)

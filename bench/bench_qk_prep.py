@@ -4,7 +4,7 @@ forward and forward + backward at a packed forward's 131,072 tokens. Variants of
 checked against the first (largest difference of outputs and gradients) and timed; the generated code of
 each goes to $OUT/qk_prep_<variant>.py.
 
-    python tests/gpu/bench_qk_prep.py
+    python bench/bench_qk_prep.py
 
 1xH100, 2026-11-24, two calls: forward + backward 1.827 / 1.771 ms with chunk + cat ('halves'), 1.720 / 1.617 ms
 with the flip (forward 0.565 / 0.560 against 0.571 / 0.541 ms). The halves' backward was one looped reduction
@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 from torch._inductor.utils import run_and_get_code
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_gpt as tg  # noqa: E402
-from bench_optimizers import median_ms  # noqa: E402
+from timing import median_ms  # noqa: E402
 
 
 def rotary_halves(x, cos, sin):

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Learning per step on the bench2 stream (repo root, on the GPU machine), results in $OUT:
-#   OUT=/some/dir bash tests/gpu/ml_bench.sh "FLAGS_A" "FLAGS_B" ...
+#   OUT=/some/dir bash bench/ml_bench.sh "FLAGS_A" "FLAGS_B" ...
 # Each quoted flag set is one training run, in order, on one machine and one inductor cache: the record's schedule
 # shape scaled down, 480 scheduled steps in three equal stages (8/16/24 micro-batches of 16K tokens), then 40
 # extension steps at the last stage's batch and the final lr, validation of 2,097,152 tokens at steps 0, 160, 320,
@@ -10,7 +10,7 @@
 # carried to the device; the inductor cache comes from .cache/inductor.tar.xz.part* when carried (PACK_CACHE=1
 # packs it back under $OUT/cache).
 set -uo pipefail
-source tests/gpu/prelude.sh
+source bench/prelude.sh
 python3 - <<'EOF'
 import lzma, pathlib
 out = pathlib.Path("/tmp/bench2")
