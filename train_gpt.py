@@ -128,6 +128,8 @@ class Config:
     value_embed_init_std: float = _model(0.0, "std of the value-embedding tables' normal initialisation; 0: zeros")
     # muP-like (2026-01-30)
     attn_out_zero_init: bool = _model(False, "attention output projections start at zero, not like Q, K and V")
+    # The speedrun's records scale each attention output projection by a learned scalar (init 1, Adam's scalars).
+    attn_out_scale: bool = _model(False, "each attention output projection times a learned scalar, starting at 1")
     # The token embedding starts as a copy of the head and trains tied to it (one Adam update from the sum of both
     # gradients, with the head's settings) until untie_frac of the scheduled steps, then each goes on alone with a
     # copy of the shared Adam state (speedrun 2025-12-22).
@@ -1841,7 +1843,8 @@ def make_attention(cfg: Config, device: torch.device, seq_len: int):
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, dim: int, num_heads: int, head_dim: int, gate_dims: int = 0, shift_keys: bool = False):
+    def __init__(self, dim: int, num_heads: int, head_dim: int, gate_dims: int = 0, shift_keys: bool = False,
+                 out_scale: bool = False):
         super().__init__()
         self.num_heads, self.head_dim, self.gate_dims, self.shift_keys = num_heads, head_dim, gate_dims, shift_keys
         # Q, K, V and O stacked as one [4*dim, dim] matrix (each block out x in): the same shape as the
@@ -1849,6 +1852,7 @@ class CausalSelfAttention(nn.Module):
         self.qkvo_w = nn.Parameter(torch.empty(4 * dim, dim))
         # gate weights per head: row 0 the output gate, row 1 the value-embedding gate
         self.gate_w = nn.Parameter(torch.zeros(2, num_heads, gate_dims)) if gate_dims else None
+        self.out_scale = nn.Parameter(torch.ones(1)) if out_scale else None
 
     def forward(self, x: Tensor, value_embed: Tensor, value_mix: Tensor, rope, mask, attend, starts: Tensor) -> Tensor:
         T, dim = x.shape
@@ -1873,7 +1877,8 @@ class CausalSelfAttention(nn.Module):
         y = attend((q * scale).type_as(k), k, v, mask)
         if self.gate_w is not None:
             y = out_gate * y
-        return y.reshape(T, dim) @ w[3 * dim:].T
+        y = y.reshape(T, dim) @ w[3 * dim:].T
+        return y if self.out_scale is None else self.out_scale.to(y.dtype) * y
 
 
 class MLP(nn.Module):
@@ -1894,7 +1899,7 @@ class Block(nn.Module):
     def __init__(self, cfg: Config, has_attention: bool, shift_keys: bool = False):
         super().__init__()
         self.attn = (CausalSelfAttention(cfg.model_dim, cfg.num_heads, cfg.head_dim, cfg.gate_dims if cfg.gates else 0,
-                                         shift_keys) if has_attention else None)
+                                         shift_keys, cfg.attn_out_scale) if has_attention else None)
         self.mlp = MLP(cfg.model_dim, cfg.mlp_ratio * cfg.model_dim, cfg.fused_mlp and cfg.triton_kernels)
         # [residual scale, embedding (x0) scale, value scale, value-embedding scale, bigram scale]
         self.lambdas = nn.Parameter(torch.tensor([cfg.residual_init, 0.0, 0.5, 0.5, 0.1]))
@@ -2594,6 +2599,7 @@ def build_optimizers(model: GPT, cfg: Config) -> list[torch.optim.Optimizer]:
     tables = [ve.weight for ve in model.value_embeds] + bigram
     scalars = [model.skip_gate] + [block.lambdas for block in model.blocks]
     scalars += [p for p in (model.backout, model.smear_scale) if p is not None]
+    scalars += [b.attn.out_scale for b in model.blocks if b.attn is not None and b.attn.out_scale is not None]
     gates = [block.attn.gate_w for block in model.blocks if block.attn is not None and block.attn.gate_w is not None]
     wd = cfg.adam_weight_decay
     adam = DistAdam([dict(params=tables, lr=cfg.adam_lr * cfg.embed_lr_mul, betas=cfg.table_betas,

@@ -444,6 +444,26 @@ def test_key_offset_gives_each_key_the_still_half_of_the_previous_one():
     assert torch.equal(got, want) and not torch.equal(got, k)
 
 
+def test_attention_output_scale_multiplies_the_output_and_learns():
+    heads, head_dim, T = 2, 8, 6
+    rotary = tg.Rotary(head_dim=head_dim, max_len=16)
+    x = torch.randn(T, heads * head_dim)
+    plain = tg.CausalSelfAttention(heads * head_dim, heads, head_dim)
+    scaled = tg.CausalSelfAttention(heads * head_dim, heads, head_dim, out_scale=True)
+    scaled.qkvo_w.data.copy_(plain.qkvo_w.data.normal_())
+    args = (torch.zeros(T, heads * head_dim), torch.ones(2), rotary.tables(), None, lambda q, k, v, mask: v,
+            torch.zeros(T, dtype=torch.bool))
+    assert torch.equal(scaled(x, *args), plain(x, *args))  # starts at 1
+    scaled.out_scale.data.fill_(2.0)
+    y = scaled(x, *args)
+    torch.testing.assert_close(y, 2 * plain(x, *args))
+    y.square().sum().backward()
+    assert scaled.out_scale.grad.abs().item() > 0
+    model = tg.GPT(dataclasses.replace(tg.parse_cli(TINY)[0], attn_out_scale=True), tg.SdpaAttention(), torch.float32)
+    adam_params = {id(p) for group in tg.build_optimizers(model, model.cfg)[1].param_groups for p in group["params"]}
+    assert all(id(b.attn.out_scale) in adam_params for b in model.blocks if b.attn is not None)
+
+
 def test_yarn_keeps_fast_frequencies_and_slows_slow_ones():
     freqs = torch.tensor([10.0, 1.0, 0.01])
     scaled = tg.yarn_rescale(freqs, old_window=384, new_window=896)
@@ -657,8 +677,8 @@ def _train_on_rank(rank, world_size, cfg):
     return tg.train(cfg, comm, tg.RunLog(cfg, comm)).train_losses
 
 
-@pytest.mark.parametrize("extras", [{}, tg.PRESETS["plain"], dict(adam_period=2, num_iterations=4)],
-                         ids=["defaults", "plain", "adam_period"])
+@pytest.mark.parametrize("extras", [{}, tg.PRESETS["plain"], dict(adam_period=2, num_iterations=4),
+                                    dict(attn_out_scale=1)], ids=["defaults", "plain", "adam_period", "attn_out_scale"])
 def test_world_size_1_and_2_give_the_same_losses(tiny_data, tmp_path, extras):
     cfg = tiny_config(*tiny_data, **{**dict(num_iterations=3), **extras}, val_loss_every=0, log_dir=str(tmp_path),
                       run_id="w1", micro_batch_tokens=128)
