@@ -1254,7 +1254,8 @@ class DistAdam(torch.optim.Optimizer):
         sorted unique arrays)}; starts their counts exchange. Rows of other parameters are not looked at."""
         if self.accumulating:
             for p, row_lists in (sparse_rows or {}).items():
-                self.deferred_rows.setdefault(p, []).extend(row_lists)
+                if p in self.sparse_params:  # the only ones whose rows are exchanged
+                    self.deferred_rows.setdefault(p, []).extend(row_lists)
             return
         self.grad_hooks.armed = True
         for p, row_lists in (sparse_rows or {}).items():

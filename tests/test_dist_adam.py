@@ -214,3 +214,13 @@ def test_with_period_2_adam_updates_every_other_step_on_two_steps_gradients():
         assert_close(params, want)
         # the accumulating steps send nothing
         assert calls["reduce_scatter_tensor"] == calls["all_gather_into_tensor"] == buckets * STEPS // 2
+
+
+def test_an_accumulating_step_keeps_rows_only_for_the_sparse_exchange():
+    """At world size 1 nothing is exchanged sparsely: rows handed over while accumulating must not pile up."""
+    params = make_params()
+    opt = tg.DistAdam(groups(params), lr=0.01, **HYPER)
+    opt.accumulating = True
+    for _ in range(3):
+        opt.before_last_backward({params[0]: [np.arange(5)]})
+    assert opt.deferred_rows == {}
