@@ -1192,8 +1192,8 @@ class DistAdam(torch.optim.Optimizer):
       1. reduce_scatter_tensor (average) of each bucket's gradient into this rank's shard, launched from
          a backward hook as soon as the bucket's last gradient is accumulated, when the training loop
          armed the hooks (before_last_backward) for the last forward; otherwise at step();
-      2. in launch order, for each bucket: wait for its reduce-scatter, update the owned slice with one
-         fused AdamW kernel, launch all_gather_into_tensor of the updated slice into the parameter;
+      2. in launch order, for each bucket: wait for its reduce-scatter, update the owned slice (adam_update_,
+         compiled on CUDA), launch all_gather_into_tensor of the updated slice into the parameter;
       3. wait for every all-gather (and unpack packed buckets into their parameters).
     No all_reduce is issued. A step while `accumulating` (--adam_period > 1) sends nothing and updates
     nothing: its gradients add to the next step's, which sends their sum (and the union of both steps' rows).
@@ -1964,7 +1964,7 @@ class GPT(nn.Module):
         self.smear_scale = nn.Parameter(torch.zeros(1)) if cfg.smear else None
         self.backout = nn.Parameter(torch.tensor([0.5])) if cfg.backout_from >= 0 else None
         self.bigram_embed = nn.Embedding(cfg.bigram_rows, dim) if cfg.bigram_rows else None
-        self.lm_head = nn.Linear(dim, vocab, bias=False)  # untied from the embedding (speedrun 2024-11)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)  # its own weight; tie_embed trains the embedding as a copy
         self.rotary = Rotary(cfg.head_dim, forward_micro_batches * cfg.micro_batch_tokens, period=cfg.micro_batch_tokens,
                              attn_scale=cfg.attn_scale)
         self.replays_cuda_graphs = False  # set when compiled in a CUDA_GRAPH_MODES mode
