@@ -110,6 +110,10 @@ class Config:
     attn_layout: str = _model("SSSLSS-SSSL", "one character per layer: S short window, L long window, - no attention")
     value_embed_layout: str = _model(
         "01......234", "one character per layer: the value-embedding table its values mix in, . for none")
+    # Paired-head attention (speedrun 2026-01): the layer's heads h and h + num_heads/2 form one head over a
+    # sequence of twice the length, (t, h) at position 2t and (t, h + num_heads/2) at 2t + 1, so each query sees
+    # its partner head's keys too, over half the window in tokens.
+    paired_head_layers: str = _model("", "comma-separated layers whose heads attend in pairs; empty: none")
     skip_from: int = _model(3, "layer whose output is added, gated, to the input of layer skip_to")
     skip_to: int = _model(6, "layer whose input takes skip_from's output")
     # The head's logits x become cap * sigmoid((x + offset) / divisor) (speedrun 2024-11; 2025-12-26: 23, 5, 7.5).
@@ -338,6 +342,18 @@ def parse_mtp_schedule(text: str) -> list[list[tuple[float, float]]]:
         raise UserError(f"bad --mtp_schedule={text!r}: weights separated by ',', stages by '/', a ramp as a>b") from None
 
 
+def parse_layer_list(cfg: Config, name: str) -> list[int]:
+    """A comma-separated list of layer indices, e.g. --paired_head_layers=0,2,5,9; empty: none."""
+    text = getattr(cfg, name)
+    try:
+        layers = [int(item) for item in text.split(",")] if text else []
+    except ValueError:
+        raise UserError(f"bad --{name}={text!r}: use comma-separated layer indices, e.g. 0,2,5") from None
+    if any(not 0 <= i < cfg.num_layers for i in layers) or len(set(layers)) != len(layers):
+        raise UserError(f"--{name}={text!r}: use distinct layers 0 .. num_layers-1 ({cfg.num_layers - 1})")
+    return layers
+
+
 def _parse_window_pair(item: str) -> tuple[int, int]:
     short, long = item.split(":")
     return int(short), int(long)
@@ -359,6 +375,11 @@ def validate_config(cfg: Config) -> None:
          f"--value_embed_layout={cfg.value_embed_layout!r}: needs one digit or '.' per layer ({cfg.num_layers} layers)")
     need(all(v == "." or a != "-" for v, a in zip(cfg.value_embed_layout, cfg.attn_layout)),
          "--value_embed_layout puts a value embedding on a layer without attention (- in --attn_layout)")
+    paired = parse_layer_list(cfg, "paired_head_layers")
+    need(all(cfg.attn_layout[i] != "-" for i in paired),
+         f"--paired_head_layers={cfg.paired_head_layers} names a layer without attention (- in --attn_layout)")
+    need(not paired or cfg.num_heads % 2 == 0,
+         f"--paired_head_layers needs an even --num_heads (it is {cfg.num_heads})")
     need(0 <= cfg.skip_from < cfg.skip_to < cfg.num_layers,
          f"--skip_from={cfg.skip_from} --skip_to={cfg.skip_to}: need 0 <= skip_from < skip_to < num_layers")
     need(-1 <= cfg.backout_from < cfg.num_layers,
@@ -1628,7 +1649,8 @@ class Rotary(nn.Module):
     read them as inputs and never recompile.
     """
 
-    def __init__(self, head_dim: int, max_len: int, period: int | None = None, attn_scale: float = 0.12):
+    def __init__(self, head_dim: int, max_len: int, period: int | None = None, attn_scale: float = 0.12,
+                 paired: bool = False):
         super().__init__()
         n = head_dim // 4
         freqs = torch.cat([(1 / 1024) ** torch.linspace(0, 1, n), torch.zeros(n)])
@@ -1639,6 +1661,13 @@ class Rotary(nn.Module):
         self.register_buffer("positions", positions.to(torch.float32), persistent=False)
         self.register_buffer("cos", torch.empty(max_len, head_dim // 2), persistent=False)
         self.register_buffer("sin", torch.empty(max_len, 2, head_dim // 2), persistent=False)  # (sin, -sin)
+        # Paired heads see a sequence of twice the length: token t's two heads sit at positions 2t and 2t + 1.
+        self.paired = paired
+        if paired:
+            doubled = 2 * positions.repeat_interleave(2) + torch.arange(2 * max_len) % 2
+            self.register_buffer("paired_positions", doubled.to(torch.float32), persistent=False)
+            self.register_buffer("paired_cos", torch.empty(2 * max_len, head_dim // 2), persistent=False)
+            self.register_buffer("paired_sin", torch.empty(2 * max_len, 2, head_dim // 2), persistent=False)
         self.register_buffer("attn_scale", torch.empty(()), persistent=False)
         self.base_attn_scale = attn_scale
         self.set_window_history([])
@@ -1651,13 +1680,18 @@ class Rotary(nn.Module):
             if new != old:
                 freqs = yarn_rescale(freqs, old, new)
                 scale *= 1 + 0.2 * math.log(new / old)  # sharper attention over a longer window
-        theta = torch.outer(self.positions, freqs)
-        self.cos.copy_(theta.cos())
-        self.sin.copy_(torch.stack([theta.sin(), -theta.sin()], dim=1))
+        for positions, cos, sin in [(self.positions, self.cos, self.sin)] + (
+                [(self.paired_positions, self.paired_cos, self.paired_sin)] if self.paired else []):
+            theta = torch.outer(positions, freqs)
+            cos.copy_(theta.cos())
+            sin.copy_(torch.stack([theta.sin(), -theta.sin()], dim=1))
         self.attn_scale.fill_(scale)
 
     def tables(self) -> tuple[Tensor, Tensor, Tensor]:
         return self.cos, self.sin, self.attn_scale
+
+    def paired_tables(self) -> tuple[Tensor, Tensor, Tensor] | None:
+        return (self.paired_cos, self.paired_sin, self.attn_scale) if self.paired else None
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -1683,19 +1717,23 @@ def document_ids(cu_seqlens: Tensor, length: int) -> Tensor:
 # Attention backends. Each computes the same function of (q, k, v, documents, window): causal attention
 # restricted to the query's own document (the document starts in cu_seqlens) and to the last `window`
 # positions (the query included), with q already scaled. `prepare` builds, once per forward and outside
-# compiled code, whatever the kernel needs for each window kind ("S" short, "L" long), given also the
-# forward's document count and longest document when the loader measured them (FA3 sizes its launch by
-# them; the others need not); `__call__` runs inside the blocks.
+# compiled code, whatever the kernel needs for each window kind ("S" short, "L" long) over `length`
+# positions, given also the forward's document count and longest document when the loader measured them
+# (FA3 sizes its launch by them; the others need not); `__call__` runs inside the blocks.
+# `for_paired_heads` gives the backend for sequences of twice the length, which paired-head layers attend over.
 
 
 class SdpaAttention:
     """Plain PyTorch: a dense [T, T] boolean mask. Exact and simple; meant for CPUs and small T."""
     name = "sdpa"
 
-    def prepare(self, tokens: Tensor, cu_seqlens: Tensor, windows: dict[str, int], documents: int | None = None,
+    def for_paired_heads(self):
+        return self
+
+    def prepare(self, length: int, cu_seqlens: Tensor, windows: dict[str, int], documents: int | None = None,
                 longest: int | None = None) -> dict:
-        doc = document_ids(cu_seqlens, tokens.numel())
-        pos = torch.arange(tokens.numel(), device=tokens.device)
+        doc = document_ids(cu_seqlens, length)
+        pos = torch.arange(length, device=cu_seqlens.device)
         distance = pos[:, None] - pos[None, :]
         allowed = (distance >= 0) & (doc[:, None] == doc[None, :])
         return {kind: allowed & (distance < w) for kind, w in windows.items()}
@@ -1768,8 +1806,12 @@ class FlexAttention:
             return counts[None, None], indices[None, None]
         return (*as_lists(some & ~full), *as_lists(full))
 
-    def prepare(self, tokens: Tensor, cu_seqlens: Tensor, windows: dict[str, int], documents: int | None = None,
+    def for_paired_heads(self):
+        return FlexAttention(2 * self.seq_len, self.doc.device)
+
+    def prepare(self, length: int, cu_seqlens: Tensor, windows: dict[str, int], documents: int | None = None,
                 longest: int | None = None) -> dict:
+        assert length == self.seq_len, (length, self.seq_len)
         self.doc.copy_(document_ids(cu_seqlens, self.seq_len))
         for kind, w in windows.items():
             self.window[kind].fill_(w)
@@ -1805,12 +1847,15 @@ class FlashAttention3:
     compiles_for_longest_document = True  # the warm-up compiles validation's longer documents too
 
     def __init__(self, module, max_doc_len: int):
-        self.varlen = module.flash_attn_varlen_func
+        self.module, self.varlen = module, module.flash_attn_varlen_func
         self.max_doc_len = max_doc_len
 
-    def prepare(self, tokens: Tensor, cu_seqlens: Tensor, windows: dict[str, int], documents: int | None = None,
+    def for_paired_heads(self):
+        return FlashAttention3(self.module, 2 * self.max_doc_len)
+
+    def prepare(self, length: int, cu_seqlens: Tensor, windows: dict[str, int], documents: int | None = None,
                 longest: int | None = None) -> dict:
-        T = tokens.numel()
+        T = length
         entries = T // 256 + 1
         if documents is not None and documents < entries:  # the cut keeps at least one closing T
             cu_seqlens = cu_seqlens[:entries]
@@ -1844,10 +1889,18 @@ def make_attention(cfg: Config, device: torch.device, seq_len: int):
 
 
 class CausalSelfAttention(nn.Module):
+    """Multi-head attention with QK-norm and rotary. With `paired`, heads h and h + num_heads/2 attend as one
+    head over a sequence of twice the length: [T, heads, head_dim] viewed as [2T, heads/2, head_dim] puts
+    token t's head h at position 2t and its head h + num_heads/2 at 2t + 1, so each query also sees its
+    partner head's keys of the earlier tokens (and the first head of a pair its partner's at its own
+    token's), with positions, documents and the window counted on the doubled sequence; the rotary
+    tables, the masks and the backend come for that length (speedrun 2026-01 record, "paired heads")."""
+
     def __init__(self, dim: int, num_heads: int, head_dim: int, gate_dims: int = 0, shift_keys: bool = False,
-                 out_scale: bool = False):
+                 out_scale: bool = False, paired: bool = False):
         super().__init__()
         self.num_heads, self.head_dim, self.gate_dims, self.shift_keys = num_heads, head_dim, gate_dims, shift_keys
+        self.paired = paired
         # Q, K, V and O stacked as one [4*dim, dim] matrix (each block out x in): the same shape as the
         # MLP weights, so the optimizer can treat all matrices of the model as one stack.
         self.qkvo_w = nn.Parameter(torch.empty(4 * dim, dim))
@@ -1861,12 +1914,13 @@ class CausalSelfAttention(nn.Module):
         w = self.qkvo_w.to(x.dtype)
         q, k, v = (x @ w[: 3 * dim].T).view(T, 3, self.num_heads, self.head_dim).unbind(1)
         q, k = rms_norm(q), rms_norm(k)  # QK-norm
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if self.shift_keys:  # Rotary pairs dim i with i + head_dim/2 and leaves the second half of each half still
-            halves = k.view(T, self.num_heads, 2, self.head_dim // 2)
-            still = halves[..., self.head_dim // 4:]
-            still = torch.where(starts[:, None, None, None], still, torch.cat([still[:1], still[:-1]]))
-            k = torch.cat([halves[..., : self.head_dim // 4], still], dim=-1).view_as(k)
+        if self.paired:  # the key offset moves unrotated dims only, so it may come before the rotary
+            k = self.offset_keys(k, starts) if self.shift_keys else k
+            sequence = (2 * T, self.num_heads // 2, self.head_dim)
+            q, k = apply_rotary(q.reshape(sequence), cos, sin), apply_rotary(k.reshape(sequence), cos, sin)
+        else:
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            k = self.offset_keys(k, starts) if self.shift_keys else k
         # Value embeddings (speedrun 2024-12, after Zhou et al. 2024); layers without one get zeros, which
         # leaves the learned scale of v and lets every attention block share one compiled graph.
         value_embed = value_mix[1] * value_embed.view_as(v)
@@ -1875,11 +1929,21 @@ class CausalSelfAttention(nn.Module):
             out_gate, value_gate = gates.view(T, 2, self.num_heads, 1).unbind(1)  # [T, heads, 1] each
             value_embed = 2 * value_gate * value_embed
         v = value_mix[0] * v + value_embed
-        y = attend((q * scale).type_as(k), k, v, mask)
+        if self.paired:
+            v = v.reshape(k.shape)
+        y = attend((q * scale).type_as(k), k, v, mask).reshape(T, self.num_heads, self.head_dim)
         if self.gate_w is not None:
             y = out_gate * y
         y = y.reshape(T, dim) @ w[3 * dim:].T
         return y if self.out_scale is None else self.out_scale.to(y.dtype) * y
+
+    def offset_keys(self, k: Tensor, starts: Tensor) -> Tensor:
+        """Each key's dims that rotary leaves still (the second half of each half: rotary pairs dim i with
+        i + head_dim/2) taken from the previous token, except at a document's start (speedrun 2026-01)."""
+        halves = k.view(k.size(0), self.num_heads, 2, self.head_dim // 2)
+        still = halves[..., self.head_dim // 4:]
+        still = torch.where(starts[:, None, None, None], still, torch.cat([still[:1], still[:-1]]))
+        return torch.cat([halves[..., : self.head_dim // 4], still], dim=-1).view_as(k)
 
 
 class MLP(nn.Module):
@@ -1897,10 +1961,11 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: Config, has_attention: bool, shift_keys: bool = False):
+    def __init__(self, cfg: Config, has_attention: bool, shift_keys: bool = False, paired: bool = False):
         super().__init__()
         self.attn = (CausalSelfAttention(cfg.model_dim, cfg.num_heads, cfg.head_dim, cfg.gate_dims if cfg.gates else 0,
-                                         shift_keys, cfg.attn_out_scale) if has_attention else None)
+                                         shift_keys, cfg.attn_out_scale, paired) if has_attention else None)
+        self.paired = paired
         self.mlp = MLP(cfg.model_dim, cfg.mlp_ratio * cfg.model_dim, cfg.fused_mlp and cfg.triton_kernels)
         # [residual scale, embedding (x0) scale, value scale, value-embedding scale, bigram scale]
         self.lambdas = nn.Parameter(torch.tensor([cfg.residual_init, 0.0, 0.5, 0.5, 0.1]))
@@ -1953,9 +2018,12 @@ class GPT(nn.Module):
         self.embed = nn.Embedding(vocab, dim)
         num_value_embeds = 1 + max((int(c) for c in cfg.value_embed_layout if c != "."), default=-1)
         self.value_embeds = nn.ModuleList(nn.Embedding(vocab, dim) for _ in range(num_value_embeds))
-        self.blocks = nn.ModuleList(Block(cfg, kind != "-", cfg.key_offset and kind == "L") for kind in cfg.attn_layout)
+        paired = parse_layer_list(cfg, "paired_head_layers")
+        self.blocks = nn.ModuleList(Block(cfg, kind != "-", cfg.key_offset and kind == "L", i in paired)
+                                    for i, kind in enumerate(cfg.attn_layout))
+        self.attend_paired = attend.for_paired_heads() if paired else None
         for block in self.blocks:
-            block.attend = attend
+            block.attend = self.attend_paired if block.paired else attend
         # sigmoid(-1.5) ~ 0.18 (speedrun 2025-09). Shape [1], not a 0-d scalar: torchft's DiLoCo cannot
         # back up 0-d parameters.
         self.skip_gate = nn.Parameter(torch.tensor([-1.5]))
@@ -1966,7 +2034,7 @@ class GPT(nn.Module):
         self.bigram_embed = nn.Embedding(cfg.bigram_rows, dim) if cfg.bigram_rows else None
         self.lm_head = nn.Linear(dim, vocab, bias=False)  # its own weight; tie_embed trains the embedding as a copy
         self.rotary = Rotary(cfg.head_dim, forward_micro_batches * cfg.micro_batch_tokens, period=cfg.micro_batch_tokens,
-                             attn_scale=cfg.attn_scale)
+                             attn_scale=cfg.attn_scale, paired=bool(paired))
         self.replays_cuda_graphs = False  # set when compiled in a CUDA_GRAPH_MODES mode
         # The multi-token loss weights, normalised: a buffer the compiled graphs read and set_mtp_weights
         # overwrites in place (no recompile, and CUDA graphs see the new values).
@@ -2014,7 +2082,15 @@ class GPT(nn.Module):
 
     def prepare_masks(self, tokens: Tensor, cu_seqlens: Tensor, windows: tuple[int, int], documents: int | None = None,
                       longest: int | None = None) -> dict:
-        return self.attend.prepare(tokens, cu_seqlens, {"S": windows[0], "L": windows[1]}, documents, longest)
+        """The masks of each window kind ("S", "L"; "PS", "PL" for paired-head layers, over the doubled sequence)."""
+        sizes = {"S": windows[0], "L": windows[1]}
+        masks = self.attend.prepare(tokens.numel(), cu_seqlens, sizes, documents, longest)
+        if self.attend_paired is not None:
+            kinds = {self.cfg.attn_layout[i] for i, block in enumerate(self.blocks) if block.paired}
+            doubled = self.attend_paired.prepare(2 * tokens.numel(), 2 * cu_seqlens, {kind: sizes[kind] for kind in kinds},
+                                                 documents, None if longest is None else 2 * longest)
+            masks.update({"P" + kind: mask for kind, mask in doubled.items()})
+        return masks
 
     def embedding_tables(self) -> list[nn.Parameter]:
         tables = [self.embed.weight] + [ve.weight for ve in self.value_embeds]
@@ -2071,7 +2147,7 @@ class GPT(nn.Module):
         x = x0.clone()
         no_value_embed = torch.zeros_like(x0, requires_grad=not torch.compiler.is_compiling())
         bigram = bigram_rows.to(self.compute_dtype) if bigram_rows is not None else None
-        rope = self.rotary.tables()
+        rope, paired_rope = self.rotary.tables(), self.rotary.paired_tables()
         skip = None
         for i, block in enumerate(self.blocks):
             if i == cfg.skip_to:
@@ -2081,7 +2157,10 @@ class GPT(nn.Module):
                 x = x + gate * skip
             ve_index = cfg.value_embed_layout[i]
             value_embed = no_value_embed if ve_index == "." else value_embeds[int(ve_index)]
-            x = block(x, x0, value_embed, rope, masks.get(cfg.attn_layout[i]), bigram, starts)
+            if block.paired:
+                x = block(x, x0, value_embed, paired_rope, masks["P" + cfg.attn_layout[i]], bigram, starts)
+            else:
+                x = block(x, x0, value_embed, rope, masks.get(cfg.attn_layout[i]), bigram, starts)
             if i == cfg.skip_from:
                 skip = x
             if i == cfg.backout_from:

@@ -65,7 +65,7 @@ class Variants:
     def __init__(self, T: int, cu_seqlens: torch.Tensor, windows: dict, tokens: torch.Tensor):
         self.T, self.cu, self.windows = T, cu_seqlens, windows
         self.flex = tg.FlexAttention(T, torch.device("cuda"))
-        self.masks = self.flex.prepare(tokens, cu_seqlens, windows)
+        self.masks = self.flex.prepare(tokens.numel(), cu_seqlens, windows)
         self.compiled = {}
         self.doc_max = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
 

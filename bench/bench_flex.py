@@ -62,7 +62,7 @@ def main():
     tokens = micro_batch_tokens(cfg)
     schedule = tg.Schedule(cfg)
     windows = schedule.stage_windows[-1]
-    masks = attend.prepare(tokens, cu_seqlens_of(tokens, cfg.bos_token), {"S": windows[0], "L": windows[1]})
+    masks = attend.prepare(tokens.numel(), cu_seqlens_of(tokens, cfg.bos_token), {"S": windows[0], "L": windows[1]})
     torch.manual_seed(0)
     q, k, v = (tg.rms_norm(torch.randn(1, heads, T, head_dim, device="cuda")).to(torch.bfloat16) for _ in range(3))
     q = (q * 0.12).requires_grad_()

@@ -54,6 +54,9 @@ def test_unknown_option_lists_valid_names():
     ("--bos_token=50257", "--bos_token=50257 must be a token of the vocabulary (below --vocab_size=50257)"),
     ("--vocab_size=70000", "--vocab_size=70000: shards hold 16-bit tokens"),
     ("--adam_period=0", "--adam_period=0 must be at least 1"),
+    ("--paired_head_layers=0,x", "bad --paired_head_layers='0,x'"),
+    ("--paired_head_layers=11", "--paired_head_layers='11': use distinct layers 0 .. num_layers-1 (10)"),
+    ("--paired_head_layers=6", "--paired_head_layers=6 names a layer without attention"),
 ])
 def test_bad_values_are_named(arg, message):
     with pytest.raises(tg.UserError, match=re.escape(message)):
@@ -305,7 +308,7 @@ def random_attention_inputs(T=128, H=2, D=16, seed=0):
 def test_sdpa_path_matches_naive_reference(window):
     tokens, q, k, v = random_attention_inputs(seed=window)
     backend = tg.SdpaAttention()
-    mask = backend.prepare(tokens, cu_seqlens_of(tokens, BOS), {"S": window})["S"]
+    mask = backend.prepare(tokens.numel(), cu_seqlens_of(tokens, BOS), {"S": window})["S"]
     got = backend(q, k, v, mask)
     ref = naive_attention(q, k, v, tokens, window)
     assert torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-5)
@@ -316,7 +319,7 @@ def test_flex_path_matches_sdpa_path():
     sdpa, flex = tg.SdpaAttention(), tg.FlexAttention(512, torch.device("cpu"))
     windows = {"S": 100, "L": 384}
     cu = cu_seqlens_of(tokens, BOS)
-    sdpa_masks, flex_masks = sdpa.prepare(tokens, cu, windows), flex.prepare(tokens, cu, windows)
+    sdpa_masks, flex_masks = sdpa.prepare(tokens.numel(), cu, windows), flex.prepare(tokens.numel(), cu, windows)
     for kind in windows:
         assert torch.allclose(flex(q, k, v, flex_masks[kind]), sdpa(q, k, v, sdpa_masks[kind]), atol=1e-5)
 
@@ -342,7 +345,7 @@ def test_flex_block_lists_equal_create_block_mask(window, documents):
     tokens[256:640] = 7  # one document spanning whole blocks, so full blocks appear
     tokens[256] = BOS
     flex = tg.FlexAttention(T, torch.device("cpu"))
-    ours = flex.prepare(tokens, cu_seqlens_of(tokens, BOS), {"S": window})["S"]
+    ours = flex.prepare(tokens.numel(), cu_seqlens_of(tokens, BOS), {"S": window})["S"]
     reference = create_block_mask(flex.mask_mods["S"], None, None, T, T, device="cpu")
     assert torch.equal(dense_blocks(ours.kv_num_blocks, ours.kv_indices),
                        dense_blocks(reference.kv_num_blocks, reference.kv_indices))
@@ -358,12 +361,12 @@ def test_flex_masks_keep_their_tensors_across_micro_batches():
     T = 1024
     flex = tg.FlexAttention(T, torch.device("cpu"))
     other = random_attention_inputs(T=T, seed=2)[0]
-    first = flex.prepare(other, cu_seqlens_of(other, BOS), {"S": 100, "L": 300})
+    first = flex.prepare(other.numel(), cu_seqlens_of(other, BOS), {"S": 100, "L": 300})
     addresses = {kind: [t.data_ptr() for t in flex._mask_tensors(mask)] for kind, mask in first.items()}
     tokens = random_attention_inputs(T=T, seed=3)[0]
     windows = {"S": 200, "L": 640}
-    second = flex.prepare(tokens, cu_seqlens_of(tokens, BOS), windows)
-    fresh = tg.FlexAttention(T, torch.device("cpu")).prepare(tokens, cu_seqlens_of(tokens, BOS), windows)
+    second = flex.prepare(tokens.numel(), cu_seqlens_of(tokens, BOS), windows)
+    fresh = tg.FlexAttention(T, torch.device("cpu")).prepare(tokens.numel(), cu_seqlens_of(tokens, BOS), windows)
     for kind in windows:
         assert [t.data_ptr() for t in flex._mask_tensors(second[kind])] == addresses[kind]
         for ours, reference in zip(flex._mask_tensors(second[kind]), flex._mask_tensors(fresh[kind])):
@@ -400,14 +403,14 @@ def test_fa3_path_passes_documents_and_window():
     longest, entries = slot.longest_document, T // 256 + 1
     assert slot.documents < entries and longest < T and len(slot.cu_seqlens) > entries
     sdpa = tg.SdpaAttention()
-    want = sdpa(q, k, v, sdpa.prepare(tokens, cu_seqlens_of(tokens, BOS), {"S": 9})["S"])
+    want = sdpa(q, k, v, sdpa.prepare(tokens.numel(), cu_seqlens_of(tokens, BOS), {"S": 9})["S"])
     # With the loader's facts: the document starts cut to T/256 + 1 entries, and max_seqlen the bound on documents,
     # or the length where a document is longer. Without them: the whole padded list, and the length.
     for max_doc_len, facts, want_entries, want_max in ((longest, (slot.documents, longest), entries, longest),
                                                        (longest - 1, (slot.documents, longest), entries, T),
                                                        (longest, (), len(slot.cu_seqlens), T)):
         fa3 = tg.FlashAttention3(FakeModule, max_doc_len)
-        mask = fa3.prepare(tokens, slot.cu_seqlens, {"S": 9}, *facts)["S"]
+        mask = fa3.prepare(tokens.numel(), slot.cu_seqlens, {"S": 9}, *facts)["S"]
         assert len(mask[0]) == want_entries and mask[1] == want_max
         assert torch.allclose(fa3(q, k, v, mask), want, atol=1e-5)
 
@@ -462,6 +465,76 @@ def test_attention_output_scale_multiplies_the_output_and_learns():
     model = tg.GPT(dataclasses.replace(tg.parse_cli(TINY)[0], attn_out_scale=True), tg.SdpaAttention(), torch.float32)
     adam_params = {id(p) for group in tg.build_optimizers(model, model.cfg)[1].param_groups for p in group["params"]}
     assert all(id(b.attn.out_scale) in adam_params for b in model.blocks if b.attn is not None)
+
+
+def paired_attention_reference(attn, x, freqs, tokens, window, scale):
+    """Float64 loops for a paired-head layer: head h < H/2 of token t sits at position 2t of its pair's
+    sequence, head h + H/2 at 2t + 1; a query sees the pair's keys at positions up to its own, in its document,
+    fewer than `window` positions back; rotary angles are position * freq on dims (i, i + D/2)."""
+    T, dim = x.shape
+    H, D = attn.num_heads, attn.head_dim
+    w = attn.qkvo_w.double()
+    q, k, v = (x.double() @ w[: 3 * dim].T).view(T, 3, H, D).unbind(1)
+    q, k = (t / t.square().mean(-1, keepdim=True).add(torch.finfo(torch.float32).eps).sqrt() for t in (q, k))
+    doc = np.cumsum(tokens.numpy() == BOS)
+    freqs = freqs.double()
+
+    def rotate(vec, position):
+        a, b = vec[: D // 2], vec[D // 2:]
+        cos, sin = torch.cos(position * freqs), torch.sin(position * freqs)
+        return torch.cat([a * cos + b * sin, b * cos - a * sin])
+
+    half = H // 2
+    out = torch.zeros(T, H, D, dtype=torch.float64)
+    for t in range(T):
+        for h in range(H):
+            s = 2 * t + h // half
+            keys = [(u, g) for u in range(T) for g in (h % half, h % half + half)
+                    if 0 <= s - (2 * u + g // half) < window and doc[u] == doc[t]]
+            query = rotate(q[t, h], s)
+            scores = torch.stack([scale * query @ rotate(k[u, g], 2 * u + g // half) for u, g in keys])
+            out[t, h] = sum(p * v[u, g] for p, (u, g) in zip(scores.softmax(0), keys))
+    return out.reshape(T, dim) @ w[3 * dim:].T
+
+
+@pytest.mark.parametrize("window", [1, 2, 5, 64])
+def test_paired_head_attention_matches_reference(window):
+    heads, head_dim, T = 4, 8, 24
+    tokens, _, _, _ = random_attention_inputs(T=T, seed=window)
+    rotary = tg.Rotary(head_dim=head_dim, max_len=T, paired=True, attn_scale=0.3)
+    attn = tg.CausalSelfAttention(heads * head_dim, heads, head_dim, paired=True)
+    attn.qkvo_w.data.normal_()
+    x = torch.randn(T, heads * head_dim)
+    sdpa = tg.SdpaAttention()
+    mask = sdpa.prepare(2 * T, 2 * cu_seqlens_of(tokens, BOS), {"S": window})["S"]
+    got = attn(x, torch.zeros_like(x), torch.tensor([1.0, 0.0]), rotary.paired_tables(), mask, sdpa,
+               torch.zeros(T, dtype=torch.bool))
+    ref = paired_attention_reference(attn, x, rotary.base_freqs, tokens, window, scale=0.3)
+    torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_paired_head_layers_give_one_loss_on_sdpa_and_flex():
+    """A tiny model with paired heads on a short and a long layer: the same loss whichever backend builds the
+    doubled sequence's masks (flex has no backward on the CPU); and paired heads change the function."""
+    cfg = dataclasses.replace(tg.parse_cli(["--device=cpu", *TINY])[0], paired_head_layers="0,1")
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, VOCAB - 1, (cfg.micro_batch_tokens,), generator=g, dtype=torch.int32)
+    tokens[torch.randint(0, tokens.numel(), (5,), generator=g)] = BOS
+    targets = torch.roll(tokens, -1).long()
+    bigrams = torch.from_numpy(tg.bigram_hash(tokens.numpy(), cfg.bigram_rows, BOS).astype(np.int64))
+    losses = []
+    for paired, attend in [(True, tg.SdpaAttention()), (True, tg.FlexAttention(cfg.micro_batch_tokens, torch.device("cpu"))),
+                           (False, tg.SdpaAttention())]:
+        torch.manual_seed(0)
+        model = tg.GPT(cfg if paired else dataclasses.replace(cfg, paired_head_layers=""), attend, torch.float32)
+        for p in model.parameters():
+            p.data.normal_(std=0.1)
+        masks = model.prepare_masks(tokens, cu_seqlens_of(tokens, BOS), (4, 8))
+        assert set(masks) == ({"S", "L", "PS", "PL"} if paired else {"S", "L"})
+        with torch.no_grad():
+            losses.append(model(tokens, targets, masks, bigrams).item())
+    assert math.isclose(losses[0], losses[1], rel_tol=1e-5)
+    assert abs(losses[0] - losses[2]) > 1e-4
 
 
 def test_yarn_keeps_fast_frequencies_and_slows_slow_ones():
@@ -678,7 +751,8 @@ def _train_on_rank(rank, world_size, cfg):
 
 
 @pytest.mark.parametrize("extras", [{}, tg.PRESETS["plain"], dict(adam_period=2, num_iterations=4),
-                                    dict(attn_out_scale=1)], ids=["defaults", "plain", "adam_period", "attn_out_scale"])
+                                    dict(attn_out_scale=1), dict(paired_head_layers="0,1")],
+                         ids=["defaults", "plain", "adam_period", "attn_out_scale", "paired_heads"])
 def test_world_size_1_and_2_give_the_same_losses(tiny_data, tmp_path, extras):
     cfg = tiny_config(*tiny_data, **{**dict(num_iterations=3), **extras}, val_loss_every=0, log_dir=str(tmp_path),
                       run_id="w1", micro_batch_tokens=128)
@@ -733,7 +807,8 @@ def test_packed_forwards_train_as_separate_ones(tiny_data, tmp_path):
         np.testing.assert_allclose([v for _, v in val_losses], [v for _, v in separate.val_losses], rtol=1e-5)
 
 
-@pytest.mark.parametrize("extras", [{}, tg.PRESETS["plain"]], ids=["defaults", "plain"])
+@pytest.mark.parametrize("extras", [{}, tg.PRESETS["plain"], dict(paired_head_layers="0,1")],
+                         ids=["defaults", "plain", "paired_heads"])
 def test_a_packed_forward_computes_the_losses_of_separate_ones(tiny_data, extras):
     """Two validation chunks (the second starts mid-document) in one forward against one forward each, with random
     weights so that attention carries signal: the same mean loss. A packed forward must not let the second

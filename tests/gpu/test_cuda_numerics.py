@@ -20,12 +20,12 @@ def test_compiled_flex_attention_matches_float64(window):
     flex = tg.FlexAttention(T, torch.device("cuda"))
     attend = torch.compile(lambda q, k, v, mask: flex(q, k, v, mask), fullgraph=True)
     qkv = [t.cuda().requires_grad_() for t in (q, k, v)]
-    out = attend(*qkv, flex.prepare(tokens.cuda(), cu_seqlens_of(tokens.cuda(), BOS), {"S": window})["S"])
+    out = attend(*qkv, flex.prepare(tokens.numel(), cu_seqlens_of(tokens.cuda(), BOS), {"S": window})["S"])
     out.float().square().sum().backward()
 
     ref_qkv = [t.double().requires_grad_() for t in (q, k, v)]
     sdpa = tg.SdpaAttention()
-    ref = sdpa(*ref_qkv, sdpa.prepare(tokens, cu_seqlens_of(tokens, BOS), {"S": window})["S"])
+    ref = sdpa(*ref_qkv, sdpa.prepare(tokens.numel(), cu_seqlens_of(tokens, BOS), {"S": window})["S"])
     ref.square().sum().backward()
     assert relative_error(out.cpu(), ref.detach()) < 1e-2
     for got, want in zip(qkv, ref_qkv):
@@ -50,17 +50,63 @@ def test_fa3_attention_matches_float64(window, max_doc_len):
     assert slot.documents < T // 256 and 256 < slot.longest_document <= 4096
     attend = torch.compile(lambda q, k, v, mask: fa3(q, k, v, mask), fullgraph=True)
     qkv = [t.cuda().requires_grad_() for t in (q, k, v)]
-    mask = fa3.prepare(tokens.cuda(), slot.cu_seqlens.cuda(), {"S": window}, slot.documents, slot.longest_document)
+    mask = fa3.prepare(tokens.numel(), slot.cu_seqlens.cuda(), {"S": window}, slot.documents, slot.longest_document)
     out = attend(*qkv, mask["S"])
     out.float().square().sum().backward()
 
     ref_qkv = [t.double().requires_grad_() for t in (q, k, v)]
     sdpa = tg.SdpaAttention()
-    ref = sdpa(*ref_qkv, sdpa.prepare(tokens, cu_seqlens_of(tokens, BOS), {"S": window})["S"])
+    ref = sdpa(*ref_qkv, sdpa.prepare(tokens.numel(), cu_seqlens_of(tokens, BOS), {"S": window})["S"])
     ref.square().sum().backward()
     assert relative_error(out.cpu(), ref.detach()) < 1e-2
     for got, want in zip(qkv, ref_qkv):
         assert relative_error(got.grad.cpu(), want.grad) < 2e-2
+
+
+@pytest.mark.parametrize("backend", ["flex", "fa3"])
+def test_compiled_paired_head_attention_matches_float64(backend):
+    """A paired-head layer (gates on, the key offset on) compiled in bf16 with the backend for the doubled
+    sequence, as GPT builds it: output and gradients against the same layer in float64 on the CPU with SDPA
+    (which tests/test_train.py checks against loops)."""
+    T, H, D, window = 2048, 6, 128, 384
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, VOCAB - 1, (T,), generator=g, dtype=torch.int32)
+    tokens[torch.randint(0, T, (8,), generator=g)] = BOS
+    starts = tokens == BOS
+    slot = tg._Slot(T, pin=False, bos=BOS)
+    slot.fill([torch.cat([tokens, tokens[:1]]).numpy().astype("uint16")])
+    if backend == "fa3":
+        fa3_module = pytest.importorskip("flash_attn_interface", reason="FlashAttention-3 is not installed")
+        attend = tg.FlashAttention3(fa3_module, T).for_paired_heads()
+    else:
+        attend = tg.FlexAttention(T, torch.device("cuda")).for_paired_heads()
+    mask = attend.prepare(2 * T, 2 * slot.cu_seqlens.cuda(), {"S": window}, slot.documents,
+                          2 * slot.longest_document)["S"]
+    layer = tg.CausalSelfAttention(H * D, H, D, gate_dims=12, shift_keys=True, paired=True)
+    with torch.no_grad():
+        layer.qkvo_w.uniform_(-(3 ** 0.5) * 0.5 / (H * D) ** 0.5, (3 ** 0.5) * 0.5 / (H * D) ** 0.5)
+        layer.gate_w.normal_(std=0.5)
+    x, value_embed = torch.randn(T, H * D, generator=g), torch.randn(T, H * D, generator=g)
+    mix = torch.tensor([1.0, 0.5])
+    results = []
+    for device, dtype, run in (("cuda", torch.bfloat16, torch.compile(layer.cuda(), fullgraph=True)),
+                               ("cpu", torch.float64, None)):
+        layer.zero_grad(set_to_none=True)
+        rotary = tg.Rotary(D, T, paired=True, attn_scale=0.1).to(device)
+        inputs = x.to(device, dtype).requires_grad_()
+        if device == "cpu":
+            layer = layer.cpu().double()
+            sdpa = tg.SdpaAttention()
+            run, attend, mask = layer, sdpa, sdpa.prepare(2 * T, 2 * cu_seqlens_of(tokens, BOS), {"S": window})["S"]
+        out = run(inputs, value_embed.to(device, dtype), mix.to(device, dtype), rotary.paired_tables(), mask, attend,
+                  starts.to(device))
+        out.float().square().sum().backward()
+        results.append((out.detach().double().cpu(), inputs.grad.double().cpu(), layer.qkvo_w.grad.double().cpu(),
+                        layer.gate_w.grad.double().cpu()))
+    (out, *grads), (ref, *ref_grads) = results
+    assert relative_error(out, ref) < 1e-2
+    for got, want in zip(grads, ref_grads):
+        assert relative_error(got, want) < 3e-2
 
 
 @pytest.mark.parametrize("use_triton", [True, False])
