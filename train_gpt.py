@@ -111,10 +111,10 @@ class Config:
     attn_layout: str = _model("SSSLSS-SSSL", "one character per layer: S short window, L long window, - no attention")
     value_embed_layout: str = _model(
         "01......234", "one character per layer: the value-embedding table its values mix in, . for none")
-    # Paired-head attention (speedrun 2026-01): the layer's heads h and h + num_heads/2 form one head over a
+    # Paired-head attention (speedrun 2026-01-07): the layer's heads h and h + num_heads/2 form one head over a
     # sequence of twice the length, (t, h) at position 2t and (t, h + num_heads/2) at 2t + 1, so each query sees
     # its partner head's keys too, over half the window in tokens.
-    paired_head_layers: str = _model("", "comma-separated layers whose heads attend in pairs; empty: none")
+    paired_head_layers: str = _model("0,2,5,9", "comma-separated layers whose heads attend in pairs; empty: none")
     skip_from: int = _model(3, "layer whose output is added, gated, to the input of layer skip_to")
     skip_to: int = _model(6, "layer whose input takes skip_from's output")
     # The head's logits x become cap * sigmoid((x + offset) / divisor) (speedrun 2024-11; 2025-12-26: 23, 5, 7.5).
@@ -133,11 +133,11 @@ class Config:
     value_embed_init_std: float = _model(0.0, "std of the value-embedding tables' normal initialisation; 0: zeros")
     # The speedrun's records add 2 sigmoid(gate) * value embedding to v unscaled (2026-01); the learned scale
     # starting at 0.5 comes from its earlier [0.5, 0.5] value lambdas.
-    value_embed_scale_init: float = _model(0.5, "initial learned scale of each layer's value embedding in v")
+    value_embed_scale_init: float = _model(1.0, "initial learned scale of each layer's value embedding in v")
     # muP-like (2026-01-30)
     attn_out_zero_init: bool = _model(False, "attention output projections start at zero, not like Q, K and V")
     # The speedrun's records scale each attention output projection by a learned scalar (init 1, Adam's scalars).
-    attn_out_scale: bool = _model(False, "each attention output projection times a learned scalar, starting at 1")
+    attn_out_scale: bool = _model(True, "each attention output projection times a learned scalar, starting at 1")
     # The token embedding starts as a copy of the head and trains tied to it (one Adam update from the sum of both
     # gradients, with the head's settings) until untie_frac of the scheduled steps, then each goes on alone with a
     # copy of the shared Adam state (speedrun 2025-12-22).
@@ -171,9 +171,9 @@ class Config:
     head_betas: tuple[float, float] = _optim(
         (0.5, 0.95), "Adam betas of the head (and the token embedding at tie_embed=1)")
     adam_eps: float = _optim(1e-10, "Adam's epsilon")
-    # The speedrun steps Adam on odd steps only, on two steps' gradients (since its 2025-10-24 record): half the
+    # The speedrun steps Adam on odd steps only, on two steps' gradients (since its 2025-09-30 record): half the
     # Adam updates and, on several GPUs, half its communication.
-    adam_period: int = _optim(1, "Adam updates every adam_period steps, on the gradients summed since its last")
+    adam_period: int = _optim(0, "Adam steps every this many steps, on their summed gradients; 0: 2, or 1 with --diloco")
     adam_weight_decay: float = _optim(0.005, "Adam's cautious weight decay, times lr^2 and the group's multiplier")
     table_wd_mul: float = _optim(5.0, "weight-decay multiplier of the value and bigram tables")
     head_wd_mul: float = _optim(150.0, "weight-decay multiplier of the head (and the token embedding at tie_embed=1)")
@@ -253,7 +253,8 @@ PRESETS = {
     # A model small enough to train on two CPU processes in seconds, for tests and laptops.
     "tiny": dict(
         num_layers=4, model_dim=64, num_heads=2, head_dim=32, attn_layout="SLSL", value_embed_layout="0..1",
-        skip_from=1, skip_to=2, backout_from=2, micro_batch_tokens=256, max_doc_len=256, window_block=16,
+        skip_from=1, skip_to=2, backout_from=2, paired_head_layers="0,2", micro_batch_tokens=256, max_doc_len=256,
+        window_block=16,
         batch_schedule="8,8,16", window_schedule="1:2,2:4,3:6", final_windows="4:8",
         num_iterations=24, extension_steps=0, val_loss_every=8, val_tokens=2048, compile=False,
         muon_momentum_warmup=8, muon_momentum_cooldown=4, bigram_rows=4096,
@@ -264,12 +265,14 @@ PRESETS = {
 }
 
 # The defaults before the rest of the speedrun 2026-02 record's ideas joined them (plain Muon at lr 0.06; no gates,
-# smear, backout, tied embedding, multi-token loss or key offset), for A/B runs, e.g.
+# smear, backout, tied embedding, multi-token loss, key offset, paired heads or output scale; Adam on every step),
+# for A/B runs, e.g.
 # bench/ml_bench.sh "" "--preset=plain" (docs/performance.md compares the two).
 PRESETS["plain"] = dict(
     normuon_beta2=0.0, muon_lr=0.06, muon_shape_lr=False, muon_proj_lr_mul=1.0, muon_weight_decay=0.0,
     gates=False, smear=False, backout_from=-1, value_embed_init_std=1.0, tie_embed=False, key_offset=False,
-    mtp_schedule="", logit_softcap=30.0, logit_offset=0.0, logit_divisor=7.5,
+    mtp_schedule="", logit_softcap=30.0, logit_offset=0.0, logit_divisor=7.5, adam_period=1, paired_head_layers="",
+    attn_out_scale=False, value_embed_scale_init=0.5,
 )
 
 CLI_ONLY_FLAGS = ("preset", "check", "help")
@@ -424,9 +427,9 @@ def validate_config(cfg: Config) -> None:
     extension = [_parse_window_pair(cfg.extension_windows)] if cfg.extension_steps else []
     longest = max(max(pair) for pair in windows + [_parse_window_pair(cfg.final_windows)] + extension)
     need(longest * cfg.window_block <= cfg.micro_batch_tokens, "attention windows exceed micro_batch_tokens")
-    need(cfg.adam_period >= 1, f"--adam_period={cfg.adam_period} must be at least 1")
+    need(cfg.adam_period >= 0, f"--adam_period={cfg.adam_period} must be 0 (auto) or more")
     if cfg.diloco:
-        need(cfg.adam_period == 1, f"--adam_period={cfg.adam_period}: DiLoCo runs need 1 (a sync would land "
+        need(cfg.adam_period <= 1, f"--adam_period={cfg.adam_period}: DiLoCo runs need 1 (a sync would land "
              "between the steps whose gradients Adam sums)")
         need(1 <= cfg.num_fragments <= cfg.num_layers,
              f"--num_fragments={cfg.num_fragments}: use 1 .. num_layers ({cfg.num_layers})")
@@ -749,7 +752,7 @@ class CausalSelfAttention(nn.Module):
     token t's head h at position 2t and its head h + num_heads/2 at 2t + 1, so each query also sees its
     partner head's keys of the earlier tokens (and the first head of a pair its partner's at its own
     token's), with positions, documents and the window counted on the doubled sequence; the rotary
-    tables, the masks and the backend come for that length (speedrun 2026-01 record, "paired heads")."""
+    tables, the masks and the backend come for that length (speedrun 2026-01-07 record, "paired head attention")."""
 
     def __init__(self, dim: int, num_heads: int, head_dim: int, gate_dims: int = 0, shift_keys: bool = False,
                  out_scale: bool = False, paired: bool = False):
@@ -1344,7 +1347,7 @@ class DistAdam(torch.optim.Optimizer):
 
     def _update(self, bucket: _AdamBucket, owned: Tensor, grad_shard: Tensor):
         state = self.state[bucket.params[0]]
-        if not state:
+        if "step" not in state:  # the first update (an untie before it leaves the follower only its flag)
             state["step"] = torch.zeros((), dtype=torch.float32, device=owned.device)
             state["exp_avg"] = torch.zeros_like(owned)
             state["exp_avg_sq"] = torch.zeros_like(owned)
@@ -1895,6 +1898,8 @@ class Schedule:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.num_iterations = cfg.num_iterations  # scheduled steps
+        # DiLoCo's syncs and heals land between any two steps, so there Adam updates on every step
+        self.adam_period = cfg.adam_period or (1 if cfg.diloco else 2)
         self.total_steps = cfg.num_iterations + cfg.extension_steps
         self.untie_step = round(cfg.untie_frac * cfg.num_iterations)  # with --tie_embed
         self.mtp = parse_mtp_schedule(cfg.mtp_schedule) if cfg.mtp_schedule else [[(1.0, 1.0)]]
@@ -1958,7 +1963,7 @@ class Schedule:
     def adam_updates(self, step: int) -> bool:
         """Whether Adam updates at this step (else its gradients only add up): steps adam_period - 1, 2 *
         adam_period - 1, ...; at adam_period 2 the odd steps, as in the speedrun."""
-        return (step + 1) % self.cfg.adam_period == 0
+        return (step + 1) % self.adam_period == 0
 
     def muon_momentum(self, step: int) -> float:
         """Linear warm-up from muon_momentum_start, and back down over the last steps of training."""

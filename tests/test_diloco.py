@@ -255,6 +255,7 @@ def test_diloco_flags_are_checked():
         (["--sync_every=4", "--replica=2", "--diloco_replicas=2"], "--replica=2: use 0 .. diloco_replicas-1"),
         (["--sync_every=4", "--outer_momentum=1"], "--outer_momentum=1.0 must be in [0, 1)"),
         (["--sync_every=4", "--outer_lr=0"], "--outer_lr=0.0 must be positive"),
+        (["--sync_every=4", "--adam_period=2"], "--adam_period=2: DiLoCo runs need 1"),
     ):
         with pytest.raises(tg.UserError, match=re.escape(message)):
             tg.parse_cli(["--preset=tiny", "--diloco=1", *flags])

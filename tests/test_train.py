@@ -53,7 +53,7 @@ def test_unknown_option_lists_valid_names():
     ("--preset=huge", "unknown --preset=huge"),
     ("--bos_token=50257", "--bos_token=50257 must be a token of the vocabulary (below --vocab_size=50257)"),
     ("--vocab_size=70000", "--vocab_size=70000: shards hold 16-bit tokens"),
-    ("--adam_period=0", "--adam_period=0 must be at least 1"),
+    ("--adam_period=-1", "--adam_period=-1 must be 0 (auto) or more"),
     ("--paired_head_layers=0,x", "bad --paired_head_layers='0,x'"),
     ("--paired_head_layers=11", "--paired_head_layers='11': use distinct layers 0 .. num_layers-1 (10)"),
     ("--paired_head_layers=6", "--paired_head_layers=6 names a layer without attention"),
@@ -67,10 +67,13 @@ def test_defaults_hold_the_speedrun_options_and_plain_turns_them_off():
     cfg, _ = tg.parse_cli(["--muon_lr=0.03"])
     assert cfg.tie_embed and cfg.gates and cfg.normuon_beta2 == 0.95 and cfg.muon_lr == 0.03
     assert tg.Schedule(cfg).mtp_weights(0) == [1.0, 0.5, 0.25]
-    assert [tg.Schedule(dataclasses.replace(cfg, adam_period=2)).adam_updates(s) for s in range(4)] == [
-        False, True, False, True]  # the speedrun's odd steps
+    assert [tg.Schedule(cfg).adam_updates(s) for s in range(4)] == [False, True, False, True]  # the speedrun's odd steps
+    assert cfg.attn_out_scale and cfg.value_embed_scale_init == 1.0 and cfg.paired_head_layers == "0,2,5,9"
+    assert tg.Schedule(dataclasses.replace(cfg, diloco=True)).adam_period == 1  # syncs land between any two steps
     plain, _ = tg.parse_cli(["--preset=plain"])
-    assert not (plain.tie_embed or plain.gates or plain.smear or plain.key_offset or plain.normuon_beta2)
+    assert not (plain.tie_embed or plain.gates or plain.smear or plain.key_offset or plain.normuon_beta2
+                or plain.paired_head_layers or plain.attn_out_scale)
+    assert tg.Schedule(plain).adam_period == 1
     assert plain.backout_from == -1 and tg.Schedule(plain).mtp_weights(0) == [1.0]
 
 
@@ -609,8 +612,10 @@ def test_scheduled_steps_then_extension_steps():
         tg.parse_cli(["--preset=tiny", "--extension_steps=-1"])
 
 
-def test_tied_embedding_follows_the_head_until_the_untie_step(tiny_data):
-    cfg = tiny_config(*tiny_data, num_iterations=4, tie_embed=1, untie_frac=0.5)
+@pytest.mark.parametrize("adam_period, want", [(1, [True, True, False, False]),
+                                               (2, [True, True, True, False])])  # step 2 only adds gradients up
+def test_tied_embedding_follows_the_head_until_the_untie_step(tiny_data, adam_period, want):
+    cfg = tiny_config(*tiny_data, num_iterations=4, tie_embed=1, untie_frac=0.5, adam_period=adam_period)
     schedule = tg.Schedule(cfg)
     assert schedule.untie_step == 2
     torch.manual_seed(0)
@@ -620,7 +625,19 @@ def test_tied_embedding_follows_the_head_until_the_untie_step(tiny_data):
     same = []
     train_scheduled_steps(model, optimizers, cfg, 4,
                           after_step=lambda step: same.append(torch.equal(model.embed.weight, model.lm_head.weight)))
-    assert same == [True, True, False, False]
+    assert same == want
+
+
+def test_an_untie_before_adams_first_update_starts_both_states_fresh(tiny_data):
+    """Untied at step 1, before Adam's first update (it steps on odd steps): the embedding gets a state of its own."""
+    cfg = tiny_config(*tiny_data, num_iterations=2, tie_embed=1, untie_frac=0.5, adam_period=2)
+    torch.manual_seed(0)
+    model = tg.GPT(cfg, tg.SdpaAttention(), torch.float32)
+    optimizers = tg.build_optimizers(model, cfg)
+    train_scheduled_steps(model, optimizers, cfg, 2)
+    adam = optimizers[1]
+    assert adam.state[model.embed.weight]["step"].item() == 1 and adam.state[model.lm_head.weight]["step"].item() == 1
+    assert not torch.equal(model.embed.weight, model.lm_head.weight)
 
 
 def test_multi_token_weights_follow_the_stages():
@@ -705,7 +722,7 @@ def test_two_process_gloo_smoke_run(tiny_data, tmp_path):
     assert [int(m.group(1)) for m in steps if m.group(3) is None] == [1, 2, 3, 4, 5, 6]
     val = {int(m.group(1)): float(m.group(4)) for m in steps if m.group(3)}
     assert sorted(val) == [0, 2, 4, 6] and all(math.isfinite(x) for x in val.values())
-    assert val[6] < val[0] - 1.0
+    assert val[6] < val[0] - 0.3  # it trained (Adam stepped on 3 of the 6 steps)
     assert re.search(r"^compile_time:[\d.]+s graphs:\d+ cache_hits:\d+( since_process_start:[\d.]+s)?$", log, re.M)
     assert "\ngraphs compiled in the timed region: 0\n" in log
     # 4 scheduled steps over the tiny preset's 3 stages, steps 1-2, 3 and 4, then the 2 extension steps
@@ -750,9 +767,9 @@ def _train_on_rank(rank, world_size, cfg):
     return tg.train(cfg, comm, tg.RunLog(cfg, comm)).train_losses
 
 
-@pytest.mark.parametrize("extras", [{}, tg.PRESETS["plain"], dict(adam_period=2, num_iterations=4),
-                                    dict(attn_out_scale=1), dict(paired_head_layers="0,1")],
-                         ids=["defaults", "plain", "adam_period", "attn_out_scale", "paired_heads"])
+@pytest.mark.parametrize("extras", [{}, tg.PRESETS["plain"], dict(adam_period=3, num_iterations=4),
+                                    dict(paired_head_layers="0,1")],
+                         ids=["defaults", "plain", "adam_period_3", "paired_short_and_long"])
 def test_world_size_1_and_2_give_the_same_losses(tiny_data, tmp_path, extras):
     cfg = tiny_config(*tiny_data, **{**dict(num_iterations=3), **extras}, val_loss_every=0, log_dir=str(tmp_path),
                       run_id="w1", micro_batch_tokens=128)
@@ -768,7 +785,8 @@ def _launched_before_step_on_rank(rank, world_size, cfg):
     launched = []
     for cls, units in ((tg.DistAdam, "buckets"), (tg.Muon, "groups")):
         def checked(self, _step=cls.step, _units=units):
-            launched.append((type(self).__name__, all(unit.pending is not None for unit in getattr(self, _units))))
+            if not getattr(self, "accumulating", False):  # an accumulating Adam step sends nothing
+                launched.append((type(self).__name__, all(unit.pending is not None for unit in getattr(self, _units))))
             return _step(self)
         cls.step = checked
     _train_on_rank(rank, world_size, cfg)
