@@ -24,6 +24,7 @@ import math
 import os
 import platform
 import queue
+import random
 import subprocess
 import sys
 import threading
@@ -100,6 +101,11 @@ class Config:
     val_loss_every: int = _run(250, "steps between validations; 0: validate only at the end")
     seed: int = _run(0, "seed of the initial weights and the warm-up's batches, not of the data order")
     run_id: str = _run("", "name of the run and of its log, log_dir/<run_id>.txt; empty: a fresh uuid")
+    save_checkpoint: str = _run("", "file for the trained model, its optimizer state and its position; empty: none")
+    checkpoint_every: int = _run(0, "steps between checkpoints beside save_checkpoint (<name>_stepNNNNNN.pt); 0: none")
+    resume: str = _run("", "checkpoint to go on training from, at its step, as if never stopped")
+    eval_only: bool = _run(False, "only validate the weights of --init_from on --val_files and --val_tokens")
+    init_from: str = _run("", "checkpoint whose weights --eval_only validates")
     log_dir: str = _run("logs", "folder of the logs")
     device: str = _run("cuda", "cuda | cpu (gloo, float32, no Triton)")
     # ---- model
@@ -349,6 +355,12 @@ def parse_mtp_schedule(text: str) -> list[list[tuple[float, float]]]:
         raise UserError(f"bad --mtp_schedule={text!r}: weights separated by ',', stages by '/', a ramp as a>b") from None
 
 
+def resolved_adam_period(cfg: Config) -> int:
+    """--adam_period, where 0 means 2 (the speedrun's), or 1 under DiLoCo, whose syncs and heals land between
+    any two steps."""
+    return cfg.adam_period or (1 if cfg.diloco else 2)
+
+
 def parse_layer_list(cfg: Config, name: str) -> list[int]:
     """A comma-separated list of layer indices, e.g. --paired_head_layers=0,2,5,9; empty: none."""
     text = getattr(cfg, name)
@@ -428,6 +440,18 @@ def validate_config(cfg: Config) -> None:
     longest = max(max(pair) for pair in windows + [_parse_window_pair(cfg.final_windows)] + extension)
     need(longest * cfg.window_block <= cfg.micro_batch_tokens, "attention windows exceed micro_batch_tokens")
     need(cfg.adam_period >= 0, f"--adam_period={cfg.adam_period} must be 0 (auto) or more")
+    period = resolved_adam_period(cfg)
+    need(cfg.checkpoint_every >= 0 and cfg.checkpoint_every % period == 0,
+         f"--checkpoint_every={cfg.checkpoint_every}: use 0 or a multiple of Adam's period ({period}), so that no "
+         "summed gradient is pending at a checkpoint")
+    need(not cfg.checkpoint_every or cfg.save_checkpoint, "--checkpoint_every needs --save_checkpoint=PATH")
+    need(not cfg.save_checkpoint or (cfg.num_iterations + cfg.extension_steps) % period == 0,
+         f"--save_checkpoint: --num_iterations + --extension_steps must be a multiple of Adam's period ({period}), "
+         "so that no summed gradient is pending at the end")
+    need(not cfg.eval_only or cfg.init_from, "--eval_only=1 needs --init_from=CHECKPOINT")
+    need(not cfg.init_from or cfg.eval_only, "--init_from is read by --eval_only=1 (to train on, use --resume)")
+    need(not (cfg.resume and cfg.diloco), "--resume with --diloco=1: a restarted replica heals from its peers; "
+         "resume a DiLoCo run without --resume")
     if cfg.diloco:
         need(cfg.adam_period <= 1, f"--adam_period={cfg.adam_period}: DiLoCo runs need 1 (a sync would land "
              "between the steps whose gradients Adam sums)")
@@ -1898,8 +1922,7 @@ class Schedule:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.num_iterations = cfg.num_iterations  # scheduled steps
-        # DiLoCo's syncs and heals land between any two steps, so there Adam updates on every step
-        self.adam_period = cfg.adam_period or (1 if cfg.diloco else 2)
+        self.adam_period = resolved_adam_period(cfg)
         self.total_steps = cfg.num_iterations + cfg.extension_steps
         self.untie_step = round(cfg.untie_frac * cfg.num_iterations)  # with --tie_embed
         self.mtp = parse_mtp_schedule(cfg.mtp_schedule) if cfg.mtp_schedule else [[(1.0, 1.0)]]
@@ -2068,6 +2091,195 @@ def nvidia_smi() -> str:
         return subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "not available"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Checkpoints
+#
+# One torch.save file, written by rank 0 through a temporary file and a rename, so a crash mid-write never leaves a
+# file that looks whole. It holds full tensors only: the optimizers' sharded state is gathered from its owners, and
+# on loading each rank keeps its own shards again, so a checkpoint resumes at any world size with the same math.
+# Loaded with weights_only=True: tensors, numbers, strings, lists, tuples and dicts, nothing that runs code.
+
+CHECKPOINT_KIND, CHECKPOINT_FORMAT = "train_gpt.py checkpoint", 1
+
+
+class CheckpointError(UserError):
+    pass
+
+
+def model_fields(cfg: Config) -> dict:
+    """The settings a model's weights depend on: its group of fields, and the vocabulary."""
+    fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.metadata["group"] == "model"}
+    return {"vocab_size": cfg.vocab_size, **fields}
+
+
+def checkpoint_path_at(path: str, step: int) -> str:
+    """Where --checkpoint_every writes the checkpoint of `step`: beside --save_checkpoint, the step in its name."""
+    base = Path(path)
+    return str(base.with_name(f"{base.stem}_step{step:06d}{base.suffix or '.pt'}"))
+
+
+def data_fingerprint(paths: list[str]) -> list[tuple[str, int]]:
+    """The training shards as a resume compares them: file names and sizes, in reading order."""
+    return [(os.path.basename(path), os.path.getsize(path)) for path in paths]
+
+
+def _owner_state_everywhere(state: dict | None, owner: int, comm: Comm, device: torch.device) -> dict:
+    """A parameter's optimizer state, held by rank `owner`, as CPU tensors on every rank."""
+    if not comm.distributed:
+        return {key: value.detach().cpu().clone() for key, value in state.items()}
+    layout = [[(key, tuple(value.shape), value.dtype) for key, value in state.items()] if comm.rank == owner else None]
+    dist.broadcast_object_list(layout, src=owner)
+    full = {}
+    for key, shape, dtype in layout[0]:
+        tensor = state[key].contiguous() if comm.rank == owner else torch.empty(shape, dtype=dtype, device=device)
+        dist.broadcast(tensor, src=owner)
+        full[key] = tensor.cpu().clone()
+    return full
+
+
+def gather_optimizer_states(model: GPT, optimizers, comm: Comm, device: torch.device) -> tuple[dict, dict]:
+    """(Muon's, DistAdam's) state as {parameter name: {key: full tensor or value}}, the same at every world size.
+    Muon keeps each matrix's state on the rank that owns the matrix; DistAdam keeps each bucket's moments sharded
+    across ranks (one step count and the untie flag per bucket, under its first parameter's name)."""
+    names = {p: name for name, p in model.named_parameters()}
+    muon, adam = optimizers
+    muon_state = {}
+    for group in muon.groups:
+        for i, p in enumerate(group.params):
+            owner = i // group.per_rank
+            own = muon.state.get(p, {}) if comm.rank == owner else None
+            muon_state[names[p]] = _owner_state_everywhere(own, owner, comm, device)
+    adam_state = {}
+    for bucket in adam.buckets:
+        state = adam.state.get(bucket.params[0], {})
+        first = {key: value for key, value in state.items() if not isinstance(value, Tensor)}  # the untie flag
+        if "step" in state:
+            first["step"] = state["step"].item()
+        adam_state[names[bucket.params[0]]] = first
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key not in state:
+                continue
+            flat = state[key]
+            if comm.distributed:
+                flat = state[key].new_empty(bucket.padded)
+                dist.all_gather_into_tensor(flat, state[key])
+            offset = 0
+            for p in bucket.params:
+                entry = adam_state.setdefault(names[p], {})
+                entry[key] = flat[offset: offset + p.numel()].view_as(p).cpu().clone()
+                offset += p.numel()
+    return muon_state, adam_state
+
+
+def scatter_optimizer_states(model: GPT, optimizers, muon_state: dict, adam_state: dict, comm: Comm,
+                             device: torch.device) -> None:
+    """The inverse of gather_optimizer_states at this run's world size: each rank takes its own matrices' Muon
+    state and its shard of every bucket's Adam moments."""
+    names = {p: name for name, p in model.named_parameters()}
+    muon, adam = optimizers
+    muon.state.clear()
+    for group in muon.groups:
+        for p in group.params[comm.rank * group.per_rank: (comm.rank + 1) * group.per_rank]:
+            muon.state[p] = {key: value.to(device) for key, value in muon_state[names[p]].items()}
+    adam.state.clear()
+    for bucket in adam.buckets:
+        saved = adam_state.get(names[bucket.params[0]], {})
+        state = {key: value for key, value in saved.items() if key not in ("step", "exp_avg", "exp_avg_sq")}
+        if "step" in saved:
+            state["step"] = torch.tensor(float(saved["step"]), dtype=torch.float32, device=device)
+            for key in ("exp_avg", "exp_avg_sq"):
+                flat = bucket.flat([adam_state[names[p]][key].to(device) for p in bucket.params])
+                state[key] = flat[comm.rank * bucket.shard: (comm.rank + 1) * bucket.shard].clone()
+        if state:
+            adam.state[bucket.params[0]] = state
+
+
+def rng_states() -> dict:
+    numpy_state = np.random.get_state()
+    states = {"torch": torch.get_rng_state(), "numpy": (torch.from_numpy(numpy_state[1].astype(np.int64)),
+                                                       *map(int, numpy_state[2:4]), float(numpy_state[4])),
+              "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state()
+    return states
+
+
+def set_rng_states(states: dict) -> None:
+    torch.set_rng_state(states["torch"])
+    keys, position, has_gauss, cached = states["numpy"]
+    np.random.set_state(("MT19937", keys.numpy().astype(np.uint32), position, has_gauss, cached))
+    random.setstate(states["python"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["cuda"])
+
+
+def save_checkpoint(path: str, model: GPT, optimizers, cfg: Config, comm: Comm, device: torch.device, step: int,
+                    progress: dict) -> None:
+    """Everything a resume needs, from every rank's shards, into `path` (written by rank 0, atomically).
+    progress: the training loop's own position (time, losses, validations)."""
+    muon_state, adam_state = gather_optimizer_states(model, optimizers, comm, device)
+    if comm.rank == 0:
+        checkpoint = dict(kind=CHECKPOINT_KIND, format=CHECKPOINT_FORMAT, step=step, config=dataclasses.asdict(cfg),
+                          model={name: t.detach().cpu().clone() for name, t in model.state_dict().items()},
+                          muon=muon_state, adam=adam_state, rng=rng_states(),
+                          data=data_fingerprint(shard_paths(cfg.train_files, "train_files")), **progress)
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        try:
+            torch.save(checkpoint, temporary)
+            os.replace(temporary, target)
+        finally:
+            temporary.unlink(missing_ok=True)
+    if comm.distributed:
+        dist.barrier()
+
+
+def read_checkpoint(path: str, flag: str) -> dict:
+    """A checkpoint file's contents, or one line naming the flag and what is wrong with the file."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"--{flag}={path}: no such file")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # mmap: ranks share pages
+    except Exception as e:  # truncated, not a torch file, or holding objects weights_only refuses
+        reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"--{flag}={path}: not a readable checkpoint ({reason})") from None
+    if not isinstance(checkpoint, dict) or checkpoint.get("kind") != CHECKPOINT_KIND:
+        raise CheckpointError(f"--{flag}={path}: not a checkpoint of train_gpt.py")
+    if checkpoint.get("format") != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"--{flag}={path}: checkpoint format {checkpoint.get('format')}, this code reads "
+                              f"{CHECKPOINT_FORMAT}")
+    return checkpoint
+
+
+def check_same_model(checkpoint: dict, cfg: Config, flag: str) -> None:
+    saved = checkpoint["config"]
+    differing = [f"{name}={saved.get(name)!r} (here {value!r})" for name, value in model_fields(cfg).items()
+                 if saved.get(name) != value]
+    if differing:
+        raise CheckpointError(f"--{flag}={getattr(cfg, flag)}: the checkpoint's model differs: "
+                              + ", ".join(differing) + "; pass the model flags it was trained with")
+
+
+def check_resumable(checkpoint: dict, cfg: Config, train_paths: list[str]) -> None:
+    check_same_model(checkpoint, cfg, "resume")
+    here = data_fingerprint(train_paths)
+    if [tuple(entry) for entry in checkpoint["data"]] != here:
+        raise CheckpointError(f"--resume={cfg.resume}: it was trained on other data files ({len(checkpoint['data'])} "
+                              f"shards, the first {tuple(checkpoint['data'][0])}) than --train_files ({len(here)}, "
+                              f"the first {here[0]}); resume with the same shards")
+    if checkpoint["step"] > Schedule(cfg).total_steps:
+        raise CheckpointError(f"--resume={cfg.resume}: the checkpoint is at step {checkpoint['step']}, past this "
+                              f"run's {Schedule(cfg).total_steps} steps")
+
+
+def load_checkpoint_weights(model: GPT, checkpoint: dict) -> None:
+    """Copies into the existing tensors, so that compiled graphs (and CUDA graphs) keep their addresses."""
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            tensor.copy_(checkpoint["model"][name])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -2581,11 +2793,10 @@ def check_gpu_features(cfg: Config, device: torch.device) -> None:
                         f"9.0 or newer: Hopper); {name} has none: pass --fused_mlp=0")
 
 
-def build_and_warm_up(cfg: Config, comm: Comm, log: RunLog) -> Trainer:
-    """Model, optimizers and every compiled graph, with the compile time logged; nothing here is timed."""
+def build_model(cfg: Config, comm: Comm, log: RunLog) -> tuple[GPT, torch.device, int]:
+    """The model on this rank's device, the same initial weights on every rank; with the micro-batches per forward."""
     device = torch.device("cuda", comm.local_rank) if cfg.device == "cuda" else torch.device("cpu")
     torch.manual_seed(cfg.seed)
-    schedule = Schedule(cfg)
     memory_gib = torch.cuda.get_device_properties(device).total_memory / 2 ** 30 if device.type == "cuda" else None
     packed = resolve_forward_micro_batches(cfg, comm.world_size, memory_gib)
     attend = make_attention(cfg, device, packed * cfg.micro_batch_tokens)
@@ -2598,15 +2809,12 @@ def build_and_warm_up(cfg: Config, comm: Comm, log: RunLog) -> Trainer:
     num_params = sum(p.numel() for p in model.parameters())
     log(f"model: {num_params:,} parameters, attention backend {attend.name}, compute dtype {compute_dtype}, "
         f"world size {comm.world_size}, {packed} micro-batch(es) of {cfg.micro_batch_tokens} tokens per forward")
+    return model, device, packed
 
-    # Untimed warm-up: compile and tune every kernel, then start over from the same weights.
-    start = time.perf_counter()
-    optimizers = build_optimizers(model, cfg)
-    if cfg.compile:
-        configure_inductor(cfg, device)
-    cache = CompileCache(cfg.compile_cache, log, comm) if cfg.compile and cfg.compile_cache else None
-    if cache is not None:
-        cache.load()
+
+def compile_model(model: GPT, cfg: Config, comm: Comm, device: torch.device) -> tuple[str, str]:
+    """Wrap the model's forward (or its blocks) in torch.compile as --compile, --compile_scope and --compile_mode
+    say; the graphs compile at the first calls. Returns the scope and mode chosen."""
     scope = cfg.compile_scope
     if scope == "auto":
         # The one whole-model graph measured ~10% faster per step on an H100 than a graph per block (fewer
@@ -2626,6 +2834,22 @@ def build_and_warm_up(cfg: Config, comm: Comm, log: RunLog) -> Trainer:
             model.compile(dynamic=False, fullgraph=True, mode=mode)
     elif cfg.compile:
         model.compile_regions(mode)
+    return scope, compile_mode
+
+
+def build_and_warm_up(cfg: Config, comm: Comm, log: RunLog) -> Trainer:
+    """Model, optimizers and every compiled graph, with the compile time logged; nothing here is timed."""
+    model, device, packed = build_model(cfg, comm, log)
+    schedule = Schedule(cfg)
+    # Untimed warm-up: compile and tune every kernel, then start over from the same weights.
+    start = time.perf_counter()
+    optimizers = build_optimizers(model, cfg)
+    if cfg.compile:
+        configure_inductor(cfg, device)
+    cache = CompileCache(cfg.compile_cache, log, comm) if cfg.compile and cfg.compile_cache else None
+    if cache is not None:
+        cache.load()
+    scope, compile_mode = compile_model(model, cfg, comm, device)
     try:
         warm_up(model, optimizers, cfg, comm, schedule, device, packed)
     except torch.OutOfMemoryError as e:
@@ -2649,6 +2873,9 @@ def build_and_warm_up(cfg: Config, comm: Comm, log: RunLog) -> Trainer:
 def train(cfg: Config, comm: Comm, log: RunLog) -> TrainResult:
     train_paths = shard_paths(cfg.train_files, "train_files")
     val_paths = shard_paths(cfg.val_files, "val_files")
+    checkpoint = read_checkpoint(cfg.resume, "resume") if cfg.resume else None  # a bad one fails before compiling
+    if checkpoint is not None:
+        check_resumable(checkpoint, cfg, train_paths)
     trainer = build_and_warm_up(cfg, comm, log)
     model, optimizers, schedule, device, recompiles = (trainer.model, trainer.optimizers, trainer.schedule,
                                                         trainer.device, trainer.recompiles)
@@ -2665,11 +2892,29 @@ def train(cfg: Config, comm: Comm, log: RunLog) -> TrainResult:
         return Prefetcher(windows, cfg.micro_batch_tokens, device, bigram_rows=cfg.bigram_rows, packed=trainer.packed,
                           bos=cfg.bos_token)
 
-    batches = batches_from(0)
     val_losses = []
     reported = 0
     history = None
-    train_time_ms = previous_ms = 0.0  # timed training so far, and at the end of the previous step
+    train_time_ms = 0.0  # timed training so far
+    start_step = 0
+    if checkpoint is not None:
+        load_checkpoint_weights(model, checkpoint)
+        scatter_optimizer_states(model, optimizers, checkpoint["muon"], checkpoint["adam"], comm, device)
+        set_rng_states(checkpoint["rng"])
+        start_step, train_time_ms = checkpoint["step"], checkpoint["train_time_ms"]
+        watch.losses, reported = list(checkpoint["train_losses"]), checkpoint["reported"]
+        val_losses = [tuple(entry) for entry in checkpoint["val_losses"]]
+        del checkpoint
+        log(f"resumed from {cfg.resume} at step {start_step}")
+    batches = batches_from(start_step)
+    previous_ms = train_time_ms  # timed training at the end of the previous step
+
+    def write_checkpoint(path: str, step: int):
+        watch.flush(other_work_follows=True)
+        save_checkpoint(path, model, optimizers, cfg, comm, device, step,
+                        dict(train_time_ms=train_time_ms, train_losses=watch.losses, reported=reported,
+                             val_losses=val_losses))
+        log(f"checkpoint: {path} at step {step}")
 
     def synchronize():
         if device.type == "cuda":
@@ -2688,12 +2933,12 @@ def train(cfg: Config, comm: Comm, log: RunLog) -> TrainResult:
         synchronize()
         clock = time.perf_counter()
         N = schedule.total_steps
-        step = 0
+        step = start_step
         while True:
             last = step == N
             if last and diloco is not None:
                 diloco.sync_every_fragment()
-            if schedule.validates(step):
+            if schedule.validates(step) and not (cfg.resume and step == start_step):  # else the checkpoint has it
                 synchronize()
                 train_time_ms += 1000 * (time.perf_counter() - clock)
                 watch.flush(other_work_follows=True)
@@ -2711,6 +2956,12 @@ def train(cfg: Config, comm: Comm, log: RunLog) -> TrainResult:
                     f"step_avg:{train_time_ms / max(step, 1):.2f}ms"
                     + (f" train_loss:{sum(recent) / len(recent):.4f}" if recent else ""))
                 synchronize()
+                clock = time.perf_counter()
+            periodic = cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and 0 < step < N
+            if cfg.save_checkpoint and step != start_step and (last or periodic):  # outside the clock
+                synchronize()
+                train_time_ms += 1000 * (time.perf_counter() - clock)
+                write_checkpoint(cfg.save_checkpoint if last else checkpoint_path_at(cfg.save_checkpoint, step), step)
                 clock = time.perf_counter()
             if last:
                 break
@@ -2764,6 +3015,26 @@ def train(cfg: Config, comm: Comm, log: RunLog) -> TrainResult:
             f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")
     log(weights_checksum(model))
     return TrainResult(watch.losses, val_losses, train_time_ms)
+
+
+def evaluate_checkpoint(cfg: Config, comm: Comm, log: RunLog) -> float:
+    """--eval_only: the validation loss of --init_from's weights on --val_files, computed as training validates
+    at the checkpoint's step (its attention windows and rotary tables, from the run's own schedule)."""
+    checkpoint = read_checkpoint(cfg.init_from, "init_from")
+    check_same_model(checkpoint, cfg, "init_from")
+    val_paths = shard_paths(cfg.val_files, "val_files")
+    model, device, packed = build_model(cfg, comm, log)
+    load_checkpoint_weights(model, checkpoint)
+    compile_model(model, cfg, comm, device)
+    known = {f.name for f in dataclasses.fields(Config)}
+    schedule = Schedule(Config(**{k: v for k, v in checkpoint["config"].items() if k in known}))
+    seen = schedule.validation_step(checkpoint["step"])
+    model.rotary.set_window_history(schedule.long_window_history(seen))
+    model.set_mtp_weights([1.0])
+    val_loss = evaluate(model, cfg, comm, val_paths, schedule.windows(seen), device, packed)
+    log(f"eval_only: {cfg.init_from} at step {checkpoint['step']} val_loss:{val_loss:.4f} "
+        f"({cfg.val_tokens} tokens of {cfg.val_files})")
+    return val_loss
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -3019,9 +3290,14 @@ def check_inputs(cfg: Config) -> None:
     if cfg.device == "cuda":
         check_gpu_features(cfg, torch.device("cuda", 0))
     # The first training shard in full (the loader checks the others as it reaches them): a shard from another
-    # tokenizer fails here, before minutes of compiling.
-    document_starts(shard_paths(cfg.train_files, "train_files")[0], cfg.bos_token, cfg.vocab_size)
+    # tokenizer fails here, before minutes of compiling. An evaluation reads no training data.
+    if not cfg.eval_only:
+        document_starts(shard_paths(cfg.train_files, "train_files")[0], cfg.bos_token, cfg.vocab_size)
     next(val_batches_for_rank(shard_paths(cfg.val_files, "val_files"), cfg, Comm()))  # enough val tokens?
+    if cfg.resume:  # memory-mapped, so reading it again to resume costs little
+        check_resumable(read_checkpoint(cfg.resume, "resume"), cfg, shard_paths(cfg.train_files, "train_files"))
+    if cfg.init_from:
+        check_same_model(read_checkpoint(cfg.init_from, "init_from"), cfg, "init_from")
     if cfg.diloco:  # before minutes of compiling, not after
         import_torchft()
         if not os.environ.get("TORCHFT_LIGHTHOUSE"):
@@ -3050,7 +3326,7 @@ def main(argv: list[str] | None = None) -> int:
                 dist.broadcast_object_list(run_id, 0)
             cfg = dataclasses.replace(cfg, run_id=run_id[0])
         log = RunLog(cfg, comm)
-        train(cfg, comm, log)
+        evaluate_checkpoint(cfg, comm, log) if cfg.eval_only else train(cfg, comm, log)
         log.finish()
         return 0
     except UserError as e:

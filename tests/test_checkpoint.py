@@ -1,0 +1,143 @@
+"""Checkpoints on the CPU: a run stopped and resumed trains exactly as one that never stopped, at world sizes 1 and 2
+and across them; --eval_only reproduces a run's final validation; bad checkpoints get one line and change nothing."""
+import dataclasses
+import os
+import re
+
+import numpy as np
+import pytest
+import torch
+
+import train_gpt as tg
+from helpers import TINY, run_on_ranks
+
+
+def config(data, tmp_path, **overrides):
+    train, val = data
+    cfg, _ = tg.parse_cli(["--device=cpu", *TINY, f"--train_files={train}", f"--val_files={val}",
+                           "--micro_batch_tokens=128", "--num_iterations=8", "--val_loss_every=4",
+                           f"--log_dir={tmp_path}"] + [f"--{k}={v}" for k, v in overrides.items()])
+    return cfg
+
+
+def run(cfg, comm=None):
+    comm = comm or tg.Comm()
+    log = tg.RunLog(cfg, comm)
+    result = tg.train(cfg, comm, log)
+    log.finish()
+    return result
+
+
+def final_checksum(cfg) -> str:
+    text = open(os.path.join(cfg.log_dir, f"{cfg.run_id}.txt")).read()
+    return re.findall(r"^final weights: .*$", text, re.M)[-1]
+
+
+def _run_on_rank(rank, world_size, cfg):
+    result = run(cfg, tg.Comm(rank, world_size))
+    return result.train_losses, result.val_losses
+
+
+@pytest.fixture(scope="module")
+def whole_run(module_tiny_data, tmp_path_factory):
+    """8 steps uninterrupted, checkpoints every 2 steps and at the end (world size 1)."""
+    tmp = tmp_path_factory.mktemp("whole")
+    cfg = config(module_tiny_data, tmp, run_id="whole", save_checkpoint=tmp / "final.pt", checkpoint_every=2)
+    return cfg, run(cfg)
+
+
+def test_checkpoints_are_written_every_n_steps_and_at_the_end(whole_run):
+    cfg, result = whole_run
+    folder = os.path.dirname(cfg.save_checkpoint)
+    assert sorted(f for f in os.listdir(folder) if f.endswith(".pt")) == [
+        "final.pt", "final_step000002.pt", "final_step000004.pt", "final_step000006.pt"]
+    assert not [f for f in os.listdir(folder) if f.endswith(".tmp")]
+    checkpoint = tg.read_checkpoint(cfg.save_checkpoint, "resume")
+    assert checkpoint["step"] == 8 and checkpoint["train_losses"] == pytest.approx(result.train_losses)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_resumed_run_trains_exactly_as_one_never_stopped(whole_run, module_tiny_data, tmp_path, world_size):
+    """Stopped after step 2 (Adam has stepped once on two steps' gradients, Muon twice; no validation there) and
+    resumed: the same per-step training losses, validations and final weights, bit for bit at world size 1; the
+    world-2 run resumes its own world-2 checkpoint."""
+    cfg, whole = whole_run
+    if world_size == 1:
+        reference, resume_from = whole, cfg.save_checkpoint.replace("final.pt", "final_step000002.pt")
+        resumed_cfg = dataclasses.replace(cfg, run_id="resumed", resume=resume_from, save_checkpoint="",
+                                          checkpoint_every=0, log_dir=str(tmp_path))
+        resumed = run(resumed_cfg)
+        assert resumed.train_losses == whole.train_losses and resumed.val_losses == whole.val_losses
+        assert final_checksum(resumed_cfg) == final_checksum(cfg)
+        assert "resumed from" in open(tmp_path / "resumed.txt").read()
+        return
+    two = dataclasses.replace(cfg, run_id="two", save_checkpoint=str(tmp_path / "two.pt"), log_dir=str(tmp_path))
+    reference = run_on_ranks(_run_on_rank, 2, two)[0]
+    resumed_cfg = dataclasses.replace(two, run_id="two_resumed", resume=str(tmp_path / "two_step000004.pt"),
+                                      save_checkpoint="", checkpoint_every=0)
+    resumed = run_on_ranks(_run_on_rank, 2, resumed_cfg)[0]
+    assert resumed == reference
+    assert final_checksum(resumed_cfg) == final_checksum(two)
+
+
+def test_a_checkpoint_resumes_at_another_world_size(whole_run, tmp_path):
+    """World size 1's checkpoint of step 4 resumed by 2 processes: the optimizers' shards are cut anew, the math
+    is the same (within float32 rounding of the different reduction order)."""
+    cfg, whole = whole_run
+    resumed_cfg = dataclasses.replace(cfg, run_id="to_two", resume=cfg.save_checkpoint.replace("final.pt",
+                                      "final_step000004.pt"), save_checkpoint="", checkpoint_every=0,
+                                      log_dir=str(tmp_path))
+    losses, val_losses = run_on_ranks(_run_on_rank, 2, resumed_cfg)[0]
+    np.testing.assert_allclose(losses, whole.train_losses, rtol=1e-5)
+    np.testing.assert_allclose([v for _, v in val_losses], [v for _, v in whole.val_losses], rtol=1e-5)
+
+
+def test_eval_only_reproduces_the_final_validation(whole_run, tmp_path):
+    cfg, whole = whole_run
+    eval_cfg = dataclasses.replace(cfg, run_id="eval", eval_only=True, init_from=cfg.save_checkpoint,
+                                   save_checkpoint="", checkpoint_every=0, log_dir=str(tmp_path))
+    log = tg.RunLog(eval_cfg, tg.Comm())
+    loss = tg.evaluate_checkpoint(eval_cfg, tg.Comm(), log)
+    log.finish()
+    assert loss == pytest.approx(whole.val_losses[-1][1], rel=1e-6)
+    assert f"val_loss:{loss:.4f}" in (tmp_path / "eval.txt").read_text()
+
+
+def test_eval_only_from_the_command_line(whole_run, tmp_path, capsys):
+    cfg, whole = whole_run
+    code = tg.main(["--device=cpu", *TINY, f"--val_files={cfg.val_files}", "--micro_batch_tokens=128",
+                    "--eval_only=1", f"--init_from={cfg.save_checkpoint}", f"--log_dir={tmp_path}", "--run_id=cli"])
+    assert code == 0
+    assert f"val_loss:{whole.val_losses[-1][1]:.4f}" in (tmp_path / "cli.txt").read_text()
+
+
+def test_bad_checkpoints_get_one_line_and_change_nothing(whole_run, tmp_path, capsys):
+    cfg, _ = whole_run
+    good = open(cfg.save_checkpoint, "rb").read()
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(good[: len(good) // 2])
+    foreign = tmp_path / "foreign.pt"
+    torch.save({"weights": torch.zeros(3)}, foreign)
+    base = ["--device=cpu", *TINY, f"--train_files={cfg.train_files}", f"--val_files={cfg.val_files}",
+            "--micro_batch_tokens=128", "--num_iterations=8", f"--log_dir={tmp_path}", "--run_id=bad"]
+    other_data = tmp_path / "other_train.bin"
+    other_data.write_bytes(open(tg.shard_paths(cfg.train_files, "train_files")[0], "rb").read())
+    cases = [
+        ([f"--resume={tmp_path / 'missing.pt'}"], f"--resume={tmp_path / 'missing.pt'}: no such file"),
+        ([f"--resume={truncated}"], f"--resume={truncated}: not a readable checkpoint"),
+        ([f"--resume={foreign}"], f"--resume={foreign}: not a checkpoint of train_gpt.py"),
+        ([f"--resume={cfg.save_checkpoint}", "--model_dim=128", "--num_heads=4"],
+         "the checkpoint's model differs: model_dim=64 (here 128), num_heads=2 (here 4); pass the model flags"),
+        ([f"--resume={cfg.save_checkpoint}", f"--train_files={other_data}"], "it was trained on other data files"),
+        (["--eval_only=1", f"--init_from={foreign}"], f"--init_from={foreign}: not a checkpoint of train_gpt.py"),
+        (["--eval_only=1"], "--eval_only=1 needs --init_from=CHECKPOINT"),
+        (["--checkpoint_every=3", f"--save_checkpoint={tmp_path / 'x.pt'}"],
+         "--checkpoint_every=3: use 0 or a multiple of Adam's period (2)"),
+    ]
+    before = {f: os.path.getmtime(tmp_path / f) for f in os.listdir(tmp_path)}
+    for flags, message in cases:
+        assert tg.main(base + flags) == 1, flags
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1 and "Traceback" not in err, (flags, err)
+    assert {f: os.path.getmtime(tmp_path / f) for f in os.listdir(tmp_path)} == before  # not even a log
+    assert not (tmp_path / "x.pt").exists() and open(cfg.save_checkpoint, "rb").read() == good
