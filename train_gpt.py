@@ -105,7 +105,10 @@ class Config:
     checkpoint_every: int = _run(0, "steps between checkpoints beside save_checkpoint (<name>_stepNNNNNN.pt); 0: none")
     resume: str = _run("", "checkpoint to go on training from, at its step, as if never stopped")
     eval_only: bool = _run(False, "only validate the weights of --init_from on --val_files and --val_tokens")
-    init_from: str = _run("", "checkpoint whose weights --eval_only validates")
+    init_from: str = _run("", "checkpoint whose weights --eval_only validates or --sample continues text with")
+    sample: str = _run("", "with --init_from: print a continuation of this prompt (GPT-2 BPE) and exit")
+    sample_tokens: int = _run(64, "tokens --sample adds at most (it stops at a document's end)")
+    temperature: float = _run(0.8, "softmax temperature of --sample; 0: always the likeliest token")
     log_dir: str = _run("logs", "folder of the logs")
     device: str = _run("cuda", "cuda | cpu (gloo, float32, no Triton)")
     # ---- model
@@ -449,7 +452,12 @@ def validate_config(cfg: Config) -> None:
          f"--save_checkpoint: --num_iterations + --extension_steps must be a multiple of Adam's period ({period}), "
          "so that no summed gradient is pending at the end")
     need(not cfg.eval_only or cfg.init_from, "--eval_only=1 needs --init_from=CHECKPOINT")
-    need(not cfg.init_from or cfg.eval_only, "--init_from is read by --eval_only=1 (to train on, use --resume)")
+    need(not cfg.sample or cfg.init_from, "--sample needs --init_from=CHECKPOINT")
+    need(not (cfg.sample and cfg.eval_only), "--sample and --eval_only=1: choose one")
+    need(not cfg.init_from or cfg.eval_only or cfg.sample,
+         "--init_from is read by --eval_only=1 or --sample (to train on, use --resume)")
+    need(cfg.sample_tokens >= 1 and cfg.temperature >= 0,
+         f"--sample_tokens={cfg.sample_tokens} --temperature={cfg.temperature}: need at least 1 and at least 0")
     need(not (cfg.resume and cfg.diloco), "--resume with --diloco=1: a restarted replica heals from its peers; "
          "resume a DiLoCo run without --resume")
     if cfg.diloco:
@@ -992,9 +1000,10 @@ class GPT(nn.Module):
             if p.grad is None:  # else it holds the gradients an optimizer is adding up over steps
                 p.grad = torch.zeros_like(p)
 
-    def forward(self, tokens: Tensor, targets: Tensor, masks: dict, bigrams: Tensor | None = None) -> Tensor:
+    def forward(self, tokens: Tensor, targets: Tensor | None, masks: dict, bigrams: Tensor | None = None) -> Tensor:
         """Mean cross-entropy over one forward's tokens (one or several packed micro-batches): tokens, targets
-        and bigram rows are [T]. Call prepare_grads() before a step's first backward."""
+        and bigram rows are [T]; without targets the [T, padded vocab] soft-capped logits. Call prepare_grads()
+        before a step's first backward."""
         token_tables = [self.embed.weight] + [ve.weight for ve in self.value_embeds]
         if self.cfg.row_embedding_grads:
             use_triton = tokens.is_cuda and triton is not None and self.cfg.triton_kernels
@@ -1066,6 +1075,8 @@ class GPT(nn.Module):
         # rows of each micro-batch predict inside it only, so packed forwards compute the losses of separate ones
         mtp = (self.mtp_weights, cfg.micro_batch_tokens) if self.mtp_weights.numel() > 1 else None
         x = rms_norm(x)
+        if targets is None:  # generation: the soft-capped logits themselves
+            return softcap(x @ self.lm_head.weight.to(x.dtype).T, cap)
         if cfg.fp8_head:
             return fp8_softcapped_head(x, self.lm_head.weight, targets, cap, use_triton, mtp)
         logits = x @ self.lm_head.weight.to(x.dtype).T
@@ -3026,15 +3037,83 @@ def evaluate_checkpoint(cfg: Config, comm: Comm, log: RunLog) -> float:
     model, device, packed = build_model(cfg, comm, log)
     load_checkpoint_weights(model, checkpoint)
     compile_model(model, cfg, comm, device)
+    windows = set_up_as_validated(model, checkpoint)
+    val_loss = evaluate(model, cfg, comm, val_paths, windows, device, packed)
+    log(f"eval_only: {cfg.init_from} at step {checkpoint['step']} val_loss:{val_loss:.4f} "
+        f"({cfg.val_tokens} tokens of {cfg.val_files})")
+    return val_loss
+
+
+def set_up_as_validated(model: GPT, checkpoint: dict) -> tuple[int, int]:
+    """Give the model the rotary tables and next-token-only loss that validation had at the checkpoint's step,
+    from the run's own schedule; returns that validation's attention windows."""
     known = {f.name for f in dataclasses.fields(Config)}
     schedule = Schedule(Config(**{k: v for k, v in checkpoint["config"].items() if k in known}))
     seen = schedule.validation_step(checkpoint["step"])
     model.rotary.set_window_history(schedule.long_window_history(seen))
     model.set_mtp_weights([1.0])
-    val_loss = evaluate(model, cfg, comm, val_paths, schedule.windows(seen), device, packed)
-    log(f"eval_only: {cfg.init_from} at step {checkpoint['step']} val_loss:{val_loss:.4f} "
-        f"({cfg.val_tokens} tokens of {cfg.val_files})")
-    return val_loss
+    return schedule.windows(seen)
+
+
+@torch.no_grad()
+def generate(model: GPT, cfg: Config, prompt: list[int], windows: tuple[int, int], count: int, temperature: float,
+             seed: int, device: torch.device) -> list[int]:
+    """Up to `count` tokens after `prompt`, stopping after a BOS: one whole forward per token (no key-value cache).
+    The text sits at the start of one micro-batch, padded after it with token 0, which causal attention keeps
+    from changing the text's logits."""
+    length = cfg.micro_batch_tokens
+    slot = _Slot(length, pin=False, bos=cfg.bos_token, bigram_rows=cfg.bigram_rows)
+    generator = torch.Generator().manual_seed(seed)
+    tokens = list(prompt)
+    while len(tokens) < min(len(prompt) + count, length):
+        window = np.zeros(length + 1, dtype=np.int64)
+        window[: len(tokens)] = tokens
+        slot.fill([window])
+        inputs = slot.inputs.to(device)
+        masks = model.prepare_masks(inputs, slot.cu_seqlens.to(device), windows, slot.documents, slot.longest_document)
+        bigrams = slot.bigrams.to(device) if cfg.bigram_rows else None
+        logits = model(inputs, None, masks, bigrams)[len(tokens) - 1, : cfg.vocab_size].float().cpu()
+        if temperature == 0:
+            token = int(logits.argmax())
+        else:
+            token = int(torch.multinomial(torch.softmax(logits / temperature, dim=-1), 1, generator=generator))
+        tokens.append(token)
+        if token == cfg.bos_token:
+            break
+    return tokens[len(prompt):]
+
+
+def gpt2_codec():
+    """GPT-2 BPE's (encode, decode), from tiktoken."""
+    try:
+        import tiktoken
+        encoding = tiktoken.get_encoding("gpt2")
+    except Exception as e:  # no package, no network, no cached files
+        raise UserError(f"--sample needs tiktoken's gpt2 encoding, which did not load ({type(e).__name__}): "
+                        "pip install tiktoken; offline, see data/tokenize_text.py's help") from None
+    return encoding.encode_ordinary, encoding.decode
+
+
+def sample_from_checkpoint(cfg: Config, comm: Comm, log: RunLog, codec=None) -> str:
+    """--sample: a continuation of the prompt from --init_from's weights, logged (and so printed by rank 0).
+    codec: (encode, decode) for the prompt and the tokens; GPT-2 BPE when not given."""
+    checkpoint = read_checkpoint(cfg.init_from, "init_from")
+    check_same_model(checkpoint, cfg, "init_from")
+    encode, decode = codec or gpt2_codec()
+    prompt = [cfg.bos_token] + list(encode(cfg.sample))
+    if max(prompt) >= cfg.vocab_size:
+        raise UserError(f"--sample: the prompt's tokens go up to {max(prompt)}, outside the model's vocabulary "
+                        f"(--vocab_size={cfg.vocab_size})")
+    if len(prompt) >= cfg.micro_batch_tokens:
+        raise UserError(f"--sample: the prompt is {len(prompt)} tokens, the model reads at most "
+                        f"{cfg.micro_batch_tokens - 1} (--micro_batch_tokens)")
+    model, device, _ = build_model(dataclasses.replace(cfg, forward_micro_batches=1), comm, log)
+    load_checkpoint_weights(model, checkpoint)
+    windows = set_up_as_validated(model, checkpoint)
+    added = generate(model, cfg, prompt, windows, cfg.sample_tokens, cfg.temperature, cfg.seed, device)
+    text = decode([t for t in added if t != cfg.bos_token])
+    log(f"sample (temperature {cfg.temperature}, seed {cfg.seed}): {cfg.sample!r} -> {text!r}")
+    return text
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -3291,9 +3370,10 @@ def check_inputs(cfg: Config) -> None:
         check_gpu_features(cfg, torch.device("cuda", 0))
     # The first training shard in full (the loader checks the others as it reaches them): a shard from another
     # tokenizer fails here, before minutes of compiling. An evaluation reads no training data.
-    if not cfg.eval_only:
+    if not (cfg.eval_only or cfg.sample):
         document_starts(shard_paths(cfg.train_files, "train_files")[0], cfg.bos_token, cfg.vocab_size)
-    next(val_batches_for_rank(shard_paths(cfg.val_files, "val_files"), cfg, Comm()))  # enough val tokens?
+    if not cfg.sample:
+        next(val_batches_for_rank(shard_paths(cfg.val_files, "val_files"), cfg, Comm()))  # enough val tokens?
     if cfg.resume:  # memory-mapped, so reading it again to resume costs little
         check_resumable(read_checkpoint(cfg.resume, "resume"), cfg, shard_paths(cfg.train_files, "train_files"))
     if cfg.init_from:
@@ -3326,7 +3406,12 @@ def main(argv: list[str] | None = None) -> int:
                 dist.broadcast_object_list(run_id, 0)
             cfg = dataclasses.replace(cfg, run_id=run_id[0])
         log = RunLog(cfg, comm)
-        evaluate_checkpoint(cfg, comm, log) if cfg.eval_only else train(cfg, comm, log)
+        if cfg.eval_only:
+            evaluate_checkpoint(cfg, comm, log)
+        elif cfg.sample:
+            sample_from_checkpoint(cfg, comm, log)
+        else:
+            train(cfg, comm, log)
         log.finish()
         return 0
     except UserError as e:

@@ -141,3 +141,57 @@ def test_bad_checkpoints_get_one_line_and_change_nothing(whole_run, tmp_path, ca
         assert message in err and err.count("\n") == 1 and "Traceback" not in err, (flags, err)
     assert {f: os.path.getmtime(tmp_path / f) for f in os.listdir(tmp_path)} == before  # not even a log
     assert not (tmp_path / "x.pt").exists() and open(cfg.save_checkpoint, "rb").read() == good
+
+
+def test_logits_give_the_validation_loss_and_padding_after_the_text_changes_nothing(whole_run):
+    cfg, _ = whole_run
+    checkpoint = tg.read_checkpoint(cfg.save_checkpoint, "init_from")
+    model, device, _ = tg.build_model(dataclasses.replace(cfg, forward_micro_batches=1), tg.Comm(), lambda line: None)
+    tg.load_checkpoint_weights(model, checkpoint)
+    windows = tg.set_up_as_validated(model, checkpoint)
+    slot = tg._Slot(cfg.micro_batch_tokens, pin=False, bos=cfg.bos_token, bigram_rows=cfg.bigram_rows)
+    window = next(tg.val_batches_for_rank(tg.shard_paths(cfg.val_files, "val_files"), cfg, tg.Comm()))
+    slot.fill([window])
+    masks = model.prepare_masks(slot.inputs, slot.cu_seqlens, windows, slot.documents, slot.longest_document)
+    with torch.no_grad():
+        loss = model(slot.inputs, slot.targets, masks, slot.bigrams)
+        logits = model(slot.inputs, None, masks, slot.bigrams)
+    assert torch.allclose(torch.nn.functional.cross_entropy(logits.float(), slot.targets), loss, rtol=1e-5)
+    # generate pads the text with zeros: other padding gives the text's positions the same logits
+    text = 40
+    padded = window.copy()
+    padded[text:] = np.random.default_rng(0).integers(0, cfg.bos_token, len(padded) - text)
+    slot.fill([padded])
+    masks = model.prepare_masks(slot.inputs, slot.cu_seqlens, windows, slot.documents, slot.longest_document)
+    with torch.no_grad():
+        other = model(slot.inputs, None, masks, slot.bigrams)
+    torch.testing.assert_close(other[:text], logits[:text])
+
+
+def test_sample_continues_the_learned_rule_and_is_reproducible(whole_run, tmp_path):
+    """The tiny data's documents count up by 1 (sometimes 2) mod 97; a byte codec stands in for GPT-2 BPE."""
+    cfg, _ = whole_run
+    codec = (lambda text: list(text.encode("latin-1")), lambda tokens: bytes(tokens).decode("latin-1"))
+    sample_cfg = dataclasses.replace(cfg, run_id="sample", init_from=cfg.save_checkpoint, save_checkpoint="",
+                                     checkpoint_every=0, log_dir=str(tmp_path), sample_tokens=12, temperature=0.0,
+                                     sample=bytes([30, 31, 32, 33, 34]).decode("latin-1"))
+    log = tg.RunLog(sample_cfg, tg.Comm())
+    greedy = tg.sample_from_checkpoint(sample_cfg, tg.Comm(), log, codec)
+    log.finish()
+    steps = np.diff([34] + list(greedy.encode("latin-1")))
+    assert len(greedy) == 12 and np.isin(steps % 97, [1, 2]).mean() >= 0.75, steps
+    assert "sample (temperature 0.0, seed 0)" in (tmp_path / "sample.txt").read_text()
+    warm = dataclasses.replace(sample_cfg, temperature=1.0, run_id="warm")
+    runs = [tg.sample_from_checkpoint(dataclasses.replace(warm, seed=seed), tg.Comm(), lambda line: None, codec)
+            for seed in (1, 1, 2)]
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--sample=hello"], "--sample needs --init_from=CHECKPOINT"),
+    (["--sample=hello", "--init_from=x.pt", "--eval_only=1"], "--sample and --eval_only=1: choose one"),
+    (["--init_from=x.pt"], "--init_from is read by --eval_only=1 or --sample"),
+])
+def test_sample_flags_are_checked(flags, message):
+    with pytest.raises(tg.UserError, match=re.escape(message)):
+        tg.parse_cli(["--preset=tiny", *flags])
