@@ -258,6 +258,38 @@ class Config:
     outer_momentum: float = _diloco(0.0, "Nesterov momentum of the outer SGD step")
     min_replicas: int = _diloco(1, "a sync commits only with at least this many replicas in the quorum")
 
+    # The list-valued fields, parsed once, when first read (validate_config reads each, so a bad one fails there).
+    @functools.cached_property
+    def stage_batches(self) -> list[int]:
+        return _parse_stage_list(self, "batch_schedule", int)
+
+    @functools.cached_property
+    def stage_lr_multipliers(self) -> list[float]:
+        return _parse_stage_list(self, "lr_schedule", float)
+
+    @functools.cached_property
+    def stage_window_blocks(self) -> list[tuple[int, int]]:
+        """(short, long) windows of each stage, in window_block units."""
+        return _parse_stage_list(self, "window_schedule", _parse_window_pair)
+
+    @functools.cached_property
+    def final_window_blocks(self) -> tuple[int, int]:
+        return _parse_one_window_pair(self, "final_windows")
+
+    @functools.cached_property
+    def extension_window_blocks(self) -> tuple[int, int]:
+        return _parse_one_window_pair(self, "extension_windows")
+
+    @functools.cached_property
+    def mtp_stages(self) -> list[list[tuple[float, float]]]:
+        """Per stage, per offset, the multi-token weights (at the stage's start, at its end); next-token only
+        when --mtp_schedule is empty."""
+        return parse_mtp_schedule(self.mtp_schedule) if self.mtp_schedule else [[(1.0, 1.0)]]
+
+    @functools.cached_property
+    def paired_layers(self) -> list[int]:
+        return parse_layer_list(self, "paired_head_layers")
+
 PRESETS = {
     # A model small enough to train on two CPU processes in seconds, for tests and laptops.
     "tiny": dict(
@@ -381,6 +413,13 @@ def _parse_window_pair(item: str) -> tuple[int, int]:
     return int(short), int(long)
 
 
+def _parse_one_window_pair(cfg: Config, name: str) -> tuple[int, int]:
+    pairs = _parse_stage_list(cfg, name, _parse_window_pair)
+    if len(pairs) != 1:
+        raise UserError(f"bad --{name}={getattr(cfg, name)!r}: one short:long pair")
+    return pairs[0]
+
+
 def validate_config(cfg: Config) -> None:
     def need(ok: bool, message: str):
         if not ok:
@@ -397,7 +436,7 @@ def validate_config(cfg: Config) -> None:
          f"--value_embed_layout={cfg.value_embed_layout!r}: needs one digit or '.' per layer ({cfg.num_layers} layers)")
     need(all(v == "." or a != "-" for v, a in zip(cfg.value_embed_layout, cfg.attn_layout)),
          "--value_embed_layout puts a value embedding on a layer without attention (- in --attn_layout)")
-    paired = parse_layer_list(cfg, "paired_head_layers")
+    paired = cfg.paired_layers
     need(all(cfg.attn_layout[i] != "-" for i in paired),
          f"--paired_head_layers={cfg.paired_head_layers} names a layer without attention (- in --attn_layout)")
     need(not paired or cfg.num_heads % 2 == 0,
@@ -410,8 +449,8 @@ def validate_config(cfg: Config) -> None:
          f"--logit_softcap={cfg.logit_softcap} must be positive and at most 4 * --logit_divisor={cfg.logit_divisor} "
          "(the FP8 head's gradient scale counts on dz/dlogit <= 1)")
     if cfg.mtp_schedule:
-        stages = parse_mtp_schedule(cfg.mtp_schedule)
-        need(len(stages) == len(_parse_stage_list(cfg, "batch_schedule", int)),
+        stages = cfg.mtp_stages
+        need(len(stages) == len(cfg.stage_batches),
              f"--mtp_schedule={cfg.mtp_schedule!r}: needs one entry per stage of --batch_schedule, separated by '/'")
         need(all(stage[0][0] > 0 and stage[0][1] > 0 and min(min(w) for w in stage) >= 0 for stage in stages),
              f"--mtp_schedule={cfg.mtp_schedule!r}: weights must be 0 or more, the next token's above 0")
@@ -428,19 +467,16 @@ def validate_config(cfg: Config) -> None:
          f"--bigram_rows={cfg.bigram_rows}: use 0 (off) or a multiple of 8 (rows are split evenly over ranks)")
     need(cfg.val_tokens % cfg.micro_batch_tokens == 0,
          f"--val_tokens={cfg.val_tokens} must be a multiple of --micro_batch_tokens={cfg.micro_batch_tokens}")
-    batches = _parse_stage_list(cfg, "batch_schedule", int)
-    lrs = _parse_stage_list(cfg, "lr_schedule", float)
-    windows = _parse_stage_list(cfg, "window_schedule", _parse_window_pair)
-    _parse_stage_list(cfg, "final_windows", _parse_window_pair)
-    _parse_stage_list(cfg, "extension_windows", _parse_window_pair)
+    batches, lrs, windows = cfg.stage_batches, cfg.stage_lr_multipliers, cfg.stage_window_blocks
     need(cfg.extension_steps >= 0, f"--extension_steps={cfg.extension_steps} must be 0 or more")
     need(len(batches) == len(lrs) == len(windows),
          "--batch_schedule, --lr_schedule and --window_schedule need the same number of stages")
     need(all(b > 0 and b % 8 == 0 for b in batches),
          f"--batch_schedule={cfg.batch_schedule}: each entry must be a positive multiple of 8, "
          "so that 1, 2, 4 and 8 processes split it evenly")
-    extension = [_parse_window_pair(cfg.extension_windows)] if cfg.extension_steps else []
-    longest = max(max(pair) for pair in windows + [_parse_window_pair(cfg.final_windows)] + extension)
+    extension = [cfg.extension_window_blocks]  # parsed (checked) even when there are no extension steps
+    extension = extension if cfg.extension_steps else []
+    longest = max(max(pair) for pair in windows + [cfg.final_window_blocks] + extension)
     need(longest * cfg.window_block <= cfg.micro_batch_tokens, "attention windows exceed micro_batch_tokens")
     need(cfg.adam_period >= 0, f"--adam_period={cfg.adam_period} must be 0 (auto) or more")
     period = resolved_adam_period(cfg)
@@ -908,7 +944,7 @@ class GPT(nn.Module):
         self.embed = nn.Embedding(vocab, dim)
         num_value_embeds = 1 + max((int(c) for c in cfg.value_embed_layout if c != "."), default=-1)
         self.value_embeds = nn.ModuleList(nn.Embedding(vocab, dim) for _ in range(num_value_embeds))
-        paired = parse_layer_list(cfg, "paired_head_layers")
+        paired = cfg.paired_layers
         self.blocks = nn.ModuleList(Block(cfg, kind != "-", cfg.key_offset and kind == "L", i in paired)
                                     for i, kind in enumerate(cfg.attn_layout))
         self.attend_paired = attend.for_paired_heads() if paired else None
@@ -928,7 +964,7 @@ class GPT(nn.Module):
         self.replays_cuda_graphs = False  # set when compiled in a CUDA_GRAPH_MODES mode
         # The multi-token loss weights, normalised: a buffer the compiled graphs read and set_mtp_weights
         # overwrites in place (no recompile, and CUDA graphs see the new values).
-        offsets = max(len(stage) for stage in parse_mtp_schedule(cfg.mtp_schedule)) if cfg.mtp_schedule else 1
+        offsets = max(len(stage) for stage in cfg.mtp_stages)
         self.register_buffer("mtp_weights", torch.zeros(offsets), persistent=False)
         self.mtp_weights[0] = 1.0
         self.reset_parameters()
@@ -1936,16 +1972,16 @@ class Schedule:
         self.adam_period = resolved_adam_period(cfg)
         self.total_steps = cfg.num_iterations + cfg.extension_steps
         self.untie_step = round(cfg.untie_frac * cfg.num_iterations)  # with --tie_embed
-        self.mtp = parse_mtp_schedule(cfg.mtp_schedule) if cfg.mtp_schedule else [[(1.0, 1.0)]]
+        self.mtp = cfg.mtp_stages
         self.mtp_offsets = max(len(stage) for stage in self.mtp)
-        self.batches = _parse_stage_list(cfg, "batch_schedule", int)
-        self.lr_multipliers = _parse_stage_list(cfg, "lr_schedule", float)
+        self.batches, self.lr_multipliers = cfg.stage_batches, cfg.stage_lr_multipliers
         block = cfg.window_block
-        self.stage_windows = [(s * block, l * block) for s, l in _parse_stage_list(cfg, "window_schedule", _parse_window_pair)]
+        in_tokens = [(short * block, long * block) for short, long in cfg.stage_window_blocks]
         if cfg.extension_steps:
-            short, long = _parse_window_pair(cfg.extension_windows)
-            self.stage_windows.append((short * block, long * block))
-        short, long = _parse_window_pair(cfg.final_windows)
+            short, long = cfg.extension_window_blocks
+            in_tokens.append((short * block, long * block))
+        self.stage_windows = in_tokens
+        short, long = cfg.final_window_blocks
         self.final_windows = (short * block, long * block)
 
     def validates(self, step: int) -> bool:
@@ -2768,7 +2804,7 @@ def resolve_forward_micro_batches(cfg: Config, world_size: int, device_memory_gi
     schedule: 8 on one such GPU, 4 on 1 smaller GPU or 2 processes, 2 on 4, 1 on 8). 1xH100, last stage: 4.7%
     faster from 1 to 2, 2.3% from 2 to 4, 2.3% from 4 to 8 (the last with the fused kernels); the activations grow by
     about 7 GiB per micro-batch."""
-    per_rank = {f"stage {i}": n // world_size for i, n in enumerate(_parse_stage_list(cfg, "batch_schedule", int))}
+    per_rank = {f"stage {i}": n // world_size for i, n in enumerate(cfg.stage_batches)}
     per_rank["validation"] = val_micro_batches_per_rank(cfg, world_size)
     if cfg.forward_micro_batches == 0:
         most = 8 if device_memory_gib is not None and device_memory_gib >= PACK_8_MIN_GIB else 4

@@ -25,7 +25,7 @@ def main():
     print(f"table {cfg.bigram_rows:,} rows x {cfg.model_dim} fp32 = {dense_table / 2**20:.0f} MiB")
     print("world  micro/step  touched rows/rank  sparse MiB/rank  dense MiB/rank  ratio")
     for world in (8, 4, 2):
-        for micro in tg._parse_stage_list(cfg, "batch_schedule", int):
+        for micro in cfg.stage_batches:
             batches = tg.bos_aligned_batches(paths, cfg.micro_batch_tokens + 1, cfg.max_doc_len, repeat=True,
                                               bos=cfg.bos_token, vocab_size=cfg.vocab_size)
             per_rank = micro // world
