@@ -2923,145 +2923,188 @@ def train(cfg: Config, comm: Comm, log: RunLog) -> TrainResult:
     checkpoint = read_checkpoint(cfg.resume, "resume") if cfg.resume else None  # a bad one fails before compiling
     if checkpoint is not None:
         check_resumable(checkpoint, cfg, train_paths)
-    trainer = build_and_warm_up(cfg, comm, log)
-    model, optimizers, schedule, device, recompiles = (trainer.model, trainer.optimizers, trainer.schedule,
-                                                        trainer.device, trainer.recompiles)
-    diloco = StreamingDiLoCo(cfg, model, optimizers, device, log) if cfg.diloco else None
-    watch = LossWatch(comm, device)
-
-    def note_new_pass(number: int):  # called from the loader thread; repeated data skews the losses
-        log(f"note: the training data starts over (pass {number}); later losses are on repeated data")
-
-    def batches_from(step: int) -> Prefetcher:
-        """This rank's micro-batches from those of `step` on (the earlier ones are read and dropped)."""
-        skip = schedule.micro_batches_before(step) // comm.world_size
-        windows = itertools.islice(train_batches_for_rank(train_paths, cfg, comm, note_new_pass), skip, None)
-        return Prefetcher(windows, cfg.micro_batch_tokens, device, bigram_rows=cfg.bigram_rows, packed=trainer.packed,
-                          bos=cfg.bos_token)
-
-    val_losses = []
-    reported = 0
-    history = None
-    train_time_ms = 0.0  # timed training so far
-    start_step = 0
+    run = TrainingRun(cfg, comm, log, build_and_warm_up(cfg, comm, log), train_paths, val_paths)
     if checkpoint is not None:
-        load_checkpoint_weights(model, checkpoint)
-        scatter_optimizer_states(model, optimizers, checkpoint["muon"], checkpoint["adam"], comm, device)
-        set_rng_states(checkpoint["rng"])
-        start_step, train_time_ms = checkpoint["step"], checkpoint["train_time_ms"]
-        watch.losses, reported = list(checkpoint["train_losses"]), checkpoint["reported"]
-        val_losses = [tuple(entry) for entry in checkpoint["val_losses"]]
+        run.restore(checkpoint)
         del checkpoint
-        log(f"resumed from {cfg.resume} at step {start_step}")
-    batches = batches_from(start_step)
-    previous_ms = train_time_ms  # timed training at the end of the previous step
+    run.loop()
+    return run.report()
 
-    def write_checkpoint(path: str, step: int):
-        watch.flush(other_work_follows=True)
-        save_checkpoint(path, model, optimizers, cfg, comm, device, step,
-                        dict(train_time_ms=train_time_ms, train_losses=watch.losses, reported=reported,
-                             val_losses=val_losses))
-        log(f"checkpoint: {path} at step {step}")
 
-    def synchronize():
-        if device.type == "cuda":
+class TrainingRun:
+    """The timed loop and what it keeps between steps. Between two steps it may validate and write a checkpoint,
+    with the clock paused: train_time counts the steps only."""
+
+    def __init__(self, cfg: Config, comm: Comm, log: RunLog, trainer: Trainer, train_paths: list[str],
+                 val_paths: list[str]):
+        self.cfg, self.comm, self.log, self.trainer = cfg, comm, log, trainer
+        self.model, self.optimizers, self.schedule, self.device = (trainer.model, trainer.optimizers,
+                                                                   trainer.schedule, trainer.device)
+        self.train_paths, self.val_paths = train_paths, val_paths
+        self.diloco = StreamingDiLoCo(cfg, self.model, self.optimizers, self.device, log) if cfg.diloco else None
+        self.watch = LossWatch(comm, self.device)
+        self.val_losses: list[tuple[int, float]] = []
+        self.reported = 0  # training losses already averaged into a validation line
+        self.history = None  # the long-window history the rotary tables were last set for
+        self.start_step = 0
+        self.train_time_ms = 0.0  # timed training up to the last pause
+        self.previous_ms = 0.0  # timed training at the end of the previous step
+        self.clock = None
+        self.batches = self.step_times = None
+
+    def restore(self, checkpoint: dict):
+        load_checkpoint_weights(self.model, checkpoint)
+        scatter_optimizer_states(self.model, self.optimizers, checkpoint["muon"], checkpoint["adam"], self.comm,
+                                 self.device)
+        set_rng_states(checkpoint["rng"])
+        self.start_step = checkpoint["step"]
+        self.train_time_ms = self.previous_ms = checkpoint["train_time_ms"]
+        self.watch.losses, self.reported = list(checkpoint["train_losses"]), checkpoint["reported"]
+        self.val_losses = [tuple(entry) for entry in checkpoint["val_losses"]]
+        self.log(f"resumed from {self.cfg.resume} at step {self.start_step}")
+
+    def batches_from(self, step: int) -> Prefetcher:
+        """This rank's micro-batches from those of `step` on (the earlier ones are read and dropped)."""
+        cfg, comm = self.cfg, self.comm
+
+        def note_new_pass(number: int):  # called from the loader thread; repeated data skews the losses
+            self.log(f"note: the training data starts over (pass {number}); later losses are on repeated data")
+
+        skip = self.schedule.micro_batches_before(step) // comm.world_size
+        windows = itertools.islice(train_batches_for_rank(self.train_paths, cfg, comm, note_new_pass), skip, None)
+        return Prefetcher(windows, cfg.micro_batch_tokens, self.device, bigram_rows=cfg.bigram_rows,
+                          packed=self.trainer.packed, bos=cfg.bos_token)
+
+    def synchronize(self):
+        if self.device.type == "cuda":
             torch.cuda.synchronize()
 
-    # Compiling leaves hundreds of thousands of long-lived Python objects, and a full collection walks them all
-    # (the tiny preset compiled on a CPU: 408K objects, 359 ms per full collection; frozen, 0.003 ms). The
-    # likely cause of the single steps 300-430 ms over the median in 400-step runs on 1xH100; the log's
-    # garbage-collection line tells. Frozen, and watched, right before the try whose finally undoes both.
-    gc.collect()
-    gc.freeze()
-    step_times = StepTimes(schedule)
-    try:
-        if diloco is not None:
-            diloco.__enter__()
-        synchronize()
-        clock = time.perf_counter()
-        N = schedule.total_steps
-        step = start_step
-        while True:
-            last = step == N
-            if last and diloco is not None:
-                diloco.sync_every_fragment()
-            if schedule.validates(step) and not (cfg.resume and step == start_step):  # else the checkpoint has it
-                synchronize()
-                train_time_ms += 1000 * (time.perf_counter() - clock)
-                watch.flush(other_work_follows=True)
-                seen = schedule.validation_step(step)
-                if schedule.mtp_offsets > 1:
-                    model.set_mtp_weights([1.0])
-                if history != schedule.long_window_history(seen):
-                    history = schedule.long_window_history(seen)
-                    model.rotary.set_window_history(history)
-                val_loss = evaluate(model, cfg, comm, val_paths, schedule.windows(seen), device, trainer.packed)
-                val_losses.append((step, val_loss))
-                recent = watch.losses[reported:]  # training loss since the previous validation
-                reported = len(watch.losses)
-                log(f"step:{step}/{N} val_loss:{val_loss:.4f} train_time:{train_time_ms:.0f}ms "
-                    f"step_avg:{train_time_ms / max(step, 1):.2f}ms"
-                    + (f" train_loss:{sum(recent) / len(recent):.4f}" if recent else ""))
-                synchronize()
-                clock = time.perf_counter()
-            periodic = cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and 0 < step < N
-            if cfg.save_checkpoint and step != start_step and (last or periodic):  # outside the clock
-                synchronize()
-                train_time_ms += 1000 * (time.perf_counter() - clock)
-                write_checkpoint(cfg.save_checkpoint if last else checkpoint_path_at(cfg.save_checkpoint, step), step)
-                clock = time.perf_counter()
-            if last:
-                break
-            if history != schedule.long_window_history(step):
-                history = schedule.long_window_history(step)
-                model.rotary.set_window_history(history)
-            windows = schedule.windows(step)
-            set_hyperparameters(optimizers, schedule, step)
-            if schedule.mtp_offsets > 1:
-                model.set_mtp_weights(schedule.mtp_weights(step))
-            if diloco is not None:
-                diloco.step = step + 1  # what a peer healing from us during this step resumes at
-            launch_started = time.perf_counter()
-            loss = train_step(model, optimizers, batches, windows, trainer.forwards(step, comm.world_size))
-            launch_ms = 1000 * (time.perf_counter() - launch_started)
-            if diloco is not None and diloco.step != step + 1:  # healed from a peer inside this step
-                log(f"diloco: recovered weights and optimizer state from a peer; step {step + 1} -> {diloco.step}; "
-                    f"the data goes on from this rank's micro-batch {schedule.micro_batches_before(diloco.step) // comm.world_size}")
-                step = diloco.step - 1
-                batches.close()  # a restarted replica read from the start of its share: go on where the peer is
-                batches = batches_from(diloco.step)
-            watch.push(step, loss)
-            elapsed_ms = train_time_ms + 1000 * (time.perf_counter() - clock)
-            step_times.add(step + 1, elapsed_ms - previous_ms, launch_ms)
-            previous_ms = elapsed_ms
-            log(f"step:{step + 1}/{N} train_time:{elapsed_ms:.0f}ms step_avg:{elapsed_ms / (step + 1):.2f}ms")
-            for reason in recompiles.new_reasons():
-                log(f"warning: recompiled in the timed region at step {step + 1}: {reason}")
-            step += 1
-        watch.flush()
-    finally:
-        batches.close()
-        recompiles.close()
-        step_times.close()
-        gc.unfreeze()
-        if diloco is not None:
-            diloco.close()
+    def pause_clock(self):
+        self.synchronize()
+        self.train_time_ms += 1000 * (time.perf_counter() - self.clock)
 
-    for reason in recompiles.new_reasons():  # validation graphs, if any slipped past the warm-up
-        log(f"warning: recompiled in the timed region: {reason}")
-    log(f"graphs compiled in the timed region: {recompiles.since_warm_up()}")
-    summaries = [step_times.summary(watch.gpu_ms)]
-    if comm.distributed:  # a pause on one rank shows on the others as GPU time spent waiting in a collective
-        own, summaries = summaries[0], [None] * comm.world_size
-        dist.all_gather_object(summaries, own)
-    for rank, lines in enumerate(summaries):
-        for line in lines:
-            log(line if rank == 0 else f"rank {rank}: {line}")
-    if device.type == "cuda":
-        log(f"peak memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "
-            f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")
-    log(weights_checksum(model))
-    return TrainResult(watch.losses, val_losses, train_time_ms)
+    def start_clock(self):
+        self.synchronize()
+        self.clock = time.perf_counter()
+
+    def follow_window_history(self, step: int):
+        history = self.schedule.long_window_history(step)
+        if history != self.history:
+            self.history = history
+            self.model.rotary.set_window_history(history)
+
+    def loop(self):
+        cfg, schedule = self.cfg, self.schedule
+        N = schedule.total_steps
+        self.batches = self.batches_from(self.start_step)
+        # Compiling leaves hundreds of thousands of long-lived Python objects, and a full collection walks them
+        # all (the tiny preset compiled on a CPU: 408K objects, 359 ms per full collection; frozen, 0.003 ms).
+        # The likely cause of the single steps 300-430 ms over the median in 400-step runs on 1xH100; the log's
+        # garbage-collection line tells. Frozen, and watched, right before the try whose finally undoes both.
+        gc.collect()
+        gc.freeze()
+        self.step_times = StepTimes(schedule)
+        try:
+            if self.diloco is not None:
+                self.diloco.__enter__()
+            self.start_clock()
+            step = self.start_step
+            while True:
+                last = step == N
+                if last and self.diloco is not None:
+                    self.diloco.sync_every_fragment()
+                if schedule.validates(step) and not (cfg.resume and step == self.start_step):  # else it is logged
+                    self.validate(step)
+                periodic = cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and 0 < step < N
+                if cfg.save_checkpoint and step != self.start_step and (last or periodic):
+                    self.write_checkpoint(cfg.save_checkpoint if last else checkpoint_path_at(cfg.save_checkpoint, step),
+                                          step)
+                if last:
+                    break
+                step = self.run_step(step)
+            self.watch.flush()
+        finally:
+            self.batches.close()
+            self.trainer.recompiles.close()
+            self.step_times.close()
+            gc.unfreeze()
+            if self.diloco is not None:
+                self.diloco.close()
+
+    def validate(self, step: int):
+        self.pause_clock()
+        self.watch.flush(other_work_follows=True)
+        seen = self.schedule.validation_step(step)
+        if self.schedule.mtp_offsets > 1:
+            self.model.set_mtp_weights([1.0])
+        self.follow_window_history(seen)
+        val_loss = evaluate(self.model, self.cfg, self.comm, self.val_paths, self.schedule.windows(seen), self.device,
+                            self.trainer.packed)
+        self.val_losses.append((step, val_loss))
+        recent = self.watch.losses[self.reported:]  # training loss since the previous validation
+        self.reported = len(self.watch.losses)
+        self.log(f"step:{step}/{self.schedule.total_steps} val_loss:{val_loss:.4f} train_time:{self.train_time_ms:.0f}ms "
+                 f"step_avg:{self.train_time_ms / max(step, 1):.2f}ms"
+                 + (f" train_loss:{sum(recent) / len(recent):.4f}" if recent else ""))
+        self.start_clock()
+
+    def write_checkpoint(self, path: str, step: int):
+        self.pause_clock()
+        self.watch.flush(other_work_follows=True)
+        save_checkpoint(path, self.model, self.optimizers, self.cfg, self.comm, self.device, step,
+                        dict(train_time_ms=self.train_time_ms, train_losses=self.watch.losses, reported=self.reported,
+                             val_losses=self.val_losses))
+        self.log(f"checkpoint: {path} at step {step}")
+        self.start_clock()
+
+    def run_step(self, step: int) -> int:
+        """Train step `step`; returns the next one (after a DiLoCo heal, the healed replica's)."""
+        schedule, comm, diloco = self.schedule, self.comm, self.diloco
+        self.follow_window_history(step)
+        set_hyperparameters(self.optimizers, schedule, step)
+        if schedule.mtp_offsets > 1:
+            self.model.set_mtp_weights(schedule.mtp_weights(step))
+        if diloco is not None:
+            diloco.step = step + 1  # what a peer healing from us during this step resumes at
+        launch_started = time.perf_counter()
+        loss = train_step(self.model, self.optimizers, self.batches, schedule.windows(step),
+                          self.trainer.forwards(step, comm.world_size))
+        launch_ms = 1000 * (time.perf_counter() - launch_started)
+        if diloco is not None and diloco.step != step + 1:  # healed from a peer inside this step
+            self.log(f"diloco: recovered weights and optimizer state from a peer; step {step + 1} -> {diloco.step}; "
+                     f"the data goes on from this rank's micro-batch "
+                     f"{schedule.micro_batches_before(diloco.step) // comm.world_size}")
+            step = diloco.step - 1
+            self.batches.close()  # a restarted replica read from the start of its share: go on where the peer is
+            self.batches = self.batches_from(diloco.step)
+        self.watch.push(step, loss)
+        elapsed_ms = self.train_time_ms + 1000 * (time.perf_counter() - self.clock)
+        self.step_times.add(step + 1, elapsed_ms - self.previous_ms, launch_ms)
+        self.previous_ms = elapsed_ms
+        N = schedule.total_steps
+        self.log(f"step:{step + 1}/{N} train_time:{elapsed_ms:.0f}ms step_avg:{elapsed_ms / (step + 1):.2f}ms")
+        for reason in self.trainer.recompiles.new_reasons():
+            self.log(f"warning: recompiled in the timed region at step {step + 1}: {reason}")
+        return step + 1
+
+    def report(self) -> TrainResult:
+        """The run's closing lines: recompiles, step times per stage (every rank's), peak memory, the checksum."""
+        log, comm, recompiles = self.log, self.comm, self.trainer.recompiles
+        for reason in recompiles.new_reasons():  # validation graphs, if any slipped past the warm-up
+            log(f"warning: recompiled in the timed region: {reason}")
+        log(f"graphs compiled in the timed region: {recompiles.since_warm_up()}")
+        summaries = [self.step_times.summary(self.watch.gpu_ms)]
+        if comm.distributed:  # a pause on one rank shows on the others as GPU time spent waiting in a collective
+            own, summaries = summaries[0], [None] * comm.world_size
+            dist.all_gather_object(summaries, own)
+        for rank, lines in enumerate(summaries):
+            for line in lines:
+                log(line if rank == 0 else f"rank {rank}: {line}")
+        if self.device.type == "cuda":
+            log(f"peak memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "
+                f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")
+        log(weights_checksum(self.model))
+        return TrainResult(self.watch.losses, self.val_losses, self.train_time_ms)
 
 
 def evaluate_checkpoint(cfg: Config, comm: Comm, log: RunLog) -> float:
