@@ -79,6 +79,9 @@ class Config:
     vocab_size: int = _data(50257, "tokenizer's vocabulary size (GPT-2's); the model pads it to a multiple of 128")
     bos_token: int = _data(50256, "token that starts every document of a shard (GPT-2's <|endoftext|>)")
     max_doc_len: int = _data(2048, "tokens kept of a document; the rest of a longer one is skipped")
+    # The speedrun cuts documents shorter in its first stage (2026-02-10 record: 896, then 2048).
+    doc_len_schedule: str = _data("", "tokens kept of a document in each stage, each <= max_doc_len; empty: "
+                                      "max_doc_len throughout")
     # ---- run: schedule, validation, logging, seeds
     # 1515 scheduled steps, then 40 more (the speedrun's 2026-02 record): on bench2 this shape beat the same 520
     # steps cooled down to their end (docs/performance.md)
@@ -124,6 +127,9 @@ class Config:
     # sequence of twice the length, (t, h) at position 2t and (t, h + num_heads/2) at 2t + 1, so each query sees
     # its partner head's keys too, over half the window in tokens.
     paired_head_layers: str = _model("0,2,5,9", "comma-separated layers whose heads attend in pairs; empty: none")
+    xsa_layers: str = _model("", "comma-separated layers with learned exclusive self-attention; empty: none")
+    value_gate_reads_embed: bool = _model(False, "the value-embedding gate reads half its gate_dims inputs from the "
+                                                 "value embedding")
     skip_from: int = _model(3, "layer whose output is added, gated, to the input of layer skip_to")
     skip_to: int = _model(6, "layer whose input takes skip_from's output")
     # The head's logits x become cap * sigmoid((x + offset) / divisor) (speedrun 2024-11; 2025-12-26: 23, 5, 7.5).
@@ -281,6 +287,13 @@ class Config:
         return _parse_one_window_pair(self, "extension_windows")
 
     @functools.cached_property
+    def stage_doc_lens(self) -> list[int]:
+        """Tokens kept of a training document in each stage."""
+        if not self.doc_len_schedule:
+            return [self.max_doc_len] * len(self.stage_batches)
+        return _parse_stage_list(self, "doc_len_schedule", int)
+
+    @functools.cached_property
     def mtp_stages(self) -> list[list[tuple[float, float]]]:
         """Per stage, per offset, the multi-token weights (at the stage's start, at its end); next-token only
         when --mtp_schedule is empty."""
@@ -289,6 +302,10 @@ class Config:
     @functools.cached_property
     def paired_layers(self) -> list[int]:
         return parse_layer_list(self, "paired_head_layers")
+
+    @functools.cached_property
+    def xsa_layer_list(self) -> list[int]:
+        return parse_layer_list(self, "xsa_layers")
 
 PRESETS = {
     # A model small enough to train on two CPU processes in seconds, for tests and laptops.
@@ -439,6 +456,8 @@ def validate_config(cfg: Config) -> None:
     paired = cfg.paired_layers
     need(all(cfg.attn_layout[i] != "-" for i in paired),
          f"--paired_head_layers={cfg.paired_head_layers} names a layer without attention (- in --attn_layout)")
+    need(all(cfg.attn_layout[i] != "-" for i in cfg.xsa_layer_list),
+         f"--xsa_layers={cfg.xsa_layers} names a layer without attention (- in --attn_layout)")
     need(not paired or cfg.num_heads % 2 == 0,
          f"--paired_head_layers needs an even --num_heads (it is {cfg.num_heads})")
     need(0 <= cfg.skip_from < cfg.skip_to < cfg.num_layers,
@@ -468,6 +487,9 @@ def validate_config(cfg: Config) -> None:
     need(cfg.val_tokens % cfg.micro_batch_tokens == 0,
          f"--val_tokens={cfg.val_tokens} must be a multiple of --micro_batch_tokens={cfg.micro_batch_tokens}")
     batches, lrs, windows = cfg.stage_batches, cfg.stage_lr_multipliers, cfg.stage_window_blocks
+    need(len(cfg.stage_doc_lens) == len(batches) and all(1 <= n <= cfg.max_doc_len for n in cfg.stage_doc_lens),
+         f"--doc_len_schedule={cfg.doc_len_schedule}: one length per stage of --batch_schedule, each 1 .. "
+         f"--max_doc_len={cfg.max_doc_len}")
     need(cfg.extension_steps >= 0, f"--extension_steps={cfg.extension_steps} must be 0 or more")
     need(len(batches) == len(lrs) == len(windows),
          "--batch_schedule, --lr_schedule and --window_schedule need the same number of stages")
@@ -820,19 +842,24 @@ class CausalSelfAttention(nn.Module):
     token t's head h at position 2t and its head h + num_heads/2 at 2t + 1, so each query also sees its
     partner head's keys of the earlier tokens (and the first head of a pair its partner's at its own
     token's), with positions, documents and the window counted on the doubled sequence; the rotary
-    tables, the masks and the backend come for that length (speedrun 2026-01-07 record, "paired head attention")."""
+    tables, the masks and the backend come for that length (speedrun 2026-01-07 record, "paired head attention").
+    With `xsa` (exclusive self-attention, Zhai 2025; learnable as in the speedrun's 2026-04-29 record) each head's
+    output loses tanh(alpha) of its component along the token's own value, alpha learned per head from 0.
+    With `value_gate_reads_embed` the value-embedding gate reads half its channels from the value embedding
+    (speedrun 2026-02-03)."""
 
     def __init__(self, dim: int, num_heads: int, head_dim: int, gate_dims: int = 0, shift_keys: bool = False,
-                 out_scale: bool = False, paired: bool = False):
+                 out_scale: bool = False, paired: bool = False, xsa: bool = False, value_gate_reads_embed: bool = False):
         super().__init__()
         self.num_heads, self.head_dim, self.gate_dims, self.shift_keys = num_heads, head_dim, gate_dims, shift_keys
-        self.paired = paired
+        self.paired, self.value_gate_reads_embed = paired, value_gate_reads_embed
         # Q, K, V and O stacked as one [4*dim, dim] matrix (each block out x in): the same shape as the
         # MLP weights, so the optimizer can treat all matrices of the model as one stack.
         self.qkvo_w = nn.Parameter(torch.empty(4 * dim, dim))
         # gate weights per head: row 0 the output gate, row 1 the value-embedding gate
         self.gate_w = nn.Parameter(torch.zeros(2, num_heads, gate_dims)) if gate_dims else None
         self.out_scale = nn.Parameter(torch.ones(1)) if out_scale else None
+        self.xsa_alpha = nn.Parameter(torch.zeros(num_heads)) if xsa else None
 
     def forward(self, x: Tensor, value_embed: Tensor, value_mix: Tensor, rope, mask, attend, starts: Tensor) -> Tensor:
         T, dim = x.shape
@@ -849,15 +876,27 @@ class CausalSelfAttention(nn.Module):
             k = self.offset_keys(k, starts) if self.shift_keys else k
         # Value embeddings (speedrun 2024-12, after Zhou et al. 2024); layers without one get zeros, which
         # leaves the learned scale of v and lets every attention block share one compiled graph.
+        if self.gate_w is not None:
+            gate_w = self.gate_w.to(x.dtype)
+            if self.value_gate_reads_embed:
+                half = self.gate_dims // 2
+                out_gate = torch.sigmoid(x[:, : self.gate_dims] @ gate_w[0].T)[..., None]  # [T, heads, 1]
+                value_gate = torch.sigmoid(torch.cat([x[:, :half], value_embed[:, : self.gate_dims - half]], dim=-1)
+                                           @ gate_w[1].T)[..., None]
+            else:  # both gates from one product
+                gates = torch.sigmoid(x[:, : self.gate_dims] @ gate_w.view(-1, self.gate_dims).T)
+                out_gate, value_gate = gates.view(T, 2, self.num_heads, 1).unbind(1)  # [T, heads, 1] each
         value_embed = value_mix[1] * value_embed.view_as(v)
         if self.gate_w is not None:
-            gates = torch.sigmoid(x[:, : self.gate_dims] @ self.gate_w.to(x.dtype).view(-1, self.gate_dims).T)
-            out_gate, value_gate = gates.view(T, 2, self.num_heads, 1).unbind(1)  # [T, heads, 1] each
             value_embed = 2 * value_gate * value_embed
         v = value_mix[0] * v + value_embed
+        own_value = v
         if self.paired:
             v = v.reshape(k.shape)
         y = attend((q * scale).type_as(k), k, v, mask).reshape(T, self.num_heads, self.head_dim)
+        if self.xsa_alpha is not None:
+            unit = F.normalize(own_value.float(), dim=-1).type_as(y)
+            y = y - torch.tanh(self.xsa_alpha.to(y.dtype))[:, None] * (y * unit).sum(-1, keepdim=True) * unit
         if self.gate_w is not None:
             y = out_gate * y
         y = y.reshape(T, dim) @ w[3 * dim:].T
@@ -887,10 +926,12 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: Config, has_attention: bool, shift_keys: bool = False, paired: bool = False):
+    def __init__(self, cfg: Config, has_attention: bool, shift_keys: bool = False, paired: bool = False,
+                 xsa: bool = False):
         super().__init__()
         self.attn = (CausalSelfAttention(cfg.model_dim, cfg.num_heads, cfg.head_dim, cfg.gate_dims if cfg.gates else 0,
-                                         shift_keys, cfg.attn_out_scale, paired) if has_attention else None)
+                                         shift_keys, cfg.attn_out_scale, paired, xsa, cfg.value_gate_reads_embed)
+                     if has_attention else None)
         self.paired = paired
         self.mlp = MLP(cfg.model_dim, cfg.mlp_ratio * cfg.model_dim, cfg.fused_mlp and cfg.triton_kernels)
         # [residual scale, embedding (x0) scale, value scale, value-embedding scale, bigram scale]
@@ -945,8 +986,8 @@ class GPT(nn.Module):
         num_value_embeds = 1 + max((int(c) for c in cfg.value_embed_layout if c != "."), default=-1)
         self.value_embeds = nn.ModuleList(nn.Embedding(vocab, dim) for _ in range(num_value_embeds))
         paired = cfg.paired_layers
-        self.blocks = nn.ModuleList(Block(cfg, kind != "-", cfg.key_offset and kind == "L", i in paired)
-                                    for i, kind in enumerate(cfg.attn_layout))
+        self.blocks = nn.ModuleList(Block(cfg, kind != "-", cfg.key_offset and kind == "L", i in paired,
+                                          i in cfg.xsa_layer_list) for i, kind in enumerate(cfg.attn_layout))
         self.attend_paired = attend.for_paired_heads() if paired else None
         for block in self.blocks:
             block.attend = self.attend_paired if block.paired else attend
@@ -1730,10 +1771,11 @@ def document_starts(path: str, bos: int, vocab_size: int) -> tuple[np.ndarray, n
     return tokens, np.flatnonzero(tokens == bos)
 
 
-def bos_aligned_batches(paths: list[str], length: int, max_doc_len: int, repeat: bool, on_new_pass=None, *,
+def bos_aligned_batches(paths: list[str], length: int, max_doc_len, repeat: bool, on_new_pass=None, *,
                         bos: int, vocab_size: int):
     """Yield (tokens, spans): each batch is `length` tokens made of whole documents from their BOS on,
     each cut at max_doc_len, the last one cut to fit (speedrun 2025-07: batches start at a BOS).
+    max_doc_len: an int, or a function of the batch's index (0, 1, ...) giving that batch's cut.
 
     The text of a document past max_doc_len is dropped; so is the tail of each shard. With `repeat`,
     the shards start over when they run out, and on_new_pass(number) is called. The next shard is mapped
@@ -1748,6 +1790,7 @@ def bos_aligned_batches(paths: list[str], length: int, max_doc_len: int, repeat:
 
     order = shard_order()
     current, produced = next(order), False
+    index = 0  # of the batch being built
     with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-index") as indexer:
         job = indexer.submit(document_starts, current[1], bos, vocab_size)
         while current is not None:
@@ -1759,15 +1802,17 @@ def bos_aligned_batches(paths: list[str], length: int, max_doc_len: int, repeat:
             doc = 0
             while True:
                 spans, need = [], length
+                cap = max_doc_len(index) if callable(max_doc_len) else max_doc_len
                 while need > 0 and doc < len(starts):
                     start = int(starts[doc])
-                    end = min(int(ends[doc]), start + max_doc_len, start + need)
+                    end = min(int(ends[doc]), start + cap, start + need)
                     spans.append((start, end))
                     need -= end - start
                     doc += 1
                 if need > 0:
                     break
                 produced = True
+                index += 1
                 yield tokens, spans
             pass_ends = following is None or following[0] > current[0]
             if pass_ends and not produced:
@@ -1784,7 +1829,14 @@ def train_batches_for_rank(paths: list[str], cfg: Config, comm: Comm, on_new_pas
     interleave the same way, so no two replicas read the same micro-batch."""
     replicas, replica = (cfg.diloco_replicas, cfg.replica) if cfg.diloco else (1, 0)
     stride, offset = replicas * comm.world_size, replica * comm.world_size + comm.rank
-    batches = bos_aligned_batches(paths, cfg.micro_batch_tokens + 1, cfg.max_doc_len, cfg.train_repeat, on_new_pass,
+    max_doc_len = cfg.max_doc_len
+    if len(set(cfg.stage_doc_lens)) > 1:  # the cut of the stage the batch trains in
+        stage_of = Schedule(cfg).stage_of_micro_batch
+
+        def max_doc_len(index: int) -> int:
+            in_group = index // stride * comm.world_size + index % stride % comm.world_size  # one group's count
+            return cfg.stage_doc_lens[min(stage_of(in_group), len(cfg.stage_doc_lens) - 1)]
+    batches = bos_aligned_batches(paths, cfg.micro_batch_tokens + 1, max_doc_len, cfg.train_repeat, on_new_pass,
                                   bos=cfg.bos_token, vocab_size=cfg.vocab_size)
     for index, (tokens, spans) in enumerate(batches):
         if index % stride == offset:
@@ -1983,6 +2035,10 @@ class Schedule:
         self.stage_windows = in_tokens
         short, long = cfg.final_window_blocks
         self.final_windows = (short * block, long * block)
+        # micro-batches before the first step of each stage after the first, the extension counted as one
+        firsts = [next(s for s in range(self.total_steps + 1) if s == self.total_steps or self.stage(s) >= k)
+                  for k in range(1, len(self.batches) + 1)]
+        self.stage_starts = [self.micro_batches_before(s) for s in firsts]
 
     def validates(self, step: int) -> bool:
         """Whether validation runs before this step (step total_steps: the end)."""
@@ -2017,6 +2073,11 @@ class Schedule:
     def micro_batches_before(self, step: int) -> int:
         """Micro-batches of all steps before this one, summed over all ranks."""
         return sum(self.micro_batches(s) for s in range(step))
+
+    def stage_of_micro_batch(self, index: int) -> int:
+        """The stage of the step that trains micro-batch `index` (0, 1, ... over all ranks of the run; the
+        extension counts as the stage after the last)."""
+        return sum(index >= start for start in self.stage_starts)
 
     def micro_batches(self, step: int) -> int:
         """Micro-batches in this step, summed over all ranks."""
@@ -2350,6 +2411,7 @@ def build_optimizers(model: GPT, cfg: Config) -> list[torch.optim.Optimizer]:
     scalars += [p for p in (model.backout, model.smear_scale) if p is not None]
     scalars += [b.attn.out_scale for b in model.blocks if b.attn is not None and b.attn.out_scale is not None]
     gates = [block.attn.gate_w for block in model.blocks if block.attn is not None and block.attn.gate_w is not None]
+    xsa = [b.attn.xsa_alpha for b in model.blocks if b.attn is not None and b.attn.xsa_alpha is not None]
     wd = cfg.adam_weight_decay
     adam = DistAdam([dict(params=tables, lr=cfg.adam_lr * cfg.embed_lr_mul, betas=cfg.table_betas,
                           weight_decay=wd * cfg.table_wd_mul),
@@ -2362,6 +2424,8 @@ def build_optimizers(model: GPT, cfg: Config) -> list[torch.optim.Optimizer]:
                           weight_decay=wd * cfg.head_wd_mul),
                      dict(params=scalars, lr=cfg.adam_lr * cfg.scalar_lr_mul, weight_decay=0.0)]
                     + ([dict(params=gates, lr=cfg.adam_lr, weight_decay=0.0)] if gates else [])
+                    # as the speedrun's 2026-04-29 record: betas 0.9 / 0.95, the base lr
+                    + ([dict(params=xsa, lr=cfg.adam_lr, betas=(0.9, 0.95), weight_decay=0.0)] if xsa else [])
                     # the smear and skip gates learn slowly (speedrun 2025-12-21: lr x0.01 and x0.05)
                     + ([dict(params=[model.smear_gate_w], lr=cfg.adam_lr * 0.01, weight_decay=0.0)]
                        if model.smear_gate_w is not None else [])

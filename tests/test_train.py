@@ -168,6 +168,26 @@ def test_shards_without_documents_are_named(tmp_path):
             next(tg.bos_aligned_batches([path], 257, 64, repeat=repeat, **BATCHES))
 
 
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_doc_len_schedule_cuts_documents_per_stage(tiny_data, world_size):
+    """Documents cut at 16 tokens in the first stage's micro-batches, 64 in the second's, 128 after (the tiny
+    schedule: 24 steps of 8, 8 and 16 micro-batches: 64, 64, then 128 micro-batches), at any world size."""
+    cfg = tiny_config(*tiny_data, micro_batch_tokens=128, max_doc_len=128, doc_len_schedule="16,64,128")
+    assert tg.Schedule(cfg).stage_starts == [64, 128, 256]
+    longest = {0: 0, 1: 0, 2: 0}
+    for rank in range(world_size):
+        batches = tg.train_batches_for_rank(tg.shard_paths(cfg.train_files, "train_files"), cfg,
+                                            tg.Comm(rank=rank, world_size=world_size))
+        for i, window in zip(range(256 // world_size), batches):
+            stage = tg.Schedule(cfg).stage_of_micro_batch(i * world_size + rank)
+            starts = list(np.flatnonzero(window[:-1] == BOS)) + [len(window) - 1]
+            assert starts[0] == 0
+            longest[stage] = max(longest[stage], max(np.diff(starts)))
+    assert longest[0] == 16 and longest[1] == 64 and longest[2] > 64  # the data's documents reach 121 tokens
+    with pytest.raises(tg.UserError, match=re.escape("--doc_len_schedule=16,64: one length per stage")):
+        tiny_config(*tiny_data, doc_len_schedule="16,64")
+
+
 def test_ranks_split_the_global_batch_sequence(tmp_path):
     path = str(write_shard(tmp_path / "s.bin", learnable_documents(20_000, seed=6)))
     cfg = tg.Config(micro_batch_tokens=128, max_doc_len=64, **TOKENS)
@@ -540,6 +560,59 @@ def test_paired_head_layers_give_one_loss_on_sdpa_and_flex():
     assert abs(losses[0] - losses[2]) > 1e-4
 
 
+def test_exclusive_self_attention_removes_the_own_value_direction():
+    """With an attention that returns each token's own value, XSA leaves (1 - tanh(alpha)) of it; alpha starts at 0
+    (no change), learns, and trains in its own Adam group."""
+    heads, head_dim, T = 2, 8, 6
+    rotary = tg.Rotary(head_dim=head_dim, max_len=16)
+    x = torch.randn(T, heads * head_dim)
+    plain = tg.CausalSelfAttention(heads * head_dim, heads, head_dim)
+    xsa = tg.CausalSelfAttention(heads * head_dim, heads, head_dim, xsa=True)
+    xsa.qkvo_w.data.copy_(plain.qkvo_w.data.normal_())
+    args = (torch.zeros(T, heads * head_dim), torch.ones(2), rotary.tables(), None, lambda q, k, v, mask: v,
+            torch.zeros(T, dtype=torch.bool))
+    assert torch.equal(xsa(x, *args), plain(x, *args))
+    xsa.xsa_alpha.data.fill_(math.atanh(0.25))
+    y = xsa(x, *args)
+    torch.testing.assert_close(y, 0.75 * plain(x, *args))
+    y.square().sum().backward()
+    assert xsa.xsa_alpha.grad.abs().min() > 0
+    # with real attention: the output minus its projection on the normalised own value
+    sdpa = tg.SdpaAttention()
+    tokens = torch.full((T,), 3, dtype=torch.int32)
+    mask = sdpa.prepare(T, cu_seqlens_of(tokens, BOS), {"S": T})["S"]
+    captured = {}
+
+    def attend(q, k, v, mask):
+        captured["v"], captured["y"] = v, sdpa(q, k, v, mask)
+        return captured["y"]
+    got = xsa(x, args[0], args[1], args[2], mask, attend, args[5])
+    unit = captured["v"] / captured["v"].norm(dim=-1, keepdim=True)
+    want_y = captured["y"] - 0.25 * (captured["y"] * unit).sum(-1, keepdim=True) * unit
+    torch.testing.assert_close(got, want_y.reshape(T, -1) @ xsa.qkvo_w[3 * heads * head_dim:].T)
+    model = tg.GPT(dataclasses.replace(tg.parse_cli(TINY)[0], xsa_layers="1,3"), tg.SdpaAttention(), torch.float32)
+    groups = [g for g in tg.build_optimizers(model, model.cfg)[1].param_groups
+              if any(p is model.blocks[1].attn.xsa_alpha for p in g["params"])]
+    assert len(groups) == 1 and groups[0]["betas"] == (0.9, 0.95) and len(groups[0]["params"]) == 2
+
+
+def test_value_gate_can_read_the_value_embedding():
+    heads, head_dim, T, gate_dims = 2, 8, 5, 6
+    dim = heads * head_dim
+    rotary = tg.Rotary(head_dim=head_dim, max_len=16)
+    layer = tg.CausalSelfAttention(dim, heads, head_dim, gate_dims=gate_dims, value_gate_reads_embed=True)
+    layer.qkvo_w.data.normal_()
+    layer.gate_w.data.normal_()
+    x, ve = torch.randn(T, dim), torch.randn(T, dim)
+    mix = torch.tensor([0.5, 1.0])
+    got = layer(x, ve, mix, rotary.tables(), None, lambda q, k, v, mask: v, torch.zeros(T, dtype=torch.bool))
+    v = (x @ layer.qkvo_w[2 * dim: 3 * dim].T).view(T, heads, head_dim)
+    out_gate = torch.sigmoid(x[:, :gate_dims] @ layer.gate_w[0].T)[..., None]
+    value_gate = torch.sigmoid(torch.cat([x[:, :3], ve[:, :3]], dim=-1) @ layer.gate_w[1].T)[..., None]
+    want = (out_gate * (0.5 * v + 2 * value_gate * ve.view(T, heads, head_dim))).reshape(T, dim) @ layer.qkvo_w[3 * dim:].T
+    torch.testing.assert_close(got, want)
+
+
 def test_yarn_keeps_fast_frequencies_and_slows_slow_ones():
     freqs = torch.tensor([10.0, 1.0, 0.01])
     scaled = tg.yarn_rescale(freqs, old_window=384, new_window=896)
@@ -768,8 +841,9 @@ def _train_on_rank(rank, world_size, cfg):
 
 
 @pytest.mark.parametrize("extras", [{}, tg.PRESETS["plain"], dict(adam_period=3, num_iterations=4),
-                                    dict(paired_head_layers="0,1")],
-                         ids=["defaults", "plain", "adam_period_3", "paired_short_and_long"])
+                                    dict(paired_head_layers="0,1"),
+                                    dict(xsa_layers="1,3", value_gate_reads_embed=1, doc_len_schedule="32,64,128")],
+                         ids=["defaults", "plain", "adam_period_3", "paired_short_and_long", "xsa_ve_gate_doc_lens"])
 def test_world_size_1_and_2_give_the_same_losses(tiny_data, tmp_path, extras):
     cfg = tiny_config(*tiny_data, **{**dict(num_iterations=3), **extras}, val_loss_every=0, log_dir=str(tmp_path),
                       run_id="w1", micro_batch_tokens=128)
