@@ -130,6 +130,9 @@ class Config:
     xsa_layers: str = _model("", "comma-separated layers with learned exclusive self-attention; empty: none")
     value_gate_reads_embed: bool = _model(False, "the value-embedding gate reads half its gate_dims inputs from the "
                                                  "value embedding")
+    sublayer_scales: bool = _model(False, "attention and MLP each with residual and output scales; x0 and bigram "
+                                          "after attention")
+    attn_input_from: int = _model(-1, "layers after this one attend to its output, not to their input; -1: none")
     skip_from: int = _model(3, "layer whose output is added, gated, to the input of layer skip_to")
     skip_to: int = _model(6, "layer whose input takes skip_from's output")
     # The head's logits x become cap * sigmoid((x + offset) / divisor) (speedrun 2024-11; 2025-12-26: 23, 5, 7.5).
@@ -462,6 +465,8 @@ def validate_config(cfg: Config) -> None:
          f"--paired_head_layers needs an even --num_heads (it is {cfg.num_heads})")
     need(0 <= cfg.skip_from < cfg.skip_to < cfg.num_layers,
          f"--skip_from={cfg.skip_from} --skip_to={cfg.skip_to}: need 0 <= skip_from < skip_to < num_layers")
+    need(-1 <= cfg.attn_input_from < cfg.num_layers - 1,
+         f"--attn_input_from={cfg.attn_input_from}: use a layer 0 .. num_layers-2 ({cfg.num_layers - 2}), or -1")
     need(-1 <= cfg.backout_from < cfg.num_layers,
          f"--backout_from={cfg.backout_from}: use a layer 0 .. num_layers-1 ({cfg.num_layers - 1}), or -1 for none")
     need(0 < cfg.logit_softcap <= 4 * cfg.logit_divisor,
@@ -926,6 +931,14 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
+    """Attention (if the layer has it) and an MLP, each on the normed stream. Two residual forms:
+    - one scale per layer (speedrun 2024-11): x = residual * x + x0_scale * x0 + bigram_scale * bigram, then
+      x + attention(norm x), then x + MLP(norm x);
+    - --sublayer_scales (speedrun 2026-02-12, as simplified 2026-03-06): x = r_a * x + o_a * attention(norm a) +
+      x0_scale * x0 + bigram_scale * bigram, then r_m * x + o_m * MLP(norm x), with a the layer's input or (past
+      --attn_input_from) that layer's output; a layer without attention only runs its MLP.
+    value_scales: [value scale, value-embedding scale] of the attention's v."""
+
     def __init__(self, cfg: Config, has_attention: bool, shift_keys: bool = False, paired: bool = False,
                  xsa: bool = False):
         super().__init__()
@@ -934,19 +947,38 @@ class Block(nn.Module):
                      if has_attention else None)
         self.paired = paired
         self.mlp = MLP(cfg.model_dim, cfg.mlp_ratio * cfg.model_dim, cfg.fused_mlp and cfg.triton_kernels)
-        # [residual scale, embedding (x0) scale, value scale, value-embedding scale, bigram scale]
-        self.lambdas = nn.Parameter(torch.tensor([cfg.residual_init, 0.0, 0.5, cfg.value_embed_scale_init, 0.1]))
+        self.value_scales = nn.Parameter(torch.tensor([0.5, cfg.value_embed_scale_init]))
+        if cfg.sublayer_scales:  # sqrt(1.1) per sublayer: 1.1 per layer, as the single scale
+            self.residual_scales = nn.Parameter(torch.full((2,), cfg.residual_init ** 0.5))  # attention, MLP
+            self.output_scales = nn.Parameter(torch.ones(2))  # attention, MLP
+            self.injection = nn.Parameter(torch.tensor([0.0, 0.05]))  # x0, bigram
+            self.lambdas = None
+        else:
+            self.residual_scales = self.output_scales = self.injection = None
+            self.lambdas = nn.Parameter(torch.tensor([cfg.residual_init, 0.0, 0.1]))  # residual, x0, bigram
         self.attend = None  # the attention backend, set by GPT
 
     def forward(self, x: Tensor, x0: Tensor, value_embed: Tensor, rope, mask, bigram: Tensor | None,
-                starts: Tensor) -> Tensor:
-        lambdas = self.lambdas.to(x.dtype)
-        x = lambdas[0] * x + lambdas[1] * x0  # every layer can re-read the embedding (speedrun 2024-11)
-        if bigram is not None:
-            x = x + lambdas[4] * bigram
+                starts: Tensor, attn_input: Tensor | None = None) -> Tensor:
+        value_scales = self.value_scales.to(x.dtype)
+        if self.lambdas is not None:
+            lambdas = self.lambdas.to(x.dtype)
+            x = lambdas[0] * x + lambdas[1] * x0  # every layer can re-read the embedding (speedrun 2024-11)
+            if bigram is not None:
+                x = x + lambdas[2] * bigram
+            if self.attn is not None:
+                source = x if attn_input is None else attn_input
+                x = x + self.attn(rms_norm(source), value_embed, value_scales, rope, mask, self.attend, starts)
+            return x + self.mlp(rms_norm(x))
+        residual, output = self.residual_scales.to(x.dtype), self.output_scales.to(x.dtype)
         if self.attn is not None:
-            x = x + self.attn(rms_norm(x), value_embed, lambdas[2:], rope, mask, self.attend, starts)
-        return x + self.mlp(rms_norm(x))
+            source = x if attn_input is None else attn_input
+            y = self.attn(rms_norm(source), value_embed, value_scales, rope, mask, self.attend, starts)
+            injection = self.injection.to(x.dtype)
+            x = residual[0] * x + output[0] * y + injection[0] * x0
+            if bigram is not None:
+                x = x + injection[1] * bigram
+        return residual[1] * x + output[1] * self.mlp(rms_norm(x))
 
 
 class _RowLookup(torch.autograd.Function):
@@ -1116,7 +1148,10 @@ class GPT(nn.Module):
         no_value_embed = torch.zeros_like(x0, requires_grad=not torch.compiler.is_compiling())
         bigram = bigram_rows.to(self.compute_dtype) if bigram_rows is not None else None
         rope, paired_rope = self.rotary.tables(), self.rotary.paired_tables()
-        skip = None
+        first_bigram = bigram
+        if bigram is not None and self.blocks[0].injection is not None:  # the bigram enters before layer 0 there
+            x, first_bigram = x0 + self.blocks[0].injection[1].to(x0.dtype) * bigram, None
+        skip = attn_input = None
         for i, block in enumerate(self.blocks):
             if i == cfg.skip_to:
                 gate = torch.sigmoid(self.skip_gate).to(x.dtype)
@@ -1125,10 +1160,14 @@ class GPT(nn.Module):
                 x = x + gate * skip
             ve_index = cfg.value_embed_layout[i]
             value_embed = no_value_embed if ve_index == "." else value_embeds[int(ve_index)]
+            layer_bigram = first_bigram if i == 0 else bigram
             if block.paired:
-                x = block(x, x0, value_embed, paired_rope, masks["P" + cfg.attn_layout[i]], bigram, starts)
+                x = block(x, x0, value_embed, paired_rope, masks["P" + cfg.attn_layout[i]], layer_bigram, starts,
+                          attn_input)
             else:
-                x = block(x, x0, value_embed, rope, masks.get(cfg.attn_layout[i]), bigram, starts)
+                x = block(x, x0, value_embed, rope, masks.get(cfg.attn_layout[i]), layer_bigram, starts, attn_input)
+            if i == cfg.attn_input_from:  # the layers after it attend to this output (speedrun 2026-03-06)
+                attn_input = x
             if i == cfg.skip_from:
                 skip = x
             if i == cfg.backout_from:
@@ -2407,7 +2446,12 @@ def build_optimizers(model: GPT, cfg: Config) -> list[torch.optim.Optimizer]:
                 beta2=cfg.normuon_beta2, shape_lr=cfg.muon_shape_lr, use_triton=None if cfg.triton_kernels else False)
     bigram = [model.bigram_embed.weight] if model.bigram_embed is not None else []
     tables = [ve.weight for ve in model.value_embeds] + bigram
-    scalars = [model.skip_gate] + [block.lambdas for block in model.blocks]
+    scalars = [model.skip_gate] + [block.value_scales for block in model.blocks]
+    scalars += [block.lambdas for block in model.blocks if block.lambdas is not None]
+    residual_scales = [block.residual_scales for block in model.blocks if block.residual_scales is not None]
+    # the speedrun's 2026-03-06 record: betas 0.9 / 0.95; the residual scales at the scalars' lr, the others at the base
+    mixing = [p for block in model.blocks if block.output_scales is not None
+              for p in (block.output_scales, block.injection)]
     scalars += [p for p in (model.backout, model.smear_scale) if p is not None]
     scalars += [b.attn.out_scale for b in model.blocks if b.attn is not None and b.attn.out_scale is not None]
     gates = [block.attn.gate_w for block in model.blocks if block.attn is not None and block.attn.gate_w is not None]
@@ -2424,6 +2468,9 @@ def build_optimizers(model: GPT, cfg: Config) -> list[torch.optim.Optimizer]:
                           weight_decay=wd * cfg.head_wd_mul),
                      dict(params=scalars, lr=cfg.adam_lr * cfg.scalar_lr_mul, weight_decay=0.0)]
                     + ([dict(params=gates, lr=cfg.adam_lr, weight_decay=0.0)] if gates else [])
+                    + ([dict(params=residual_scales, lr=cfg.adam_lr * cfg.scalar_lr_mul, betas=(0.9, 0.95),
+                              weight_decay=0.0), dict(params=mixing, lr=cfg.adam_lr, betas=(0.9, 0.95), weight_decay=0.0)]
+                       if residual_scales else [])
                     # as the speedrun's 2026-04-29 record: betas 0.9 / 0.95, the base lr
                     + ([dict(params=xsa, lr=cfg.adam_lr, betas=(0.9, 0.95), weight_decay=0.0)] if xsa else [])
                     # the smear and skip gates learn slowly (speedrun 2025-12-21: lr x0.01 and x0.05)

@@ -613,6 +613,46 @@ def test_value_gate_can_read_the_value_embedding():
     torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize("sublayer_scales", [False, True])
+def test_block_residual_forms(sublayer_scales):
+    """The two residual forms of Block, from its own attention and MLP: one scale per layer with x0 and the bigram
+    added first, or per-sublayer residual and output scales with x0 and the bigram added after attention; the
+    attention reads attn_input (normed) when given."""
+    cfg = dataclasses.replace(tg.parse_cli(TINY)[0], sublayer_scales=sublayer_scales)
+    torch.manual_seed(0)
+    block = tg.Block(cfg, has_attention=True)
+    block.attend = tg.SdpaAttention()
+    for p in block.parameters():
+        p.data.normal_(std=0.3)
+    T, dim = 12, cfg.model_dim
+    x, x0, bigram, source, ve = (torch.randn(T, dim) for _ in range(5))
+    rotary = tg.Rotary(cfg.head_dim, max_len=T)
+    tokens = torch.full((T,), 3, dtype=torch.int32)
+    mask = block.attend.prepare(T, cu_seqlens_of(tokens, BOS), {"S": T})["S"]
+    starts = torch.zeros(T, dtype=torch.bool)
+    got = block(x, x0, ve, rotary.tables(), mask, bigram, starts, attn_input=source)
+
+    def attention(inp):
+        return block.attn(tg.rms_norm(inp), ve, block.value_scales, rotary.tables(), mask, block.attend, starts)
+    if sublayer_scales:
+        r, o, (a, b) = block.residual_scales, block.output_scales, block.injection
+        mid = r[0] * x + o[0] * attention(source) + a * x0 + b * bigram
+        want = r[1] * mid + o[1] * block.mlp(tg.rms_norm(mid))
+    else:
+        r, a, b = block.lambdas
+        mid = r * x + a * x0 + b * bigram
+        mid = mid + attention(source)
+        want = mid + block.mlp(tg.rms_norm(mid))
+    torch.testing.assert_close(got, want)
+    if sublayer_scales:
+        model = tg.GPT(cfg, tg.SdpaAttention(), torch.float32)
+        groups = tg.build_optimizers(model, cfg)[1].param_groups
+        residual = [g for g in groups if any(p is model.blocks[0].residual_scales for p in g["params"])]
+        mixing = [g for g in groups if any(p is model.blocks[0].injection for p in g["params"])]
+        assert residual[0]["betas"] == mixing[0]["betas"] == (0.9, 0.95)
+        assert residual[0]["lr"] == cfg.adam_lr * cfg.scalar_lr_mul and mixing[0]["lr"] == cfg.adam_lr
+
+
 def test_yarn_keeps_fast_frequencies_and_slows_slow_ones():
     freqs = torch.tensor([10.0, 1.0, 0.01])
     scaled = tg.yarn_rescale(freqs, old_window=384, new_window=896)
@@ -842,8 +882,10 @@ def _train_on_rank(rank, world_size, cfg):
 
 @pytest.mark.parametrize("extras", [{}, tg.PRESETS["plain"], dict(adam_period=3, num_iterations=4),
                                     dict(paired_head_layers="0,1"),
-                                    dict(xsa_layers="1,3", value_gate_reads_embed=1, doc_len_schedule="32,64,128")],
-                         ids=["defaults", "plain", "adam_period_3", "paired_short_and_long", "xsa_ve_gate_doc_lens"])
+                                    dict(xsa_layers="1,3", value_gate_reads_embed=1, doc_len_schedule="32,64,128"),
+                                    dict(sublayer_scales=1, attn_input_from=1)],
+                         ids=["defaults", "plain", "adam_period_3", "paired_short_and_long", "xsa_ve_gate_doc_lens",
+                              "sublayer_scales"])
 def test_world_size_1_and_2_give_the_same_losses(tiny_data, tmp_path, extras):
     cfg = tiny_config(*tiny_data, **{**dict(num_iterations=3), **extras}, val_loss_every=0, log_dir=str(tmp_path),
                       run_id="w1", micro_batch_tokens=128)
@@ -899,8 +941,9 @@ def test_packed_forwards_train_as_separate_ones(tiny_data, tmp_path):
         np.testing.assert_allclose([v for _, v in val_losses], [v for _, v in separate.val_losses], rtol=1e-5)
 
 
-@pytest.mark.parametrize("extras", [{}, tg.PRESETS["plain"], dict(paired_head_layers="0,1")],
-                         ids=["defaults", "plain", "paired_heads"])
+@pytest.mark.parametrize("extras", [{}, tg.PRESETS["plain"], dict(paired_head_layers="0,1"),
+                                    dict(sublayer_scales=1, attn_input_from=1, xsa_layers="1,3")],
+                         ids=["defaults", "plain", "paired_heads", "sublayer_scales_xsa"])
 def test_a_packed_forward_computes_the_losses_of_separate_ones(tiny_data, extras):
     """Two validation chunks (the second starts mid-document) in one forward against one forward each, with random
     weights so that attention carries signal: the same mean loss. A packed forward must not let the second
