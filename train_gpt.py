@@ -511,9 +511,6 @@ def validate_config(cfg: Config) -> None:
          f"--checkpoint_every={cfg.checkpoint_every}: use 0 or a multiple of Adam's period ({period}), so that no "
          "summed gradient is pending at a checkpoint")
     need(not cfg.checkpoint_every or cfg.save_checkpoint, "--checkpoint_every needs --save_checkpoint=PATH")
-    need(not cfg.save_checkpoint or (cfg.num_iterations + cfg.extension_steps) % period == 0,
-         f"--save_checkpoint: --num_iterations + --extension_steps must be a multiple of Adam's period ({period}), "
-         "so that no summed gradient is pending at the end")
     need(not cfg.eval_only or cfg.init_from, "--eval_only=1 needs --init_from=CHECKPOINT")
     need(not cfg.sample or cfg.init_from, "--sample needs --init_from=CHECKPOINT")
     need(not (cfg.sample and cfg.eval_only), "--sample and --eval_only=1: choose one")

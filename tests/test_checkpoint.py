@@ -187,6 +187,11 @@ def test_sample_continues_the_learned_rule_and_is_reproducible(whole_run, tmp_pa
     assert runs[0] == runs[1] and runs[0] != runs[2]
 
 
+def test_a_run_may_end_on_a_step_that_only_sums_gradients_and_still_save():
+    cfg, _ = tg.parse_cli(["--preset=tiny", "--num_iterations=7", "--save_checkpoint=x.pt"])  # Adam every 2nd step
+    assert tg.Schedule(cfg).total_steps % tg.resolved_adam_period(cfg) == 1
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--sample=hello"], "--sample needs --init_from=CHECKPOINT"),
     (["--sample=hello", "--init_from=x.pt", "--eval_only=1"], "--sample and --eval_only=1: choose one"),
