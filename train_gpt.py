@@ -203,6 +203,7 @@ class Config:
     # row (or column: per entry of its longer side) by a second-moment estimate with this beta2, keeping its
     # Frobenius norm; 0 is plain Muon (--preset=plain pairs it with lr 0.06 and no shape lr, multiplier or decay).
     normuon_beta2: float = _optim(0.95, "NorMuon's second-moment beta2; 0: plain Muon")
+    muon_qk_blocks: int = _optim(1, "row blocks Muon orthogonalises Q and K in, each (3: per head pair)")
     # The lr of a matrix is muon_lr, times sqrt(max(1, rows/cols)) of its (split) shape as stored with muon_shape_lr
     # (speedrun 2025-10-27), times muon_proj_lr_mul for the MLP's output projections (speedrun 2025-12-11).
     muon_lr: float = _optim(0.023, "Muon's lr of the hidden matrices")
@@ -484,6 +485,8 @@ def validate_config(cfg: Config) -> None:
     need(0 <= cfg.bos_token < cfg.vocab_size,
          f"--bos_token={cfg.bos_token} must be a token of the vocabulary (below --vocab_size={cfg.vocab_size})")
     need(cfg.num_heads * cfg.head_dim == cfg.model_dim, "num_heads * head_dim must equal model_dim")
+    need(cfg.muon_qk_blocks >= 1 and cfg.num_heads % cfg.muon_qk_blocks == 0,
+         f"--muon_qk_blocks={cfg.muon_qk_blocks}: use a divisor of --num_heads={cfg.num_heads}")
     need(cfg.head_dim % 4 == 0, "--head_dim must be a multiple of 4 (half-truncated rotary)")
     need(cfg.num_iterations >= 1, "--num_iterations must be at least 1")
     need(cfg.micro_batch_tokens % 128 == 0, "--micro_batch_tokens must be a multiple of 128")
@@ -1599,9 +1602,10 @@ class Muon(torch.optim.Optimizer):
     lr is multiplied by sqrt(max(1, rows/cols)) of its (split) shape; a group's "lr_mul" multiplies it too.
 
     Each param group may set "split": its matrices are stacks of that many row blocks, each
-    orthogonalised on its own (a [4d, d] QKVO weight is Q, K, V and O). Storing the attention weights
-    in the MLP weights' shape lets all matrices share reduce-scatters (the speedrun's 2025-09
-    "MuonCustomSizing" record).
+    orthogonalised on its own (a [4d, d] QKVO weight is Q, K, V and O), or runs of blocks of differing
+    heights, ((rows, count), ...) from the top (Q and K per head pair, V and O whole: ((256, 6), (768, 2));
+    the speedrun's 2026-04-08 record). Storing the attention weights in the MLP weights' shape lets all
+    matrices share reduce-scatters (the speedrun's 2025-09 "MuonCustomSizing" record).
 
     Communication schedule of one step, world size W > 1 (W = 1 sends nothing and runs the same math):
       1. for every group of plan_muon_groups (stacked same-shape gradients), launch reduce_scatter_tensor
@@ -1652,24 +1656,29 @@ class Muon(torch.optim.Optimizer):
         first = self.rank * group.per_rank
         owned = group.params[first: first + group.per_rank]
         updates = None
-        by_split: dict[int, list[int]] = {}
+        # (first row, block height, blocks, run) -> the owned matrices with that run of blocks
+        by_run: dict[tuple[int, int, int, int], list[int]] = {}
         directions = []
         for i, p in enumerate(owned):
             settings = self.param_groups[self.group_index_of[p]]
             directions.append(muon_momentum_(grads[i], self.state[p], settings["momentum"]))
-            by_split.setdefault(settings["split"], []).append(i)
-        for split, members in by_split.items():  # one batched orthogonalisation per kind of matrix
-            batch = torch.stack([directions[i] for i in members])
-            n, rows, cols = batch.shape
-            ortho = orthogonalize(batch.view(n * split, rows // split, cols), self.use_triton)
+            first_row = 0
+            for run, (height, count) in enumerate(row_blocks(p, settings)):
+                by_run.setdefault((first_row, height, count, run), []).append(i)
+                first_row += height * count
+        for (first_row, height, count, run), members in by_run.items():  # one batched orthogonalisation per kind
+            rows = slice(first_row, first_row + height * count)
+            batch = torch.stack([directions[i][rows] for i in members])
+            n, cols = len(members), batch.size(-1)
+            ortho = orthogonalize(batch.view(n * count, height, cols), self.use_triton)
             if self.beta2:
                 states = [self.state[owned[i]] for i in members]
-                ortho = normuon_(ortho, states, split, self.beta2)
-            ortho = ortho.view(n, rows, cols)
+                ortho = normuon_(ortho, states, count, self.beta2, "second_moment" if run == 0 else f"second_moment_{run}")
+            ortho = ortho.view(n, height * count, cols)
             if updates is None:
-                updates = ortho.new_zeros(group.per_rank, rows, cols)
+                updates = ortho.new_zeros(group.per_rank, *directions[0].shape)
             for slot, index in enumerate(members):  # indexing with a list would copy it to the GPU: a host sync
-                updates[index].copy_(ortho[slot])
+                updates[index, rows].copy_(ortho[slot])
         if updates is None:  # this rank holds only padding
             updates = grads.new_zeros(grads.shape, dtype=torch.bfloat16 if grads.is_cuda else torch.float32)
         return updates
@@ -1706,16 +1715,25 @@ class Muon(torch.optim.Optimizer):
     def matrix_lr(self, p: Tensor, settings: dict) -> float:
         """The lr of one matrix: its group's (scheduled) lr, times its group's lr_mul, times the shape factor."""
         lr = settings["lr"] * settings["lr_mul"]
-        if self.shape_lr:
-            rows, cols = p.size(-2) // settings["split"], p.size(-1)
+        if self.shape_lr:  # of the first block (the runs of the attention weights all give 1)
+            rows, cols = row_blocks(p, settings)[0][0], p.size(-1)
             lr *= max(1.0, rows / cols) ** 0.5
         return lr
 
 
-def normuon_(ortho: Tensor, states: list[dict], split: int, beta2: float) -> Tensor:
+def row_blocks(p: Tensor, settings: dict) -> list[tuple[int, int]]:
+    """A Muon matrix's runs of row blocks, (height, count) from the top, from its group's "split"."""
+    split = settings["split"]
+    runs = [(p.size(-2) // split, split)] if isinstance(split, int) else [tuple(run) for run in split]
+    if sum(height * count for height, count in runs) != p.size(-2):
+        raise ValueError(f"Muon split {split} does not cover the {p.size(-2)} rows of a {tuple(p.shape)} matrix")
+    return runs
+
+
+def normuon_(ortho: Tensor, states: list[dict], split: int, beta2: float, key: str = "second_moment") -> Tensor:
     """NorMuon's rescaling of orthogonalised updates ortho [n * split, rows, cols] (each of the n owned matrices is
     `split` blocks, one states[i] each matrix): per entry of each block's longer side, the mean square of the
-    update along the other side feeds a running mean (beta2, kept in the state as "second_moment", no bias
+    update along the other side feeds a running mean (beta2, kept in the state under `key`, no bias
     correction); the update is divided by its root, then scaled back to its Frobenius norm."""
     n = len(states)
     blocks, rows, cols = ortho.shape
@@ -1723,12 +1741,12 @@ def normuon_(ortho: Tensor, states: list[dict], split: int, beta2: float) -> Ten
     update = ortho.float()
     mean_square = update.square().mean(dim=reduce_dim, keepdim=True)  # [n * split, rows, 1] or [.., 1, cols]
     for i, state in enumerate(states):
-        if "second_moment" not in state:
-            state["second_moment"] = torch.zeros_like(mean_square[i * split: (i + 1) * split])
-    moments = torch.stack([state["second_moment"] for state in states]).view_as(mean_square)
+        if key not in state:
+            state[key] = torch.zeros_like(mean_square[i * split: (i + 1) * split])
+    moments = torch.stack([state[key] for state in states]).view_as(mean_square)
     moments.lerp_(mean_square, 1 - beta2)
     for i, state in enumerate(states):
-        state["second_moment"].copy_(moments[i * split: (i + 1) * split])
+        state[key].copy_(moments[i * split: (i + 1) * split])
     inverse_root = moments.clamp_min(1e-10).rsqrt()
     side = update.size(reduce_dim)
     norm = (side * mean_square.sum(dim=(-2, -1), keepdim=True)).sqrt()
@@ -2437,7 +2455,9 @@ class TrainingDiverged(UserError):
 def build_optimizers(model: GPT, cfg: Config) -> list[torch.optim.Optimizer]:
     """Adam for embeddings, head and scalars; Muon for the hidden matrices (speedrun 2024-10)."""
     matrices = model.matrix_params()
-    muon = Muon([dict(params=matrices["attn"], split=4), dict(params=matrices["mlp_in"]),
+    dim, qk = cfg.model_dim, cfg.muon_qk_blocks
+    attn_split = 4 if qk == 1 else ((dim // qk, 2 * qk), (dim, 2))  # Q and K in qk blocks each, then V and O
+    muon = Muon([dict(params=matrices["attn"], split=attn_split), dict(params=matrices["mlp_in"]),
                  dict(params=matrices["mlp_out"], lr_mul=cfg.muon_proj_lr_mul)],
                 lr=cfg.muon_lr, momentum=cfg.muon_momentum, weight_decay=cfg.muon_weight_decay,
                 beta2=cfg.normuon_beta2, shape_lr=cfg.muon_shape_lr, use_triton=None if cfg.triton_kernels else False)

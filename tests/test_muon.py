@@ -64,7 +64,10 @@ def rank_grads(rank, step, params):
     return [torch.randn(p.shape, generator=g) for p in params]
 
 
-def reference_params(world_size):
+PAIRS = ((4, 4), (8, 2))  # the attention-like stack's Q and K in 2 blocks each, V and O whole
+
+
+def reference_params(world_size, attn_split=4):
     """Muon written plainly, one matrix at a time, on the gradient averaged over all ranks."""
     attn, mlp, other = make_params()
     params = attn + mlp + other
@@ -77,7 +80,8 @@ def reference_params(world_size):
                 grad = sum(g[i] for g in per_rank) / world_size
                 buffers[i] = MOMENTUM * buffers[i] + (1 - MOMENTUM) * grad
                 direction = (1 - MOMENTUM) * grad + MOMENTUM * buffers[i]
-                blocks = direction.split(8) if i < ATTN else [direction]
+                heights = [8] * 4 if attn_split == 4 else [h for h, count in attn_split for _ in range(count)]
+                blocks = direction.split(heights) if i < ATTN else [direction]
                 ortho = []
                 for b, block in enumerate(blocks):
                     update = tg.orthogonalize(block).double()
@@ -94,12 +98,12 @@ def reference_params(world_size):
     return [p.detach() for p in params]
 
 
-def muon_params(rank, world_size, from_backward=False):
+def muon_params(rank, world_size, from_backward=False, attn_split=4):
     """from_backward: gradients come from a backward with the hooks armed, so the reduce-scatters are
     launched inside the backward instead of in step()."""
     attn, mlp, other = make_params()
     params = attn + mlp + other
-    opt = tg.Muon([dict(params=attn, split=4), dict(params=mlp, lr_mul=MLP_LR_MUL), dict(params=other)], lr=LR,
+    opt = tg.Muon([dict(params=attn, split=attn_split), dict(params=mlp, lr_mul=MLP_LR_MUL), dict(params=other)], lr=LR,
                   momentum=MOMENTUM, weight_decay=WD, beta2=BETA2, shape_lr=True)
     calls = {"all_reduce": 0, "reduce_scatter_tensor": 0, "all_gather_into_tensor": 0}
     for name in calls:
@@ -133,16 +137,17 @@ def assert_close(got, want):
         np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-5, atol=1e-6)
 
 
-def test_single_process_matches_reference():
-    params, buffers, calls, _ = muon_params(0, 1)
-    assert_close(params, reference_params(1))
+@pytest.mark.parametrize("attn_split", [4, PAIRS], ids=["qkvo", "qk_pairs"])
+def test_single_process_matches_reference(attn_split):
+    params, buffers, calls, _ = muon_params(0, 1, False, attn_split)
+    assert_close(params, reference_params(1, attn_split))
     assert sum(calls.values()) == 0
 
 
-@pytest.mark.parametrize("from_backward", [False, True])
-def test_two_ranks_match_single_process_on_the_full_gradient(from_backward):
-    results = run_on_ranks(muon_params, 2, from_backward)
-    want = reference_params(2)
+@pytest.mark.parametrize("from_backward, attn_split", [(False, 4), (True, 4), (False, PAIRS)])
+def test_two_ranks_match_single_process_on_the_full_gradient(from_backward, attn_split):
+    results = run_on_ranks(muon_params, 2, from_backward, attn_split)
+    want = reference_params(2, attn_split)
     total = (ATTN + MLP) * 32 * 8 + OTHER * 12 * 20
     for params, buffers, calls, groups in results:
         assert_close(params, want)

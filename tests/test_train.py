@@ -883,7 +883,7 @@ def _train_on_rank(rank, world_size, cfg):
 @pytest.mark.parametrize("extras", [{}, tg.PRESETS["plain"], dict(adam_period=3, num_iterations=4),
                                     dict(paired_head_layers="0,1"),
                                     dict(xsa_layers="1,3", value_gate_reads_embed=1, doc_len_schedule="32,64,128"),
-                                    dict(sublayer_scales=1, attn_input_from=1)],
+                                    dict(sublayer_scales=1, attn_input_from=1, muon_qk_blocks=2)],
                          ids=["defaults", "plain", "adam_period_3", "paired_short_and_long", "xsa_ve_gate_doc_lens",
                               "sublayer_scales"])
 def test_world_size_1_and_2_give_the_same_losses(tiny_data, tmp_path, extras):
