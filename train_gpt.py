@@ -5,7 +5,7 @@
     python train_gpt.py --help                                          # every config field
 
 One file, read top to bottom: config -> model -> comms -> optimizers -> data -> schedule -> logging ->
-training loop -> DiLoCo -> main, then an appendix of Triton kernels. Importing it runs nothing. The ideas
+checkpoints -> training loop -> DiLoCo -> main, then an appendix of Triton kernels. Importing it runs nothing. The ideas
 (and many constants) come from the public NanoGPT speedrun (github.com/KellerJordan/modded-nanogpt);
 comments credit them where they are used.
 """
