@@ -17,7 +17,6 @@ import functools
 import gc
 import glob
 import hashlib
-import itertools
 import json
 import logging
 import math
@@ -1892,9 +1891,22 @@ def train_batches_for_rank(paths: list[str], cfg: Config, comm: Comm, on_new_pas
             return cfg.stage_doc_lens[min(stage_of(in_group), len(cfg.stage_doc_lens) - 1)]
     batches = bos_aligned_batches(paths, cfg.micro_batch_tokens + 1, max_doc_len, cfg.train_repeat, on_new_pass,
                                   bos=cfg.bos_token, vocab_size=cfg.vocab_size)
-    for index, (tokens, spans) in enumerate(batches):
-        if index % stride == offset:
-            yield np.concatenate([tokens[start:end] for start, end in spans])
+    try:
+        for index, (tokens, spans) in enumerate(batches):
+            if index % stride == offset:
+                yield np.concatenate([tokens[start:end] for start, end in spans])
+    finally:
+        batches.close()  # stops its shard-indexing thread
+
+
+def drop(count: int, batches):
+    """`batches` (a generator) after its first `count`; closing this closes `batches`."""
+    try:
+        for index, batch in enumerate(batches):
+            if index >= count:
+                yield batch
+    finally:
+        batches.close()
 
 
 def val_micro_batches_per_rank(cfg: Config, world_size: int) -> int:
@@ -2012,6 +2024,7 @@ class Prefetcher:
         for _ in range(slots):
             self.free.put(_Slot(seq_len, pin=device.type == "cuda", bos=bos, bigram_rows=bigram_rows, packed=packed))
         self.closed = False
+        self.source = batches
         self.thread = threading.Thread(target=self._fill, args=(batches, packed), daemon=True)
         self.thread.start()
 
@@ -2056,6 +2069,10 @@ class Prefetcher:
         self.closed = True
         self.free.put(None)  # wakes the thread if it waits for a slot
         self.thread.join()
+        # The same for the loader's own thread (bos_aligned_batches indexes the next shard on one): closing the
+        # generator now stops it, where a generator left to the garbage collector could be finalised at exit.
+        if hasattr(self.source, "close"):
+            self.source.close()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -3099,7 +3116,7 @@ class TrainingRun:
             self.log(f"note: the training data starts over (pass {number}); later losses are on repeated data")
 
         skip = self.schedule.micro_batches_before(step) // comm.world_size
-        windows = itertools.islice(train_batches_for_rank(self.train_paths, cfg, comm, note_new_pass), skip, None)
+        windows = drop(skip, train_batches_for_rank(self.train_paths, cfg, comm, note_new_pass))
         return Prefetcher(windows, cfg.micro_batch_tokens, self.device, bigram_rows=cfg.bigram_rows,
                           packed=self.trainer.packed, bos=cfg.bos_token)
 

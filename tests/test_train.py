@@ -188,6 +188,21 @@ def test_doc_len_schedule_cuts_documents_per_stage(tiny_data, world_size):
         tiny_config(*tiny_data, doc_len_schedule="16,64")
 
 
+def test_closing_the_prefetcher_stops_the_loaders_threads(tiny_data):
+    """No loader thread outlives close(): a thread still in numpy or torch when the interpreter exits aborts the
+    process ("terminate called without an active exception"), which a two-process run once did at its end."""
+    cfg = tiny_config(*tiny_data, micro_batch_tokens=128)
+    paths = tg.shard_paths(cfg.train_files, "train_files")
+    assert len(paths) > 1  # so the next shard is being indexed on the helper thread
+    batches = tg.Prefetcher(tg.drop(3, tg.train_batches_for_rank(paths, cfg, tg.Comm())), 128, torch.device("cpu"),
+                            bos=BOS)
+    batches.next()
+    assert any(t.name.startswith("shard-index") for t in threading.enumerate())
+    batches.close()
+    assert not batches.thread.is_alive()
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("shard-index")]
+
+
 def test_ranks_split_the_global_batch_sequence(tmp_path):
     path = str(write_shard(tmp_path / "s.bin", learnable_documents(20_000, seed=6)))
     cfg = tg.Config(micro_batch_tokens=128, max_doc_len=64, **TOKENS)
