@@ -1159,12 +1159,9 @@ class GPT(nn.Module):
                 x = x + gate * skip
             ve_index = cfg.value_embed_layout[i]
             value_embed = no_value_embed if ve_index == "." else value_embeds[int(ve_index)]
-            layer_bigram = first_bigram if i == 0 else bigram
-            if block.paired:
-                x = block(x, x0, value_embed, paired_rope, masks["P" + cfg.attn_layout[i]], layer_bigram, starts,
-                          attn_input)
-            else:
-                x = block(x, x0, value_embed, rope, masks.get(cfg.attn_layout[i]), layer_bigram, starts, attn_input)
+            kind = cfg.attn_layout[i]
+            layer_rope, mask = (paired_rope, masks["P" + kind]) if block.paired else (rope, masks.get(kind))
+            x = block(x, x0, value_embed, layer_rope, mask, first_bigram if i == 0 else bigram, starts, attn_input)
             if i == cfg.attn_input_from:  # the layers after it attend to this output (speedrun 2026-03-06)
                 attn_input = x
             if i == cfg.skip_from:
@@ -2397,13 +2394,12 @@ def set_rng_states(states: dict) -> None:
 def save_checkpoint(path: str, model: GPT, optimizers, cfg: Config, comm: Comm, device: torch.device, step: int,
                     progress: dict) -> None:
     """Everything a resume needs, from every rank's shards, into `path` (written by rank 0, atomically).
-    progress: the training loop's own position (time, losses, validations)."""
+    progress: the training loop's own position (time, losses, validations) and the data it reads."""
     muon_state, adam_state = gather_optimizer_states(model, optimizers, comm, device)
     if comm.rank == 0:
         checkpoint = dict(kind=CHECKPOINT_KIND, format=CHECKPOINT_FORMAT, step=step, config=dataclasses.asdict(cfg),
                           model={name: t.detach().cpu().clone() for name, t in model.state_dict().items()},
-                          muon=muon_state, adam=adam_state, rng=rng_states(),
-                          data=data_fingerprint(shard_paths(cfg.train_files, "train_files")), **progress)
+                          muon=muon_state, adam=adam_state, rng=rng_states(), **progress)
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
         temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
@@ -2449,9 +2445,10 @@ def check_resumable(checkpoint: dict, cfg: Config, train_paths: list[str]) -> No
         raise CheckpointError(f"--resume={cfg.resume}: it was trained on other data files ({len(checkpoint['data'])} "
                               f"shards, the first {tuple(checkpoint['data'][0])}) than --train_files ({len(here)}, "
                               f"the first {here[0]}); resume with the same shards")
-    if checkpoint["step"] > Schedule(cfg).total_steps:
+    total = Schedule(cfg).total_steps
+    if checkpoint["step"] > total:
         raise CheckpointError(f"--resume={cfg.resume}: the checkpoint is at step {checkpoint['step']}, past this "
-                              f"run's {Schedule(cfg).total_steps} steps")
+                              f"run's {total} steps")
 
 
 def load_checkpoint_weights(model: GPT, checkpoint: dict) -> None:
@@ -3198,7 +3195,7 @@ class TrainingRun:
         self.watch.flush(other_work_follows=True)
         save_checkpoint(path, self.model, self.optimizers, self.cfg, self.comm, self.device, step,
                         dict(train_time_ms=self.train_time_ms, train_losses=self.watch.losses, reported=self.reported,
-                             val_losses=self.val_losses))
+                             val_losses=self.val_losses, data=data_fingerprint(self.train_paths)))
         self.log(f"checkpoint: {path} at step {step}")
         self.start_clock()
 

@@ -485,15 +485,22 @@ def test_key_offset_gives_each_key_the_still_half_of_the_previous_one():
     assert torch.equal(got, want) and not torch.equal(got, k)
 
 
-def test_attention_output_scale_multiplies_the_output_and_learns():
+def plain_and_variant_attention(**variant):
+    """A plain attention layer and one with `variant`'s options and the same random weights, an input, and the
+    rest of their arguments, with an attention that returns each token's own value."""
     heads, head_dim, T = 2, 8, 6
     rotary = tg.Rotary(head_dim=head_dim, max_len=16)
     x = torch.randn(T, heads * head_dim)
     plain = tg.CausalSelfAttention(heads * head_dim, heads, head_dim)
-    scaled = tg.CausalSelfAttention(heads * head_dim, heads, head_dim, out_scale=True)
-    scaled.qkvo_w.data.copy_(plain.qkvo_w.data.normal_())
+    other = tg.CausalSelfAttention(heads * head_dim, heads, head_dim, **variant)
+    other.qkvo_w.data.copy_(plain.qkvo_w.data.normal_())
     args = (torch.zeros(T, heads * head_dim), torch.ones(2), rotary.tables(), None, lambda q, k, v, mask: v,
             torch.zeros(T, dtype=torch.bool))
+    return x, plain, other, args
+
+
+def test_attention_output_scale_multiplies_the_output_and_learns():
+    x, plain, scaled, args = plain_and_variant_attention(out_scale=True)
     assert torch.equal(scaled(x, *args), plain(x, *args))  # starts at 1
     scaled.out_scale.data.fill_(2.0)
     y = scaled(x, *args)
@@ -578,14 +585,8 @@ def test_paired_head_layers_give_one_loss_on_sdpa_and_flex():
 def test_exclusive_self_attention_removes_the_own_value_direction():
     """With an attention that returns each token's own value, XSA leaves (1 - tanh(alpha)) of it; alpha starts at 0
     (no change), learns, and trains in its own Adam group."""
-    heads, head_dim, T = 2, 8, 6
-    rotary = tg.Rotary(head_dim=head_dim, max_len=16)
-    x = torch.randn(T, heads * head_dim)
-    plain = tg.CausalSelfAttention(heads * head_dim, heads, head_dim)
-    xsa = tg.CausalSelfAttention(heads * head_dim, heads, head_dim, xsa=True)
-    xsa.qkvo_w.data.copy_(plain.qkvo_w.data.normal_())
-    args = (torch.zeros(T, heads * head_dim), torch.ones(2), rotary.tables(), None, lambda q, k, v, mask: v,
-            torch.zeros(T, dtype=torch.bool))
+    x, plain, xsa, args = plain_and_variant_attention(xsa=True)
+    T, dim = x.shape
     assert torch.equal(xsa(x, *args), plain(x, *args))
     xsa.xsa_alpha.data.fill_(math.atanh(0.25))
     y = xsa(x, *args)
@@ -604,7 +605,7 @@ def test_exclusive_self_attention_removes_the_own_value_direction():
     got = xsa(x, args[0], args[1], args[2], mask, attend, args[5])
     unit = captured["v"] / captured["v"].norm(dim=-1, keepdim=True)
     want_y = captured["y"] - 0.25 * (captured["y"] * unit).sum(-1, keepdim=True) * unit
-    torch.testing.assert_close(got, want_y.reshape(T, -1) @ xsa.qkvo_w[3 * heads * head_dim:].T)
+    torch.testing.assert_close(got, want_y.reshape(T, -1) @ xsa.qkvo_w[3 * dim:].T)
     model = tg.GPT(dataclasses.replace(tg.parse_cli(TINY)[0], xsa_layers="1,3"), tg.SdpaAttention(), torch.float32)
     groups = [g for g in tg.build_optimizers(model, model.cfg)[1].param_groups
               if any(p is model.blocks[1].attn.xsa_alpha for p in g["params"])]
