@@ -520,8 +520,6 @@ def validate_config(cfg: Config) -> None:
          "--init_from is read by --eval_only=1 or --sample (to train on, use --resume)")
     need(cfg.sample_tokens >= 1 and cfg.temperature >= 0,
          f"--sample_tokens={cfg.sample_tokens} --temperature={cfg.temperature}: need at least 1 and at least 0")
-    need(not (cfg.resume and cfg.diloco), "--resume with --diloco=1: a restarted replica heals from its peers; "
-         "resume a DiLoCo run without --resume")
     if cfg.diloco:
         need(cfg.adam_period <= 1, f"--adam_period={cfg.adam_period}: DiLoCo runs need 1 (a sync would land "
              "between the steps whose gradients Adam sums)")
@@ -538,6 +536,10 @@ def validate_config(cfg: Config) -> None:
              f"--fragment_sync_delay={cfg.fragment_sync_delay}: must be below sync_every/num_fragments "
              f"({cfg.sync_every // cfg.num_fragments})")
         need(0.0 <= cfg.fragment_update_alpha <= 1.0, "--fragment_update_alpha must be in [0, 1]")
+        period = cfg.sync_every // cfg.num_fragments
+        need(cfg.checkpoint_every % period == 0,
+             f"--checkpoint_every={cfg.checkpoint_every}: with --diloco=1 use a multiple of sync_every/num_fragments "
+             f"({period}), so that no fragment's all-reduce is in flight at a checkpoint")
         need(cfg.outer_lr > 0, f"--outer_lr={cfg.outer_lr} must be positive")
         need(0.0 <= cfg.outer_momentum < 1.0, f"--outer_momentum={cfg.outer_momentum} must be in [0, 1)")
         need(0 <= cfg.replica < cfg.diloco_replicas,
@@ -2445,6 +2447,14 @@ def check_resumable(checkpoint: dict, cfg: Config, train_paths: list[str]) -> No
         raise CheckpointError(f"--resume={cfg.resume}: it was trained on other data files ({len(checkpoint['data'])} "
                               f"shards, the first {tuple(checkpoint['data'][0])}) than --train_files ({len(here)}, "
                               f"the first {here[0]}); resume with the same shards")
+    saved = checkpoint["config"]
+    if cfg.diloco != ("diloco" in checkpoint):
+        raise CheckpointError(f"--resume={cfg.resume}: the checkpoint was written {'with' if 'diloco' in checkpoint else 'without'} "
+                              f"--diloco=1; resume it {'with' if 'diloco' in checkpoint else 'without'} it")
+    if cfg.diloco and (saved["sync_every"], saved["num_fragments"]) != (cfg.sync_every, cfg.num_fragments):
+        raise CheckpointError(f"--resume={cfg.resume}: the checkpoint's DiLoCo replica synced with "
+                              f"--sync_every={saved['sync_every']} --num_fragments={saved['num_fragments']} (here "
+                              f"{cfg.sync_every} and {cfg.num_fragments}); resume with those")
     total = Schedule(cfg).total_steps
     if checkpoint["step"] > total:
         raise CheckpointError(f"--resume={cfg.resume}: the checkpoint is at step {checkpoint['step']}, past this "
@@ -3103,6 +3113,8 @@ class TrainingRun:
         self.train_time_ms = self.previous_ms = checkpoint["train_time_ms"]
         self.watch.losses, self.reported = list(checkpoint["train_losses"]), checkpoint["reported"]
         self.val_losses = [tuple(entry) for entry in checkpoint["val_losses"]]
+        if self.diloco is not None:
+            self.diloco.load_state_dict(checkpoint["diloco"], self.start_step)
         self.log(f"resumed from {self.cfg.resume} at step {self.start_step}")
 
     def batches_from(self, step: int) -> Prefetcher:
@@ -3195,7 +3207,8 @@ class TrainingRun:
         self.watch.flush(other_work_follows=True)
         save_checkpoint(path, self.model, self.optimizers, self.cfg, self.comm, self.device, step,
                         dict(train_time_ms=self.train_time_ms, train_losses=self.watch.losses, reported=self.reported,
-                             val_losses=self.val_losses, data=data_fingerprint(self.train_paths)))
+                             val_losses=self.val_losses, data=data_fingerprint(self.train_paths),
+                             **({"diloco": self.diloco.state_dict()} if self.diloco is not None else {})))
         self.log(f"checkpoint: {path} at step {step}")
         self.start_clock()
 
@@ -3377,14 +3390,15 @@ def diloco_fragments(model: GPT, count: int) -> list[nn.Module]:
     return fragments
 
 
-def detached_copy(tree):
-    """Tensors cloned, containers rebuilt: torchft may serve a checkpoint while training goes on."""
+def detached_copy(tree, device: torch.device | str | None = None):
+    """Tensors cloned (onto `device` if given), containers rebuilt: torchft may serve a checkpoint while training
+    goes on."""
     if isinstance(tree, Tensor):
-        return tree.detach().clone()
+        return tree.detach().to(device, copy=True) if device is not None else tree.detach().clone()
     if isinstance(tree, dict):
-        return {key: detached_copy(value) for key, value in tree.items()}
+        return {key: detached_copy(value, device) for key, value in tree.items()}
     if isinstance(tree, (list, tuple)):
-        return type(tree)(detached_copy(value) for value in tree)
+        return type(tree)(detached_copy(value, device) for value in tree)
     return tree
 
 
@@ -3418,8 +3432,10 @@ class StreamingDiLoCo:
     One fragment is in flight at a time; each syncs once every sync_every steps. Replicas start from
     the same --seed, so none heals at step 0; one that (re)starts behind the others heals, and its
     optimizers then follow the schedule from the healed step (they read their param_groups afresh on every
-    step). `manager` is for tests (built without state-dict functions: this class registers its own);
-    normally it is built from torchft's environment (TORCHFT_LIGHTHOUSE, torchrun's store).
+    step). A checkpoint keeps what only this replica holds of DiLoCo (state_dict), so replicas restarted from
+    checkpoints of one step go on as if never stopped, and one restarted from an older step heals. `manager` is for
+    tests (built without state-dict functions: this class registers its own); normally it is built from torchft's
+    environment (TORCHFT_LIGHTHOUSE, torchrun's store).
     """
 
     def __init__(self, cfg: Config, model: GPT, optimizers: list, device: torch.device, log, manager=None):
@@ -3431,12 +3447,12 @@ class StreamingDiLoCo:
         self.manager.register_state_dict_fn("default", self._load, self._save)
         self.heals = 0
         self.fragments = diloco_fragments(model, cfg.num_fragments)
-        outer = [torch.optim.SGD(f.parameters(), lr=cfg.outer_lr, momentum=cfg.outer_momentum,
-                                 nesterov=cfg.outer_momentum > 0) for f in self.fragments]
-        for index, opt in enumerate(outer):
+        self.outer = [torch.optim.SGD(f.parameters(), lr=cfg.outer_lr, momentum=cfg.outer_momentum,
+                                      nesterov=cfg.outer_momentum > 0) for f in self.fragments]
+        for index, opt in enumerate(self.outer):
             opt.register_step_post_hook(functools.partial(self._outer_step_hook, index))
         self.diloco = torchft.local_sgd.DiLoCo(
-            self.manager, self.fragments, _InnerOptimizers(optimizers), outer, sync_every=cfg.sync_every,
+            self.manager, self.fragments, _InnerOptimizers(optimizers), self.outer, sync_every=cfg.sync_every,
             backup_device=device, fragment_sync_delay=cfg.fragment_sync_delay,
             fragment_update_alpha=cfg.fragment_update_alpha)
         self.syncs = self.committed = 0
@@ -3476,6 +3492,26 @@ class StreamingDiLoCo:
         # The same point of training in our own steps: a peer with another sync_every (other hardware)
         # counts steps at another rate, and num_iterations scales with sync_every.
         self.step = state["step"] * self.sync_every // state["sync_every"]
+
+    def state_dict(self) -> dict:
+        """For a checkpoint, beside the model and the inner optimizers: the committed syncs (they pick the next
+        fragment), the inner steps since the last sync, and each fragment's global weights and outer momentum.
+        Taken between steps when no fragment's all-reduce is in flight (--checkpoint_every sees to it)."""
+        if any(fragment._allreduce_work for fragment in self.diloco._fragments):
+            raise RuntimeError("a DiLoCo checkpoint was asked for while a fragment's all-reduce is in flight")
+        return detached_copy({"manager": self.manager.state_dict(), "local_step": self.diloco._local_step,
+                              "fragments": [{"global_weights": fragment.original_parameters,
+                                             "outer_optimizer": opt.state_dict()}
+                                            for fragment, opt in zip(self.diloco._fragments, self.outer)]}, "cpu")
+
+    def load_state_dict(self, state: dict, step: int):
+        self.manager.load_state_dict(state["manager"])
+        self.diloco._local_step = state["local_step"]
+        for fragment, opt, saved in zip(self.diloco._fragments, self.outer, state["fragments"]):
+            for name, tensor in fragment.original_parameters.items():
+                tensor.copy_(saved["global_weights"][name])
+            opt.load_state_dict(saved["outer_optimizer"])
+        self.step = step
 
     def __enter__(self):
         # Ours run just before and just after torchft's hook (hooks run in the order they were added).

@@ -131,6 +131,8 @@ def test_bad_checkpoints_get_one_line_and_change_nothing(whole_run, tmp_path, ca
         ([f"--resume={cfg.save_checkpoint}", f"--train_files={other_data}"], "it was trained on other data files"),
         (["--eval_only=1", f"--init_from={foreign}"], f"--init_from={foreign}: not a checkpoint of train_gpt.py"),
         (["--eval_only=1"], "--eval_only=1 needs --init_from=CHECKPOINT"),
+        ([f"--resume={cfg.save_checkpoint}", "--diloco=1", "--sync_every=4"],
+         "the checkpoint was written without --diloco=1; resume it without it"),
         (["--checkpoint_every=3", f"--save_checkpoint={tmp_path / 'x.pt'}"],
          "--checkpoint_every=3: use 0 or a multiple of Adam's period (2)"),
     ]

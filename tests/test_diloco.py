@@ -256,6 +256,8 @@ def test_diloco_flags_are_checked():
         (["--sync_every=4", "--outer_momentum=1"], "--outer_momentum=1.0 must be in [0, 1)"),
         (["--sync_every=4", "--outer_lr=0"], "--outer_lr=0.0 must be positive"),
         (["--sync_every=4", "--adam_period=2"], "--adam_period=2: DiLoCo runs need 1"),
+        (["--sync_every=4", "--num_fragments=2", "--checkpoint_every=3", "--save_checkpoint=x.pt"],
+         "--checkpoint_every=3: with --diloco=1 use a multiple of sync_every/num_fragments (2)"),
     ):
         with pytest.raises(tg.UserError, match=re.escape(message)):
             tg.parse_cli(["--preset=tiny", "--diloco=1", *flags])
@@ -391,6 +393,34 @@ def test_killed_replica_rejoins_with_the_weights_of_its_peer(tiny_data, tmp_path
     assert rejoined, "the restarted replica never synced together with the survivor"
     for step, fragment, digest in rejoined:
         assert survivor_syncs[(step, fragment)] == digest
+
+
+def test_replicas_resumed_from_their_checkpoints_train_as_if_never_stopped(tiny_data, tmp_path):
+    """Two replicas run 8 steps, writing checkpoints every 2; two more resume from those of step 2 (one committed
+    sync: fragment 1 is next) and run to 8. The resumed pair takes the same fragments in the same order with the
+    same weights (no heal: they restore the committed syncs, the global weights and the outer momentum), and
+    ends with the same model."""
+    flags = ("--num_iterations=8", "--val_loss_every=8", "--outer_momentum=0.5", "--checkpoint_every=2")
+
+    def run_pair(name, *extra):
+        lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
+        try:
+            procs = [start_replica(tmp_path, tiny_data, lighthouse, r, f"{name}{r}", *flags,
+                                   f"--save_checkpoint={tmp_path / name / str(r) / 'final.pt'}",
+                                   *[flag.format(r=r) for flag in extra]) for r in (0, 1)]
+            return [finish(p, tmp_path, f"{name}{r}") for r, p in enumerate(procs)]
+        finally:
+            lighthouse.shutdown()
+
+    whole = run_pair("whole")
+    resumed = run_pair("resumed", f"--resume={tmp_path / 'whole' / '{r}' / 'final_step000002.pt'}")
+    for r in (0, 1):
+        assert re.search(r"^resumed from .* at step 2$", resumed[r], re.M)
+        assert not re.search(r"^diloco: recovered", resumed[r], re.M)
+        later = [sync for sync in SYNC.findall(whole[r]) if int(sync[0]) > 2]
+        assert len(later) == 3 and SYNC.findall(resumed[r]) == later
+        assert VAL.findall(resumed[r])[-1] == VAL.findall(whole[r])[-1]
+        assert re.findall(r"^final weights: .*$", resumed[r], re.M) == re.findall(r"^final weights: .*$", whole[r], re.M)
 
 
 def test_torchft_is_not_imported_without_diloco(tiny_data, tmp_path):
