@@ -1,5 +1,5 @@
 """Checkpoints on the CPU: a run stopped and resumed trains exactly as one that never stopped, at world sizes 1 and 2
-and across them; --eval_only reproduces a run's final validation; bad checkpoints get one line and change nothing."""
+and across them; --eval_only reproduces a run's final validation on 1 and 2 processes; bad checkpoints get one line and change nothing."""
 import dataclasses
 import os
 import re
@@ -92,14 +92,25 @@ def test_a_checkpoint_resumes_at_another_world_size(whole_run, tmp_path):
     np.testing.assert_allclose([v for _, v in val_losses], [v for _, v in whole.val_losses], rtol=1e-5)
 
 
-def test_eval_only_reproduces_the_final_validation(whole_run, tmp_path):
+def _evaluate_on_rank(rank, world_size, cfg):
+    comm = tg.Comm(rank, world_size)
+    log = tg.RunLog(cfg, comm)
+    loss = tg.evaluate_checkpoint(cfg, comm, log)
+    log.finish()
+    return loss
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_eval_only_reproduces_the_final_validation(whole_run, tmp_path, world_size):
+    """A world-1 run's checkpoint validated by 1 or 2 processes (each its share of the validation tokens)."""
     cfg, whole = whole_run
     eval_cfg = dataclasses.replace(cfg, run_id="eval", eval_only=True, init_from=cfg.save_checkpoint,
                                    save_checkpoint="", checkpoint_every=0, log_dir=str(tmp_path))
-    log = tg.RunLog(eval_cfg, tg.Comm())
-    loss = tg.evaluate_checkpoint(eval_cfg, tg.Comm(), log)
-    log.finish()
-    assert loss == pytest.approx(whole.val_losses[-1][1], rel=1e-6)
+    if world_size == 1:
+        loss = _evaluate_on_rank(0, 1, eval_cfg)
+    else:
+        loss = run_on_ranks(_evaluate_on_rank, 2, eval_cfg)[0]
+    assert loss == pytest.approx(whole.val_losses[-1][1], rel=1e-5)
     assert f"val_loss:{loss:.4f}" in (tmp_path / "eval.txt").read_text()
 
 
