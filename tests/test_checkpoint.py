@@ -1,5 +1,6 @@
 """Checkpoints on the CPU: a run stopped and resumed trains exactly as one that never stopped, at world sizes 1 and 2
-and across them; --eval_only reproduces a run's final validation on 1 and 2 processes; bad checkpoints get one line and change nothing."""
+and across them; --eval_only reproduces a run's final validation on 1 and 2 processes; bad checkpoints get one line
+and change nothing."""
 import dataclasses
 import os
 import re
