@@ -77,6 +77,14 @@ def test_defaults_hold_the_speedrun_options_and_plain_turns_them_off():
     assert plain.backout_from == -1 and tg.Schedule(plain).mtp_weights(0) == [1.0]
 
 
+def test_the_record_ideas_preset_builds_the_full_size_model():
+    cfg, _ = tg.parse_cli(["--preset=record_ideas", "--device=cpu"])
+    assert cfg.stage_doc_lens == [896, 2048, 2048] and cfg.muon_qk_blocks == 3
+    with torch.device("meta"):  # shapes only: the 12-layer model without its memory
+        model = tg.GPT(cfg, tg.SdpaAttention(), torch.float32)
+    assert [i for i, block in enumerate(model.blocks) if getattr(block.attn, "xsa_alpha", None) is not None] == [1, 3, 4, 7, 8, 10]
+
+
 def test_preset_and_overrides():
     cfg, flags = tg.parse_cli(["--preset=tiny", "--num_iterations=3", "--adam_betas=0.9,0.99", "--compile=1"])
     assert (cfg.model_dim, cfg.num_iterations, cfg.adam_betas, cfg.compile) == (64, 3, (0.9, 0.99), True)
