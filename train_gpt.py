@@ -2082,6 +2082,13 @@ class Prefetcher:
             self.source.close()
 
 
+def prefetch(windows, cfg: Config, device: torch.device, packed: int) -> Prefetcher:
+    """The one way a run loads its batches (training, validation and the warm-up's stand-ins): token windows in,
+    forwards of `packed` micro-batches of the run's length, bigram rows and BOS token out."""
+    return Prefetcher(windows, cfg.micro_batch_tokens, device, bigram_rows=cfg.bigram_rows, packed=packed,
+                      bos=cfg.bos_token)
+
+
 # ----------------------------------------------------------------------------------------------------
 # Schedule
 
@@ -2671,8 +2678,7 @@ def evaluate(model: GPT, cfg: Config, comm: Comm, val_paths: list[str], windows:
     autograd on, like training, so that it reuses the training graphs instead of compiling no-grad copies
     of them (a third of the cold compile time); each forward's saved activations are freed as soon as
     its loss is read."""
-    batches = Prefetcher(val_batches_for_rank(val_paths, cfg, comm), cfg.micro_batch_tokens, device,
-                         bigram_rows=cfg.bigram_rows, packed=packed, bos=cfg.bos_token)
+    batches = prefetch(val_batches_for_rank(val_paths, cfg, comm), cfg, device, packed)
     count = val_micro_batches_per_rank(cfg, comm.world_size) // packed
     total = torch.zeros((), device=device)
     try:
@@ -2716,8 +2722,7 @@ def warm_up(model: GPT, optimizers, cfg: Config, comm: Comm, schedule: Schedule,
         for windows, micro_batches in [*zip(schedule.stage_windows, schedule.batches + schedule.batches[-1:]),
                                        (schedule.final_windows, schedule.batches[-1])]:
             forwards[windows] = max(forwards[windows], 2, micro_batches // comm.world_size // packed)
-    batches = Prefetcher(dummy_batches(cfg, seed=cfg.seed + 1 + comm.rank), cfg.micro_batch_tokens, device,
-                         bigram_rows=cfg.bigram_rows, packed=packed, bos=cfg.bos_token)
+    batches = prefetch(dummy_batches(cfg, seed=cfg.seed + 1 + comm.rank), cfg, device, packed)
     try:
         for windows in schedule.all_windows():
             train_step(model, optimizers, batches, windows, forwards=forwards[windows])
@@ -2728,8 +2733,7 @@ def warm_up(model: GPT, optimizers, cfg: Config, comm: Comm, schedule: Schedule,
     # record at the second call). Validation runs with autograd on and no backward, as here.
     if getattr(model.attend, "compiles_for_longest_document", False):
         validated = [step for step in range(schedule.total_steps + 1) if schedule.validates(step)]
-        batches = Prefetcher(dummy_batches(cfg, seed=cfg.seed, one_document=True), cfg.micro_batch_tokens, device,
-                             bigram_rows=cfg.bigram_rows, packed=packed, bos=cfg.bos_token)
+        batches = prefetch(dummy_batches(cfg, seed=cfg.seed, one_document=True), cfg, device, packed)
         try:
             for windows in sorted({schedule.windows(schedule.validation_step(step)) for step in validated}):
                 for _ in range(2):
@@ -3134,8 +3138,7 @@ class TrainingRun:
 
         skip = self.schedule.micro_batches_before(step) // comm.world_size
         windows = drop(skip, train_batches_for_rank(self.train_paths, cfg, comm, note_new_pass))
-        return Prefetcher(windows, cfg.micro_batch_tokens, self.device, bigram_rows=cfg.bigram_rows,
-                          packed=self.trainer.packed, bos=cfg.bos_token)
+        return prefetch(windows, cfg, self.device, self.trainer.packed)
 
     def synchronize(self):
         if self.device.type == "cuda":

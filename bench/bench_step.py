@@ -219,8 +219,7 @@ def main() -> int:
         else:
             source, data = "random tokens (no --train_files found)", tg.dummy_batches(cfg, seed=cfg.seed + 100 + comm.rank)
         say(f"data: {source}")
-        batches = tg.Prefetcher(data, cfg.micro_batch_tokens, device, bigram_rows=cfg.bigram_rows,
-                                packed=trainer.packed, bos=cfg.bos_token)
+        batches = tg.prefetch(data, cfg, device, trainer.packed)
         peak = peak_flops(device)
         cuda = device.type == "cuda"  # the CPU runs it too, as a smoke test of this script
         synchronize = torch.cuda.synchronize if cuda else (lambda: None)

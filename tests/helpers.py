@@ -93,8 +93,7 @@ def train_scheduled_steps(model, optimizers, cfg, steps: int, seed: int = 1, bef
     import torch
     import train_gpt as tg
     schedule = tg.Schedule(cfg)
-    batches = tg.Prefetcher(tg.dummy_batches(cfg, seed=seed), cfg.micro_batch_tokens, torch.device("cpu"),
-                            bigram_rows=cfg.bigram_rows, bos=cfg.bos_token)
+    batches = tg.prefetch(tg.dummy_batches(cfg, seed=seed), cfg, torch.device("cpu"), packed=1)
     try:
         for step in range(steps):
             if before_step is not None:

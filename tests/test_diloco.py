@@ -57,8 +57,7 @@ def test_outer_step_matches_hand_computation(lr, momentum):
         run = tg.StreamingDiLoCo(cfg, model, optimizers, torch.device("cpu"), logged.append, manager=manager)
         names = {id(p): name for name, p in model.named_parameters()}
         fragment_names = [{names[id(p)] for p in f.parameters()} for f in run.fragments]
-        batches = tg.Prefetcher(tg.dummy_batches(cfg, seed=1), cfg.micro_batch_tokens, torch.device("cpu"),
-                                bigram_rows=cfg.bigram_rows, bos=cfg.bos_token)
+        batches = tg.prefetch(tg.dummy_batches(cfg, seed=1), cfg, torch.device("cpu"), packed=1)
         after = []
         run.__enter__()
         try:

@@ -1038,8 +1038,7 @@ def table_grads_after_two_forwards(cfg, device, dtype, windows):
         for p in model.parameters():
             if p.ndim == 2:
                 p.normal_(0, 0.02)
-    batches = tg.Prefetcher(tg.dummy_batches(cfg, seed=1), cfg.micro_batch_tokens, device, bigram_rows=cfg.bigram_rows,
-                            bos=cfg.bos_token)
+    batches = tg.prefetch(tg.dummy_batches(cfg, seed=1), cfg, device, packed=1)
     model.prepare_grads()
     losses = []
     try:
