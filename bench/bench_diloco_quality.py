@@ -9,7 +9,8 @@ steps (default 320) on data that does not repeat, and prints its final validatio
   dp           plain data parallelism on 2 processes, twice a replica's batch (the same tokens as 2 replicas);
   LR:MOMENTUM[:H]  2 DiLoCo replicas of 1 process each (a lighthouse on this machine), --sync_every=H (default 8)
                --num_fragments=2, that outer lr and Nesterov momentum (1.0:0 is plain averaging).
-CONFIGS is a comma-separated list (default dp,1.0:0,0.7:0.9). Needs torchft for the DiLoCo runs.
+CONFIGS is a comma-separated list (default dp,0.7:0,1.0:0); each may add train_gpt.py flags after "+", e.g.
+dp+adam_period=1 or 0.7:0+seed=1. Needs torchft for the DiLoCo runs.
 """
 import glob
 import os
@@ -62,7 +63,7 @@ def final_val_loss(log: str) -> float:
 def main():
     train_glob, val_glob = sys.argv[1], sys.argv[2]
     steps = int(sys.argv[3]) if len(sys.argv) > 3 else 320
-    configs = (sys.argv[4] if len(sys.argv) > 4 else "dp,1.0:0,0.7:0.9").split(",")
+    configs = (sys.argv[4] if len(sys.argv) > 4 else "dp,0.7:0,1.0:0").split(",")
     work = Path(tempfile.mkdtemp(prefix="diloco_quality_"))
     # tiny preset: 8/8/16 micro-batches of 256 tokens per replica and step; two replicas read twice that
     need = 2 * steps * 16 * 257 * 2  # a micro-batch's last piece is cut, and the rest of it skipped
@@ -75,21 +76,25 @@ def main():
     env = dict(os.environ, OMP_NUM_THREADS="1")
     for config in configs:
         started = time.time()
-        if config == "dp":
+        base, *extra = config.split("+")
+        flags = [f"--{flag}" for flag in extra]
+        if base == "dp":
+            name = "dp" + "".join(f"_{flag.split('=')[0]}" for flag in extra)
             run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                                  str(REPO / "train_gpt.py"), *common, "--batch_schedule=16,16,32", "--run_id=dp"],
-                                 env=env, capture_output=True, text=True)
+                                  str(REPO / "train_gpt.py"), *common, "--batch_schedule=16,16,32", f"--run_id={name}",
+                                  *flags], env=env, capture_output=True, text=True)
             assert run.returncode == 0, run.stderr[-3000:]
-            losses = [final_val_loss((work / "dp.txt").read_text())]
+            losses = [final_val_loss((work / f"{name}.txt").read_text())]
         else:
             from torchft.coordination import LighthouseServer
-            outer_lr, momentum, sync_every = (config.split(":") + ["8"])[:3]
+            outer_lr, momentum, sync_every = (base.split(":") + ["8"])[:3]
             lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
-            name = f"diloco_{outer_lr}_{momentum}_{sync_every}"
+            name = f"diloco_{outer_lr}_{momentum}_{sync_every}" + "".join(f"_{flag.split('=')[0]}" for flag in extra)
             procs = [subprocess.Popen(
                 [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={free_port()}",
                  str(REPO / "train_gpt.py"), *common, "--diloco=1", f"--replica={r}", f"--sync_every={sync_every}",
-                 "--num_fragments=2", f"--outer_lr={outer_lr}", f"--outer_momentum={momentum}", f"--run_id={name}_{r}"],
+                 "--num_fragments=2", f"--outer_lr={outer_lr}", f"--outer_momentum={momentum}", f"--run_id={name}_{r}",
+                 *flags],
                 env=dict(env, TORCHFT_LIGHTHOUSE=lighthouse.address()), stdout=subprocess.DEVNULL,
                 stderr=open(work / f"{name}_{r}.err", "w")) for r in range(2)]
             codes = [p.wait() for p in procs]
