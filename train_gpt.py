@@ -261,8 +261,9 @@ class Config:
     fragment_sync_delay: int = _diloco(0, "inner steps between launching a fragment's all-reduce and applying it")
     fragment_update_alpha: float = _diloco(0.0, "after a sync the fragment is (1 - alpha) * global + alpha * local")
     # The new global weights are (1 - outer_lr) * global + outer_lr * the replicas' mean (momentum 0). At speedrun
-    # lengths (syncs every 8 steps) 0.7 without momentum came within 0.005 nats of data parallelism, the Streaming
-    # DiLoCo paper's 0.7 with Nesterov 0.9 0.24 behind (bench/bench_diloco_quality.py, docs/performance.md).
+    # lengths (syncs every 8 steps) 0.7 without momentum comes within 0.03 nats of data parallelism, the Streaming
+    # DiLoCo paper's 0.7 with Nesterov 0.9 0.24 behind, and a constant outer lr beats one that cools down with the
+    # inner lr (bench/bench_diloco_quality.py, docs/performance.md).
     outer_lr: float = _diloco(0.7, "lr of the outer SGD step on a fragment's averaged pseudogradient; 1: plain mean")
     outer_momentum: float = _diloco(0.0, "Nesterov momentum of the outer SGD step")
     min_replicas: int = _diloco(1, "a sync commits only with at least this many replicas in the quorum")
@@ -3579,9 +3580,9 @@ class StreamingDiLoCo:
             handle.remove()
         self.diloco.__exit__(None, None, None)
         wall = time.perf_counter() - self.entered
-        self.log(f"diloco: {self.syncs} fragment syncs ({self.committed} committed), {self.sync_seconds:.1f}s "
-                 f"in quorums, all-reduce waits and outer steps ({100 * self.sync_seconds / wall:.1f}% of "
-                 f"the {wall:.1f}s loop)")
+        self.log(f"diloco: {self.syncs} fragment syncs ({self.committed} committed), {self.heals} heals, "
+                 f"{self.sync_seconds:.1f}s in quorums, all-reduce waits and outer steps "
+                 f"({100 * self.sync_seconds / wall:.1f}% of the {wall:.1f}s loop)")
         self.manager.shutdown(wait=False)
 
 

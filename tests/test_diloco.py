@@ -82,12 +82,12 @@ def test_outer_step_matches_hand_computation(lr, momentum):
     assert moved  # the inner steps did change the weights, so the check above is not vacuous
 
 
-def train_replicas_in_threads(cfg, data_seeds, steps, init_sync, on_local=None, before_step=None):
+def train_replicas_in_threads(cfg, data_seeds, steps, init_sync, on_local=None, before_step=None, timeout=60.0):
     """Replicas as threads of this process, as torchft's own tests run them: each with its model (same seed),
     optimizers, manager and StreamingDiLoCo, trained on dummy_batches(cfg, seed) with the schedule set every step
     as the training loop sets it. on_local(replica, step, named weights) sees each inner step's weights before
-    DiLoCo's hook; before_step(replica, step, run) runs before each step. Returns [(final weights, the run)] by
-    replica."""
+    DiLoCo's hook; before_step(replica, step, run) runs before each step; `timeout` (seconds) bounds each
+    manager's collectives and its process group's. Returns [(final weights, the run)] by replica."""
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=len(data_seeds))
     replicas = []
     for index, _ in enumerate(data_seeds):
@@ -100,11 +100,11 @@ def train_replicas_in_threads(cfg, data_seeds, steps, init_sync, on_local=None, 
     def replica_main(index):
         model, optimizers = replicas[index]
         store = torch.distributed.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
-        manager = torchft.Manager(pg=torchft.ProcessGroupGloo(), load_state_dict=None, state_dict=None,
-                                  min_replica_size=len(data_seeds), use_async_quorum=False,
+        manager = torchft.Manager(pg=torchft.ProcessGroupGloo(timeout=timedelta(seconds=timeout)), load_state_dict=None,
+                                  state_dict=None, min_replica_size=len(data_seeds), use_async_quorum=False,
                                   replica_id=f"test_{index}", store_addr="localhost", store_port=store.port,
                                   rank=0, world_size=1, lighthouse_addr=lighthouse.address(),
-                                  timeout=timedelta(seconds=60), init_sync=init_sync)
+                                  timeout=timedelta(seconds=timeout), init_sync=init_sync)
         if on_local is not None:  # registered before DiLoCo's hook, so it runs first
             step_of = [0]
             optimizers[-1].register_step_post_hook(lambda *_: on_local(
@@ -246,6 +246,38 @@ def test_a_replica_whose_commit_fails_rolls_back_and_heals_at_the_next_sync():
     assert same(after[0, 5], after[1, 5])  # healed and synced: one model again
 
 
+def test_an_all_reduce_that_fails_at_a_sync_rolls_both_replicas_back_and_the_next_sync_commits():
+    """A fault at a sync: replica 1's all-reduce of the sync after step 3 fails before it reaches the wire (its
+    process group raises), so replica 0's all-reduce finds no peer and times out. Neither commits: both take the
+    fragment's global weights of the last committed sync back, the same on both, and the next sync, on the same
+    fragment (the committed count did not move), commits on both. No replica heals (both stay at one step), and
+    both end with one model."""
+    cfg = tiny_diloco_config(sync_every=2, num_fragments=1, num_iterations=6)
+
+    def fault(replica, step, run):
+        if replica == 1 and step == 3:
+            pg = run.manager._pg
+            allreduce = pg.allreduce
+
+            def failing(*args, **kwargs):
+                pg.allreduce = allreduce
+                raise RuntimeError("a fault injected by the test")
+            pg.allreduce = failing
+
+    with weights_after_each_sync_hook() as after:
+        results = train_replicas_in_threads(cfg, data_seeds=(1, 2), steps=6, init_sync=False, before_step=fault,
+                                            timeout=5.0)
+    runs = [run for _, run in results]
+    assert [(run.syncs, run.committed, run.heals) for run in runs] == [(3, 2, 0), (3, 2, 0)]
+    same = lambda a, b: all(torch.equal(weight, b[name]) for name, weight in a.items())  # noqa: E731
+    assert same(after[0, 1], after[1, 1])
+    for replica in (0, 1):  # rolled back to the global weights of the sync after step 1
+        assert same(after[replica, 3], after[replica, 1])
+    assert not same(after[0, 4], after[1, 4])  # each trained on its own data since
+    assert same(after[0, 5], after[1, 5])  # the retried sync committed: one model again
+    assert same(results[0][0], results[1][0])
+
+
 def test_diloco_flags_are_checked():
     for flags, message in (
         (["--sync_every=6", "--num_fragments=4"], "--sync_every=6 must be a multiple of --num_fragments=4"),
@@ -353,7 +385,7 @@ def test_two_replicas_stay_in_sync_and_learn(tiny_data, tmp_path):
     for log, steps in zip(logs, (8, 16)):
         losses = {int(step): float(loss) for step, loss in VAL.findall(log)}
         assert losses[steps] < losses[0] - 1.0
-        assert re.search(r"^diloco: 9 fragment syncs \(9 committed\)", log, re.M)
+        assert re.search(r"^diloco: 9 fragment syncs \(9 committed\), 0 heals,", log, re.M)  # same seed: no heal
 
 
 def test_killed_replica_rejoins_with_the_weights_of_its_peer(tiny_data, tmp_path):
@@ -392,6 +424,41 @@ def test_killed_replica_rejoins_with_the_weights_of_its_peer(tiny_data, tmp_path
     assert rejoined, "the restarted replica never synced together with the survivor"
     for step, fragment, digest in rejoined:
         assert survivor_syncs[(step, fragment)] == digest
+
+
+def test_a_replica_that_starts_late_heals_from_its_peer_and_trains_on_with_it(tiny_data, tmp_path):
+    """Replica 0 trains alone (min_replicas 1) until its second sync; only then does replica 1 start. At its first
+    quorum replica 1 is behind, so it heals: it takes replica 0's weights, optimizer state and step, reads its own
+    share of the data from that step's micro-batch, and from then on both sync every fragment with the same
+    weights and end with one model."""
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=20000, heartbeat_timeout_ms=1000)
+    flags = ("--num_iterations=96", "--val_loss_every=96", "--train_repeat=1")  # as the killed-replica test
+    try:
+        first = start_replica(tmp_path, tiny_data, lighthouse, 0, "first", *flags)
+        first_log = tmp_path / "logs" / "first.txt"
+        deadline = time.time() + 300
+        while not (first_log.exists() and len(SYNC.findall(first_log.read_text())) >= 2):
+            assert time.time() < deadline and first.poll() is None, "replica 0 never reached its second sync"
+            time.sleep(0.2)
+        late = start_replica(tmp_path, tiny_data, lighthouse, 1, "late", *flags)
+        logs = {"first": finish(first, tmp_path, "first"), "late": finish(late, tmp_path, "late")}
+    finally:
+        lighthouse.shutdown()
+    recovered = re.search(r"^diloco: recovered weights and optimizer state from a peer; step \d+ -> (\d+); "
+                          r"the data goes on from this rank's micro-batch (\d+)$", logs["late"], re.M)
+    assert recovered and int(recovered.group(1)) > 4
+    schedule = tg.Schedule(tg.parse_cli(["--device=cpu", *TINY, *flags])[0])
+    assert int(recovered.group(2)) == schedule.micro_batches_before(int(recovered.group(1)))
+    first_syncs = {(step, fragment): (replicas, digest) for step, fragment, replicas, digest in SYNC.findall(logs["first"])}
+    late_syncs = SYNC.findall(logs["late"])
+    assert late_syncs and all(replicas == "2" for _, _, replicas, _ in late_syncs)
+    for step, fragment, replicas, digest in late_syncs:  # every sync of the late replica, also on the first
+        assert first_syncs[(step, fragment)] == (replicas, digest)
+    assert re.search(r"^diloco: \d+ fragment syncs \(\d+ committed\), 1 heals", logs["late"], re.M)
+    assert re.search(r"^diloco: \d+ fragment syncs \(\d+ committed\), 0 heals", logs["first"], re.M)
+    finals = [re.findall(r"^final weights: .*$", log, re.M) for log in logs.values()]
+    assert len(finals[0]) == 1 and finals[0] == finals[1]
+    assert VAL.findall(logs["first"])[-1] == VAL.findall(logs["late"])[-1]
 
 
 def test_replicas_resumed_from_their_checkpoints_train_as_if_never_stopped(tiny_data, tmp_path):
