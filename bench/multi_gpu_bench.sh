@@ -5,11 +5,14 @@
 #    at world size 1 on the same machine (world1); BENCHES picks which, and may add "graphs" (world size 2
 #    under CUDA graphs, which --compile_mode=auto leaves off there: no faster on 2xH200, docs/performance.md). The
 #    benches read the bench stream (real document lengths and bigram rows);
-# 2. a plain 2-GPU run of STEPS steps on the bench stream, then streaming DiLoCo with 2 replicas of one
-#    GPU each (a lighthouse on this machine, torchft from .whl/), same STEPS: final loss, wall time, syncs.
-# "bench" runs step 1 only; "diloco" the DiLoCo part only, which is skipped when torchft does not import.
-# Expects .bench/*.bin.xz (copies of ../shared/bench) and, for DiLoCo, .whl/ (torchft and its dependencies for
-# py3.12).
+# 2. DiLoCo against data parallelism at equal tokens on bench2, on data that does not repeat (micro-batches of
+#    4,096 tokens; up to STEPS=300 read under the stream's 51.3M tokens): data parallelism on 2 GPUs with a replica's
+#    batch doubled (16/32/48 micro-batches) and Adam on every step, as DiLoCo's inner Adam steps, then streaming
+#    DiLoCo with 2 replicas of one GPU each (8/16/24 each; a lighthouse on this machine, torchft from .whl/) and the
+#    default outer step: final validation loss of each, wall time, syncs, replica digests.
+# "bench" runs step 1 only; "diloco" step 2 only (its DiLoCo runs are skipped when torchft does not import).
+# Expects .bench/*.bin.xz (copies of ../shared/bench) for step 1, .bench2/*.bin.xz (copies of ../shared/bench2) for
+# step 2 and, for DiLoCo, .whl/ (torchft and its dependencies for py3.12).
 set -uo pipefail
 steps=$1; what=${2:-all}
 OUT=${OUT:-/tmp/device_out}; mkdir -p "$OUT"
@@ -40,17 +43,22 @@ if [ "$what" = all ] || [ "$what" = bench ]; then
     done
 fi
 
-data=(--train_files='/tmp/bench/docs_train_*.bin' --val_files=/tmp/bench/docs_val_000000.bin --val_tokens=2097152
-      --train_repeat=1 --val_loss_every=0 --num_iterations="$steps")
-if [ "$what" = all ]; then
-    start=$SECONDS
-    timeout 200 torchrun --nproc_per_node=2 --master_port=29601 train_gpt.py "${data[@]}" --run_id=plain2 \
-        > "$OUT/plain2.stdout" 2>&1
-    echo "== plain 2-GPU run: exit $? after $((SECONDS - start))s"
-    grep -E "^compile_time|val_loss|^(rank [0-9]+: )?(step times|slow step)|^final weights" "$OUT/plain2.stdout"
-fi
-
 [ "$what" = bench ] && exit 0
+python3 - <<'EOF'
+import lzma, pathlib
+out = pathlib.Path("/tmp/bench2")
+out.mkdir(exist_ok=True)
+for xz in sorted(pathlib.Path(".bench2").glob("*.bin.xz")):
+    if not (out / xz.name[:-3]).exists():
+        (out / xz.name[:-3]).write_bytes(lzma.decompress(xz.read_bytes()))
+EOF
+data=(--train_files='/tmp/bench2/docs_train_*.bin' --val_files=/tmp/bench2/docs_val_000000.bin --val_tokens=2097152
+      --micro_batch_tokens=4096 --val_loss_every=0 --num_iterations="$steps" --extension_steps=0)
+start=$SECONDS
+timeout 300 torchrun --nproc_per_node=2 --master_port=29601 train_gpt.py "${data[@]}" --batch_schedule=16,32,48 \
+    --adam_period=1 --run_id=dp2 > "$OUT/dp2.stdout" 2>&1
+echo "== data parallelism, 2 GPUs, doubled batch: exit $? after $((SECONDS - start))s"
+grep -E "^compile_time|val_loss|^(rank [0-9]+: )?(step times|slow step)|^final weights" "$OUT/dp2.stdout"
 if ! python3 -c "import torchft" 2>/dev/null; then
     echo "== DiLoCo skipped: torchft does not import (carry .whl/ with its wheels)"
     exit 0
@@ -68,7 +76,7 @@ echo "lighthouse $TORCHFT_LIGHTHOUSE"
 start=$SECONDS
 for r in 0 1; do
     CUDA_VISIBLE_DEVICES=$r timeout 300 torchrun --nproc_per_node=1 --master_port=$((29610 + r)) train_gpt.py \
-        "${data[@]}" --diloco=1 --replica=$r --sync_every=16 --num_fragments=2 --run_id=diloco$r \
+        "${data[@]}" --diloco=1 --replica=$r --run_id=diloco$r \
         > "$OUT/diloco$r.stdout" 2>&1 &
 done
 wait %2 %3
@@ -80,5 +88,5 @@ done
 diff <(grep "^diloco: step" "$OUT/diloco0.stdout" | cut -d" " -f3,7,12) \
      <(grep "^diloco: step" "$OUT/diloco1.stdout" | cut -d" " -f3,7,12) > /dev/null \
     && echo "replica digests equal at every sync" || echo "replica digests DIFFER"
-cp logs/plain2.txt logs/diloco0.txt logs/diloco1.txt "$OUT/" 2>/dev/null
+cp logs/dp2.txt logs/diloco0.txt logs/diloco1.txt "$OUT/" 2>/dev/null
 kill %1 2>/dev/null
