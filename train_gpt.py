@@ -28,6 +28,7 @@ import subprocess
 import sys
 import threading
 import time
+import typing
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,6 +133,11 @@ class Config:
     sublayer_scales: bool = _model(False, "attention and MLP each with residual and output scales; x0 and bigram "
                                           "after attention")
     attn_input_from: int = _model(-1, "layers after this one attend to its output, not to their input; -1: none")
+    # Dynamic dense connections (MUDD, Xiao et al. 2025, arXiv:2502.12170; the speedrun's 2026-04-22 record): two
+    # small per-token MLPs of the residual stream mix earlier streams into the last layer (its values, its residual
+    # and per-token versions of its sublayer scales) and into the residual before the head (in place of the backout).
+    mudd: bool = _model(False, "dynamic dense connections into the last layer and before the head; needs "
+                               "sublayer_scales and backout_from")
     skip_from: int = _model(3, "layer whose output is added, gated, to the input of layer skip_to")
     skip_to: int = _model(6, "layer whose input takes skip_from's output")
     # The head's logits x become cap * sigmoid((x + offset) / divisor) (speedrun 2024-11; 2025-12-26: 23, 5, 7.5).
@@ -478,6 +484,11 @@ def validate_config(cfg: Config) -> None:
          f"--attn_input_from={cfg.attn_input_from}: use a layer 0 .. num_layers-2 ({cfg.num_layers - 2}), or -1")
     need(-1 <= cfg.backout_from < cfg.num_layers,
          f"--backout_from={cfg.backout_from}: use a layer 0 .. num_layers-1 ({cfg.num_layers - 1}), or -1 for none")
+    need(not cfg.mudd or (cfg.sublayer_scales and 0 <= cfg.backout_from < cfg.num_layers - 1 and cfg.num_layers >= 3
+                          and cfg.num_heads % 2 == 0 and cfg.attn_layout[-1] != "-"
+                          and any(c != "." for c in cfg.value_embed_layout)),
+         "--mudd=1 needs --sublayer_scales=1, --backout_from below the last layer (its output is a source), at least "
+         "3 layers, an even --num_heads, attention in the last layer and at least one value embedding")
     need(0 < cfg.logit_softcap <= 4 * cfg.logit_divisor,
          f"--logit_softcap={cfg.logit_softcap} must be positive and at most 4 * --logit_divisor={cfg.logit_divisor} "
          "(the FP8 head's gradient scale counts on dz/dlogit <= 1)")
@@ -876,7 +887,10 @@ class CausalSelfAttention(nn.Module):
         self.out_scale = nn.Parameter(torch.ones(1)) if out_scale else None
         self.xsa_alpha = nn.Parameter(torch.zeros(num_heads)) if xsa else None
 
-    def forward(self, x: Tensor, value_embed: Tensor, value_mix: Tensor, rope, mask, attend, starts: Tensor) -> Tensor:
+    def forward(self, x: Tensor, value_embed: Tensor, value_mix: Tensor, rope, mask, attend, starts: Tensor,
+                mix: "LayerMix | None" = None) -> Tensor:
+        """`mix` (MUDD's last layer): a value added to v and a per-token value-embedding gate in place of this
+        layer's own."""
         T, dim = x.shape
         cos, sin, scale = rope
         w = self.qkvo_w.to(x.dtype)
@@ -902,9 +916,13 @@ class CausalSelfAttention(nn.Module):
                 gates = torch.sigmoid(x[:, : self.gate_dims] @ gate_w.view(-1, self.gate_dims).T)
                 out_gate, value_gate = gates.view(T, 2, self.num_heads, 1).unbind(1)  # [T, heads, 1] each
         value_embed = value_mix[1] * value_embed.view_as(v)
-        if self.gate_w is not None:
+        if mix is not None:
+            value_embed = mix.value_gate * value_embed
+        elif self.gate_w is not None:
             value_embed = 2 * value_gate * value_embed
         v = value_mix[0] * v + value_embed
+        if mix is not None:
+            v = v + mix.value.view_as(v)
         own_value = v
         if self.paired:
             v = v.reshape(k.shape)
@@ -947,10 +965,11 @@ class Block(nn.Module):
     - --sublayer_scales (speedrun 2026-02-12, as simplified 2026-03-06): x = r_a * x + o_a * attention(norm a) +
       x0_scale * x0 + bigram_scale * bigram, then r_m * x + o_m * MLP(norm x), with a the layer's input or (past
       --attn_input_from) that layer's output; a layer without attention only runs its MLP.
-    value_scales: [value scale, value-embedding scale] of the attention's v."""
+    value_scales: [value scale, value-embedding scale] of the attention's v. With `mixed` (MUDD's last layer) the
+    sublayer scales are per token, from a LayerMix, and the block has none of its own."""
 
     def __init__(self, cfg: Config, has_attention: bool, shift_keys: bool = False, paired: bool = False,
-                 xsa: bool = False):
+                 xsa: bool = False, mixed: bool = False):
         super().__init__()
         self.attn = (CausalSelfAttention(cfg.model_dim, cfg.num_heads, cfg.head_dim, cfg.gate_dims if cfg.gates else 0,
                                          shift_keys, cfg.attn_out_scale, paired, xsa, cfg.value_gate_reads_embed)
@@ -958,18 +977,18 @@ class Block(nn.Module):
         self.paired = paired
         self.mlp = MLP(cfg.model_dim, cfg.mlp_ratio * cfg.model_dim, cfg.fused_mlp and cfg.triton_kernels)
         self.value_scales = nn.Parameter(torch.tensor([0.5, cfg.value_embed_scale_init]))
-        if cfg.sublayer_scales:  # sqrt(1.1) per sublayer: 1.1 per layer, as the single scale
+        if cfg.sublayer_scales and not mixed:  # sqrt(1.1) per sublayer: 1.1 per layer, as the single scale
             self.residual_scales = nn.Parameter(torch.full((2,), cfg.residual_init ** 0.5))  # attention, MLP
             self.output_scales = nn.Parameter(torch.ones(2))  # attention, MLP
             self.injection = nn.Parameter(torch.tensor([0.0, 0.05]))  # x0, bigram
             self.lambdas = None
         else:
             self.residual_scales = self.output_scales = self.injection = None
-            self.lambdas = nn.Parameter(torch.tensor([cfg.residual_init, 0.0, 0.1]))  # residual, x0, bigram
+            self.lambdas = None if mixed else nn.Parameter(torch.tensor([cfg.residual_init, 0.0, 0.1]))  # residual, x0, bigram
         self.attend = None  # the attention backend, set by GPT
 
     def forward(self, x: Tensor, x0: Tensor, value_embed: Tensor, rope, mask, bigram: Tensor | None,
-                starts: Tensor, attn_input: Tensor | None = None) -> Tensor:
+                starts: Tensor, attn_input: Tensor | None = None, mix: "LayerMix | None" = None) -> Tensor:
         value_scales = self.value_scales.to(x.dtype)
         if self.lambdas is not None:
             lambdas = self.lambdas.to(x.dtype)
@@ -980,15 +999,56 @@ class Block(nn.Module):
                 source = x if attn_input is None else attn_input
                 x = x + self.attn(rms_norm(source), value_embed, value_scales, rope, mask, self.attend, starts)
             return x + self.mlp(rms_norm(x))
-        residual, output = self.residual_scales.to(x.dtype), self.output_scales.to(x.dtype)
+        if mix is None:
+            residual, output, injection = (p.to(x.dtype) for p in (self.residual_scales, self.output_scales, self.injection))
+            scales = (residual[0], output[0], injection[0], injection[1], residual[1], output[1])
+        else:
+            scales = mix.scales
+        residual_attn, output_attn, x0_scale, bigram_scale, residual_mlp, output_mlp = scales
         if self.attn is not None:
             source = x if attn_input is None else attn_input
-            y = self.attn(rms_norm(source), value_embed, value_scales, rope, mask, self.attend, starts)
-            injection = self.injection.to(x.dtype)
-            x = residual[0] * x + output[0] * y + injection[0] * x0
+            y = self.attn(rms_norm(source), value_embed, value_scales, rope, mask, self.attend, starts, mix)
+            x = residual_attn * x + output_attn * y + x0_scale * x0
             if bigram is not None:
-                x = x + injection[1] * bigram
-        return residual[1] * x + output[1] * self.mlp(rms_norm(x))
+                x = x + bigram_scale * bigram
+        return residual_mlp * x + output_mlp * self.mlp(rms_norm(x))
+
+
+class DenseMix(nn.Module):
+    """MUDD's per-token mixing weights (Xiao et al. 2025): an MLP of the raw residual stream,
+    (W2 gelu(W1 x) + b) * 0.1, with W2 zero at the start, so that each weight starts at its given initial value for
+    every token and learns from there (the speedrun's 2026-04-22 record: 64 hidden units, output scale 0.1)."""
+
+    HIDDEN, SCALE = 64, 0.1
+
+    def __init__(self, dim: int, initial: list[float]):
+        super().__init__()
+        self.initial = initial
+        self.w1 = nn.Parameter(torch.empty(self.HIDDEN, dim))
+        self.w2 = nn.Parameter(torch.empty(len(initial), self.HIDDEN))
+        self.bias = nn.Parameter(torch.empty(len(initial)))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        bound = self.w1.size(1) ** -0.5  # nn.Linear's default
+        self.w1.uniform_(-bound, bound)
+        self.w2.zero_()
+        self.bias.copy_(torch.tensor(self.initial) / self.SCALE)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """[T, dim] -> [T, len(initial)]."""
+        hidden = F.gelu(x @ self.w1.to(x.dtype).T)
+        return (hidden @ self.w2.to(x.dtype).T + self.bias.to(x.dtype)) * self.SCALE
+
+
+class LayerMix(typing.NamedTuple):
+    """What MUDD hands the last layer: a value added to its v ([T, dim]), the per-token value-embedding gate
+    ([T, heads, 1]) and its six sublayer scales, each [T, 1]: residual and output of the attention, x0, bigram,
+    residual and output of the MLP."""
+    value: Tensor
+    value_gate: Tensor
+    scales: tuple
 
 
 class _RowLookup(torch.autograd.Function):
@@ -1028,8 +1088,10 @@ class GPT(nn.Module):
         num_value_embeds = 1 + max((int(c) for c in cfg.value_embed_layout if c != "."), default=-1)
         self.value_embeds = nn.ModuleList(nn.Embedding(vocab, dim) for _ in range(num_value_embeds))
         paired = cfg.paired_layers
+        last = cfg.num_layers - 1
         self.blocks = nn.ModuleList(Block(cfg, kind != "-", cfg.key_offset and kind == "L", i in paired,
-                                          i in cfg.xsa_layer_list) for i, kind in enumerate(cfg.attn_layout))
+                                          i in cfg.xsa_layer_list, mixed=cfg.mudd and i == last)
+                                    for i, kind in enumerate(cfg.attn_layout))
         self.attend_paired = attend.for_paired_heads() if paired else None
         for block in self.blocks:
             block.attend = self.attend_paired if block.paired else attend
@@ -1039,7 +1101,19 @@ class GPT(nn.Module):
         self.skip_gate_w = nn.Parameter(torch.zeros(cfg.gate_dims)) if cfg.gates else None
         self.smear_gate_w = nn.Parameter(torch.zeros(cfg.gate_dims)) if cfg.smear else None
         self.smear_scale = nn.Parameter(torch.zeros(1)) if cfg.smear else None
-        self.backout = nn.Parameter(torch.tensor([0.5])) if cfg.backout_from >= 0 else None
+        self.backout = nn.Parameter(torch.tensor([0.5])) if cfg.backout_from >= 0 and not cfg.mudd else None
+        if cfg.mudd:
+            # Sources: the stream entering layer 0 (x_in), the outputs of layers backout_from (mid), last - 1 (prev)
+            # and skip_from, and the first value embedding. The last layer's weights, read from prev: three for the
+            # value added to v (x_in, mid, prev), three for its input (x_in, mid, prev: (1 + w) * prev), two
+            # value-embedding gates (each for half the heads; 2 as the sigmoid gate's largest), its six sublayer
+            # scales at the static ones' starting values. The head's, read from the last layer's output: x_in, mid,
+            # prev, the value embedding, skip_from's output; mid's starts as the backout (-0.5).
+            half_residual = cfg.residual_init ** 0.5
+            self.mudd_layer = DenseMix(dim, [0.0] * 6 + [2.0, 2.0] + [half_residual, 1.0, 0.0, 0.05, half_residual, 1.0])
+            self.mudd_head = DenseMix(dim, [0.0, -0.5, 0.0, 0.0, 0.0])
+        else:
+            self.mudd_layer = self.mudd_head = None
         self.bigram_embed = nn.Embedding(cfg.bigram_rows, dim) if cfg.bigram_rows else None
         self.lm_head = nn.Linear(dim, vocab, bias=False)  # its own weight; tie_embed trains the embedding as a copy
         self.rotary = Rotary(cfg.head_dim, forward_micro_batches * cfg.micro_batch_tokens, period=cfg.micro_batch_tokens,
@@ -1070,6 +1144,9 @@ class GPT(nn.Module):
             self.bigram_embed.weight.zero_()
         for table in self.value_embeds:
             table.weight.normal_(std=self.cfg.value_embed_init_std)
+        for mix in (self.mudd_layer, self.mudd_head):
+            if mix is not None:
+                mix.reset_parameters()
 
     def matrix_params(self) -> dict[str, list[nn.Parameter]]:
         """The hidden matrices (for Muon), by kind."""
@@ -1161,7 +1238,9 @@ class GPT(nn.Module):
         first_bigram = bigram
         if bigram is not None and self.blocks[0].injection is not None:  # the bigram enters before layer 0 there
             x, first_bigram = x0 + self.blocks[0].injection[1].to(x0.dtype) * bigram, None
-        skip = attn_input = None
+        x_in = x
+        skip = attn_input = backout = None
+        last = len(self.blocks) - 1
         for i, block in enumerate(self.blocks):
             if i == cfg.skip_to:
                 gate = torch.sigmoid(self.skip_gate).to(x.dtype)
@@ -1172,16 +1251,35 @@ class GPT(nn.Module):
             value_embed = no_value_embed if ve_index == "." else value_embeds[int(ve_index)]
             kind = cfg.attn_layout[i]
             layer_rope, mask = (paired_rope, masks["P" + kind]) if block.paired else (rope, masks.get(kind))
-            x = block(x, x0, value_embed, layer_rope, mask, first_bigram if i == 0 else bigram, starts, attn_input)
+            mix = None
+            if self.mudd_layer is not None and i == last:
+                previous = x
+                x, mix = self.mix_into_last_layer(x, x_in, backout)
+            x = block(x, x0, value_embed, layer_rope, mask, first_bigram if i == 0 else bigram, starts, attn_input, mix)
             if i == cfg.attn_input_from:  # the layers after it attend to this output (speedrun 2026-03-06)
                 attn_input = x
             if i == cfg.skip_from:
                 skip = x
             if i == cfg.backout_from:
                 backout = x
-        if self.backout is not None:
+        if self.mudd_head is not None:
+            w = self.mudd_head(x).unbind(1)
+            sources = (x_in, backout, previous, value_embeds[0], skip)
+            x = x + sum(wk[:, None] * source for wk, source in zip(w, sources))
+        elif self.backout is not None:
             x = x - self.backout.to(x.dtype) * backout
         return self.loss_head(x, targets)
+
+    def mix_into_last_layer(self, x: Tensor, x_in: Tensor, mid: Tensor) -> tuple[Tensor, LayerMix]:
+        """MUDD before the last layer, from its input x (the previous layer's output): the layer's new input and
+        what it mixes in (speedrun 2026-04-22)."""
+        w = self.mudd_layer(x)
+        c = [wk[:, None] for wk in w[:, :6].unbind(1)]
+        value = c[0] * x_in + c[1] * mid + c[2] * x
+        x = (1 + c[5]) * x + c[3] * x_in + c[4] * mid
+        heads = self.cfg.num_heads
+        value_gate = w[:, 6:8].repeat_interleave(heads // 2, dim=1)[..., None]  # lane 0: the first half of the heads
+        return x, LayerMix(value, value_gate, tuple(w[:, 8:14].split(1, dim=1)))
 
     @torch.no_grad()
     def set_mtp_weights(self, weights: list[float]):
@@ -2513,6 +2611,7 @@ def build_optimizers(model: GPT, cfg: Config) -> list[torch.optim.Optimizer]:
     scalars += [b.attn.out_scale for b in model.blocks if b.attn is not None and b.attn.out_scale is not None]
     gates = [block.attn.gate_w for block in model.blocks if block.attn is not None and block.attn.gate_w is not None]
     xsa = [b.attn.xsa_alpha for b in model.blocks if b.attn is not None and b.attn.xsa_alpha is not None]
+    mixes = [mix for mix in (model.mudd_layer, model.mudd_head) if mix is not None]
     wd = cfg.adam_weight_decay
     adam = DistAdam([dict(params=tables, lr=cfg.adam_lr * cfg.embed_lr_mul, betas=cfg.table_betas,
                           weight_decay=wd * cfg.table_wd_mul),
@@ -2530,6 +2629,11 @@ def build_optimizers(model: GPT, cfg: Config) -> list[torch.optim.Optimizer]:
                        if residual_scales else [])
                     # as the speedrun's 2026-04-29 record: betas 0.9 / 0.95, the base lr
                     + ([dict(params=xsa, lr=cfg.adam_lr, betas=(0.9, 0.95), weight_decay=0.0)] if xsa else [])
+                    # MUDD's mixing MLPs at a quarter of the base lr, their biases without decay (speedrun 2026-04-22)
+                    + ([dict(params=[p for mix in mixes for p in (mix.w1, mix.w2)], lr=cfg.adam_lr * 0.25,
+                             weight_decay=wd),
+                        dict(params=[mix.bias for mix in mixes], lr=cfg.adam_lr * 0.25, weight_decay=0.0)]
+                       if mixes else [])
                     # the smear and skip gates learn slowly (speedrun 2025-12-21: lr x0.01 and x0.05)
                     + ([dict(params=[model.smear_gate_w], lr=cfg.adam_lr * 0.01, weight_decay=0.0)]
                        if model.smear_gate_w is not None else [])
@@ -3390,6 +3494,9 @@ def diloco_fragments(model: GPT, count: int) -> list[nn.Module]:
     if model.bigram_embed is not None:
         fragments[0].bigram_embed = model.bigram_embed
     fragments[-1].lm_head = model.lm_head
+    for name in ("mudd_layer", "mudd_head"):
+        if getattr(model, name) is not None:
+            fragments[-1].add_module(name, getattr(model, name))
     for name in ("skip_gate", "skip_gate_w", "backout"):
         if getattr(model, name) is not None:
             fragments[-1].register_parameter(name, getattr(model, name))
