@@ -181,6 +181,12 @@ class Config:
     backout_from: int = _model(7, "the head reads the residual minus a learned share of this layer's output; -1: off")
     # Hashed (previous token, token) embedding added to the residual stream (speedrun 2026-01-19).
     bigram_rows: int = _model(5 * 50304, "rows of the hashed (previous token, token) embedding table; 0: off")
+    # The speedrun's 2026-05-20 record: a table 4x narrower and 3x longer, whose rows add into the first 192 channels,
+    # each row times a fixed random +-1 vector picked by (previous token XOR token) mod 8192, so that bigrams sharing
+    # a row pull it in decorrelated directions (the hashing trick's signs, Weinberger et al. 2009).
+    bigram_dims: int = _model(0, "leading channels of the residual stream the bigram embedding adds into; 0: all")
+    bigram_signs: int = _model(0, "random +-1 vectors multiplying the bigram rows, picked per (previous token, token); "
+                                  "0: none")
     # ---- optimizers
     # Adam's groups (betas, weight decay multipliers: speedrun 2025-12 records): the value-embedding and bigram
     # tables ("table"), the token embedding, the head, and the scalars (adam_betas). Weight decay is cautious and
@@ -511,6 +517,9 @@ def validate_config(cfg: Config) -> None:
     need(cfg.micro_batch_tokens % 128 == 0, "--micro_batch_tokens must be a multiple of 128")
     need(cfg.bigram_rows == 0 or (cfg.bigram_rows >= 16 and cfg.bigram_rows % 8 == 0),
          f"--bigram_rows={cfg.bigram_rows}: use 0 (off) or a multiple of 8 (rows are split evenly over ranks)")
+    need(0 <= cfg.bigram_dims <= cfg.model_dim and cfg.bigram_signs >= 0,
+         f"--bigram_dims={cfg.bigram_dims} --bigram_signs={cfg.bigram_signs}: use 0 .. model_dim ({cfg.model_dim}) "
+         "channels (0: all) and 0 or more sign vectors")
     need(cfg.val_tokens % cfg.micro_batch_tokens == 0,
          f"--val_tokens={cfg.val_tokens} must be a multiple of --micro_batch_tokens={cfg.micro_batch_tokens}")
     batches, lrs, windows = cfg.stage_batches, cfg.stage_lr_multipliers, cfg.stage_window_blocks
@@ -1114,7 +1123,13 @@ class GPT(nn.Module):
             self.mudd_head = DenseMix(dim, [0.0, -0.5, 0.0, 0.0, 0.0])
         else:
             self.mudd_layer = self.mudd_head = None
-        self.bigram_embed = nn.Embedding(cfg.bigram_rows, dim) if cfg.bigram_rows else None
+        bigram_dims = cfg.bigram_dims or dim
+        self.bigram_embed = nn.Embedding(cfg.bigram_rows, bigram_dims) if cfg.bigram_rows else None
+        if cfg.bigram_rows and cfg.bigram_signs:  # fixed, the same in every run and on every rank
+            signs = torch.randint(0, 2, (cfg.bigram_signs, bigram_dims), generator=torch.Generator().manual_seed(0))
+            self.register_buffer("bigram_signs", (2 * signs - 1).float(), persistent=False)
+        else:
+            self.bigram_signs = None
         self.lm_head = nn.Linear(dim, vocab, bias=False)  # its own weight; tie_embed trains the embedding as a copy
         self.rotary = Rotary(cfg.head_dim, forward_micro_batches * cfg.micro_batch_tokens, period=cfg.micro_batch_tokens,
                              attn_scale=cfg.attn_scale, paired=bool(paired))
@@ -1233,7 +1248,7 @@ class GPT(nn.Module):
         # a whole-model graph there are no such guards, and dynamo cannot create a leaf that does).
         x = x0.clone()
         no_value_embed = torch.zeros_like(x0, requires_grad=not torch.compiler.is_compiling())
-        bigram = bigram_rows.to(self.compute_dtype) if bigram_rows is not None else None
+        bigram = self.bigram_input(tokens, starts, bigram_rows) if bigram_rows is not None else None
         rope, paired_rope = self.rotary.tables(), self.rotary.paired_tables()
         first_bigram = bigram
         if bigram is not None and self.blocks[0].injection is not None:  # the bigram enters before layer 0 there
@@ -1269,6 +1284,18 @@ class GPT(nn.Module):
         elif self.backout is not None:
             x = x - self.backout.to(x.dtype) * backout
         return self.loss_head(x, targets)
+
+    def bigram_input(self, tokens: Tensor, starts: Tensor, rows: Tensor) -> Tensor:
+        """The bigram rows as the residual stream takes them: each times its sign vector, (previous token XOR
+        token) mod their count (0 where a document or micro-batch starts; speedrun 2026-05-20), and zero past
+        bigram_dims."""
+        bigram = rows.to(self.compute_dtype)
+        if self.bigram_signs is not None:
+            previous = torch.cat([tokens[:1], tokens[:-1]])
+            index = torch.where(starts, 0, torch.bitwise_xor(previous, tokens) % self.bigram_signs.size(0))
+            bigram = bigram * self.bigram_signs[index].to(bigram.dtype)
+        narrower = self.cfg.model_dim - bigram.size(1)
+        return F.pad(bigram, (0, narrower)) if narrower else bigram
 
     def mix_into_last_layer(self, x: Tensor, x_in: Tensor, mid: Tensor) -> tuple[Tensor, LayerMix]:
         """MUDD before the last layer, from its input x (the previous layer's output): the layer's new input and

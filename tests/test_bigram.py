@@ -108,3 +108,48 @@ def test_sparse_exchange_equals_dense_reduce_scatter():
 def test_bigram_rows_must_split_over_ranks():
     with pytest.raises(tg.UserError, match="--bigram_rows=1001"):
         tg.parse_cli(["--bigram_rows=1001"])
+
+
+def test_signed_narrow_bigram_rows_enter_the_first_channels_times_their_sign_vector():
+    """--bigram_dims and --bigram_signs: what the residual stream takes of the bigram table at each position is the
+    looked-up row times the sign vector (previous token XOR token) mod the count, vector 0 where a document or a
+    micro-batch starts, in the first bigram_dims channels and zero after; the sign vectors are fixed +-1 vectors,
+    the same for any --seed. The table's row gradients carry the signs too."""
+    dims, signs = 24, 16
+    cfg, _ = tg.parse_cli(TINY + [f"--bigram_dims={dims}", f"--bigram_signs={signs}"])
+    torch.manual_seed(0)
+    model = tg.GPT(cfg, tg.SdpaAttention(), torch.float32)
+    torch.manual_seed(1)
+    assert torch.equal(tg.GPT(cfg, tg.SdpaAttention(), torch.float32).bigram_signs, model.bigram_signs)
+    assert model.bigram_signs.shape == (signs, dims) and set(model.bigram_signs.unique().tolist()) == {-1.0, 1.0}
+    assert model.bigram_embed.weight.shape == (cfg.bigram_rows, dims)
+    with torch.no_grad():
+        model.bigram_embed.weight.normal_()
+        model.lm_head.weight.normal_()
+    tokens = torch.randint(0, VOCAB, (256,), dtype=torch.int32, generator=torch.Generator().manual_seed(2))
+    tokens[[0, 40, 41]] = BOS
+    bigrams = torch.from_numpy(tg.bigram_hash(tokens.numpy(), cfg.bigram_rows, cfg.bos_token))
+    seen = []
+
+    def keep(_, args):  # the bigram input of layer 0, its gradient kept
+        args[5].retain_grad()
+        seen.append(args[5])
+    model.blocks[0].register_forward_pre_hook(keep)
+    masks = model.prepare_masks(tokens, cu_seqlens_of(tokens, cfg.bos_token), (16, 32))
+    model.prepare_grads()
+    model(tokens, tokens.long(), masks, bigrams).backward()
+    index = [0 if i == 0 or t == BOS else (int(tokens[i - 1]) ^ int(t)) % signs for i, t in enumerate(tokens.tolist())]
+    rows = model.bigram_embed.weight[bigrams.long()] * model.bigram_signs[index]
+    torch.testing.assert_close(seen[0][:, :dims], rows)
+    assert torch.equal(seen[0][:, dims:], torch.zeros(256, cfg.model_dim - dims))
+    assert len(set(index)) > 8
+    # each row's gradient: the sum over the positions that looked it up of their gradient times their signs
+    want = torch.zeros_like(model.bigram_embed.weight)
+    want.index_add_(0, bigrams.long(), seen[0].grad[:, :dims] * model.bigram_signs[index])
+    torch.testing.assert_close(model.bigram_embed.weight.grad, want)
+    assert want.abs().sum() > 0
+
+
+def test_bigram_dims_and_signs_are_checked():
+    with pytest.raises(tg.UserError, match="--bigram_dims=800 --bigram_signs=0: use 0 .. model_dim"):
+        tg.validate_config(tg.parse_cli(["--bigram_dims=800"])[0])
