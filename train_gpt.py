@@ -582,6 +582,27 @@ def config_help() -> str:
 # Model
 
 
+@dataclass(frozen=True)
+class Kernels:
+    """Where a run takes a Triton kernel instead of plain torch: decided once, by choose_kernels at startup, and
+    handed down to the model (MLP, row lookups, loss head) and to Muon, which call no kernel on their own. All off,
+    the default, is plain torch: the CPU's path, and the GPU's with --triton_kernels=0."""
+    fused_mlp: bool = False  # the MLP as _FusedReLU2MLP
+    rows: bool = False  # the embedding rows' gather and gradient kernels (gather_rows, add_rows_)
+    loss: bool = False  # the softcapped cross-entropy kernels; with --fp8_head, torch._scaled_mm and its loss kernel
+    newton_schulz: bool = False  # Muon's symmetric matmuls (symmetric_matmul)
+
+
+PLAIN_TORCH = Kernels()
+
+
+def choose_kernels(cfg: Config, device: torch.device) -> Kernels:
+    """The Triton kernels of a run on `device`: every one on CUDA when Triton imports and --triton_kernels is on
+    (the fused MLP also with --fused_mlp); none on the CPU."""
+    on = device.type == "cuda" and triton is not None and cfg.triton_kernels
+    return Kernels(fused_mlp=on and cfg.fused_mlp, rows=on, loss=on, newton_schulz=on)
+
+
 def rms_norm(x: Tensor) -> Tensor:
     return F.rms_norm(x, (x.size(-1),))
 
@@ -926,15 +947,15 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, dim: int, hidden: int, fused: bool = True):
+    def __init__(self, dim: int, hidden: int, fused: bool):
         super().__init__()
         self.fc_w = nn.Parameter(torch.empty(hidden, dim))  # out x in
         self.proj_w = nn.Parameter(torch.empty(hidden, dim))  # in x out: stored transposed, same shape as fc_w
-        self.fused = fused  # _FusedReLU2MLP on CUDA when Triton imports
+        self.fused = fused  # _FusedReLU2MLP (Kernels.fused_mlp), else plain torch
 
     def forward(self, x: Tensor) -> Tensor:
         fc_w, proj_w = self.fc_w.to(x.dtype), self.proj_w.to(x.dtype)
-        if x.is_cuda and triton is not None and self.fused:
+        if self.fused:
             return _FusedReLU2MLP.apply(x, fc_w, proj_w)
         return F.relu(x @ fc_w.T).square() @ proj_w  # ReLU^2 (So et al. 2021)
 
@@ -946,16 +967,16 @@ class Block(nn.Module):
     - --sublayer_scales (speedrun 2026-02-12, as simplified 2026-03-06): x = r_a * x + o_a * attention(norm a) +
       x0_scale * x0 + bigram_scale * bigram, then r_m * x + o_m * MLP(norm x), with a the layer's input or (past
       --attn_input_from) that layer's output; a layer without attention only runs its MLP.
-    value_scales: [value scale, value-embedding scale] of the attention's v."""
+    value_scales: [value scale, value-embedding scale] of the attention's v. fused_mlp: Kernels.fused_mlp."""
 
     def __init__(self, cfg: Config, has_attention: bool, shift_keys: bool = False, paired: bool = False,
-                 xsa: bool = False):
+                 xsa: bool = False, fused_mlp: bool = False):
         super().__init__()
         self.attn = (CausalSelfAttention(cfg.model_dim, cfg.num_heads, cfg.head_dim, cfg.gate_dims if cfg.gates else 0,
                                          shift_keys, cfg.attn_out_scale, paired, xsa, cfg.value_gate_reads_embed)
                      if has_attention else None)
         self.paired = paired
-        self.mlp = MLP(cfg.model_dim, cfg.mlp_ratio * cfg.model_dim, cfg.fused_mlp and cfg.triton_kernels)
+        self.mlp = MLP(cfg.model_dim, cfg.mlp_ratio * cfg.model_dim, fused_mlp)
         self.value_scales = nn.Parameter(torch.tensor([0.5, cfg.value_embed_scale_init]))
         if cfg.sublayer_scales:  # sqrt(1.1) per sublayer: 1.1 per layer, as the single scale
             self.residual_scales = nn.Parameter(torch.full((2,), cfg.residual_init ** 0.5))  # attention, MLP
@@ -1018,9 +1039,12 @@ class _RowLookup(torch.autograd.Function):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: Config, attend, compute_dtype: torch.dtype, forward_micro_batches: int = 1):
+    """kernels: the run's Triton kernels (choose_kernels); plain torch unless given."""
+
+    def __init__(self, cfg: Config, attend, compute_dtype: torch.dtype, forward_micro_batches: int = 1,
+                 kernels: Kernels = PLAIN_TORCH):
         super().__init__()
-        self.cfg, self.attend, self.compute_dtype = cfg, attend, compute_dtype
+        self.cfg, self.attend, self.compute_dtype, self.kernels = cfg, attend, compute_dtype, kernels
         vocab = next_multiple_of(cfg.vocab_size, 128)  # padded for efficient matmuls
         dim = cfg.model_dim
         self.embed = nn.Embedding(vocab, dim)
@@ -1028,7 +1052,8 @@ class GPT(nn.Module):
         self.value_embeds = nn.ModuleList(nn.Embedding(vocab, dim) for _ in range(num_value_embeds))
         paired = cfg.paired_layers
         self.blocks = nn.ModuleList(Block(cfg, kind != "-", cfg.key_offset and kind == "L", i in paired,
-                                          i in cfg.xsa_layer_list) for i, kind in enumerate(cfg.attn_layout))
+                                          i in cfg.xsa_layer_list, kernels.fused_mlp)
+                                    for i, kind in enumerate(cfg.attn_layout))
         self.attend_paired = attend.for_paired_heads() if paired else None
         for block in self.blocks:
             block.attend = self.attend_paired if block.paired else attend
@@ -1124,7 +1149,7 @@ class GPT(nn.Module):
         before a step's first backward."""
         token_tables = [self.embed.weight] + [ve.weight for ve in self.value_embeds]
         if self.cfg.row_embedding_grads:
-            use_triton = tokens.is_cuda and triton is not None and self.cfg.triton_kernels
+            use_triton = self.kernels.rows
             # The value and bigram rows go straight into the compute dtype, as the trunk would convert them
             # (same values, half the bytes to write, copy into the CUDA graph and read back); the token rows
             # are rms-normed in float32 first.
@@ -1192,7 +1217,7 @@ class GPT(nn.Module):
 
     def loss_head(self, x: Tensor, targets: Tensor) -> Tensor:
         cfg = self.cfg
-        use_triton = None if cfg.triton_kernels else False
+        use_triton = self.kernels.loss
         cap = (cfg.logit_softcap, cfg.logit_offset, cfg.logit_divisor)
         # rows of each micro-batch predict inside it only, so packed forwards compute the losses of separate ones
         mtp = (self.mtp_weights, cfg.micro_batch_tokens) if self.mtp_weights.numel() > 1 else None
@@ -1541,15 +1566,13 @@ POLAR_EXPRESS_COEFFS = (
 )
 
 
-def orthogonalize(grads: Tensor, use_triton: bool | None = None) -> Tensor:
+def orthogonalize(grads: Tensor, use_triton: bool) -> Tensor:
     """Approximately replace each matrix of a [..., rows, cols] batch by U V^T of its SVD.
 
-    bf16 on the GPU (the iteration is robust to it), fp32 elsewhere so CPU tests are exact. On CUDA
-    with Triton, X X^T and b A + c A A (A symmetric) use the symmetric kernel, which skips the
+    bf16 on the GPU (the iteration is robust to it), fp32 elsewhere so CPU tests are exact. With use_triton
+    (Kernels.newton_schulz; CUDA), X X^T and b A + c A A (A symmetric) use the symmetric kernel, which skips the
     products above the diagonal (the speedrun's 2025-07 Triton Muon record); otherwise plain torch.
     """
-    if use_triton is None:
-        use_triton = grads.is_cuda and triton is not None
     dtype = torch.bfloat16 if grads.is_cuda else torch.float32
     X = grads.to(dtype)
     transposed = X.size(-2) > X.size(-1)
@@ -1628,10 +1651,10 @@ class Muon(torch.optim.Optimizer):
     """
 
     def __init__(self, params, lr: float, momentum: float, weight_decay: float = 0.0, beta2: float = 0.0,
-                 shape_lr: bool = False, use_triton: bool | None = None):
+                 shape_lr: bool = False, use_triton: bool = False):
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, split=1, lr_mul=1.0))
         self.beta2, self.shape_lr = beta2, shape_lr
-        self.use_triton = use_triton  # None: the Triton kernel on CUDA when Triton imports
+        self.use_triton = use_triton  # Kernels.newton_schulz: orthogonalize's Triton kernel, else plain torch
         self.rank, self.world_size = current_rank_and_world()
         self.distributed = self.world_size > 1
         params = [p for group in self.param_groups for p in group["params"]]
@@ -2499,7 +2522,7 @@ def build_optimizers(model: GPT, cfg: Config) -> list[torch.optim.Optimizer]:
     muon = Muon([dict(params=matrices["attn"], split=attn_split), dict(params=matrices["mlp_in"]),
                  dict(params=matrices["mlp_out"], lr_mul=cfg.muon_proj_lr_mul)],
                 lr=cfg.muon_lr, momentum=cfg.muon_momentum, weight_decay=cfg.muon_weight_decay,
-                beta2=cfg.normuon_beta2, shape_lr=cfg.muon_shape_lr, use_triton=None if cfg.triton_kernels else False)
+                beta2=cfg.normuon_beta2, shape_lr=cfg.muon_shape_lr, use_triton=model.kernels.newton_schulz)
     bigram = [model.bigram_embed.weight] if model.bigram_embed is not None else []
     tables = [ve.weight for ve in model.value_embeds] + bigram
     scalars = [model.skip_gate] + [block.value_scales for block in model.blocks]
@@ -2991,7 +3014,7 @@ def resolve_compile_mode(cfg: Config, comm: Comm, device: torch.device) -> str:
     return "reduce-overhead" if single_gpu else "default"
 
 
-def check_gpu_features(cfg: Config, device: torch.device) -> None:
+def check_gpu_features(cfg: Config, device: torch.device, kernels: Kernels) -> None:
     """The default kernels need a recent GPU: one line naming the GPU and the flag that turns each one off."""
     if device.type != "cuda":
         return
@@ -2999,7 +3022,7 @@ def check_gpu_features(cfg: Config, device: torch.device) -> None:
     if cfg.fp8_head and capability < (8, 9):
         raise UserError(f"the FP8 head (--fp8_head, on by default) needs FP8 matmuls (compute capability 8.9 or "
                         f"newer: Ada, Hopper); {name} has none: pass --fp8_head=0")
-    if cfg.fused_mlp and cfg.triton_kernels and triton is not None and capability < (9, 0):
+    if kernels.fused_mlp and capability < (9, 0):
         raise UserError(f"the fused MLP (--fused_mlp, on by default) needs the TMA copy engine (compute capability "
                         f"9.0 or newer: Hopper); {name} has none: pass --fused_mlp=0")
 
@@ -3012,8 +3035,9 @@ def build_model(cfg: Config, comm: Comm, log: RunLog) -> tuple[GPT, torch.device
     packed = resolve_forward_micro_batches(cfg, comm.world_size, memory_gib)
     attend = make_attention(cfg, device, packed * cfg.micro_batch_tokens)
     compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    check_gpu_features(cfg, device)
-    model = GPT(cfg, attend, compute_dtype, forward_micro_batches=packed).to(device)
+    kernels = choose_kernels(cfg, device)
+    check_gpu_features(cfg, device, kernels)
+    model = GPT(cfg, attend, compute_dtype, forward_micro_batches=packed, kernels=kernels).to(device)
     if comm.distributed:  # same seed gives the same init, but make certain
         for t in model.state_dict().values():
             dist.broadcast(t, 0)
@@ -3635,7 +3659,8 @@ def check_inputs(cfg: Config) -> None:
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device=cuda, but torch sees no CUDA GPU; pass --device=cpu to run on the CPU")
     if cfg.device == "cuda":
-        check_gpu_features(cfg, torch.device("cuda", 0))
+        cuda = torch.device("cuda", 0)
+        check_gpu_features(cfg, cuda, choose_kernels(cfg, cuda))
     # The first training shard in full (the loader checks the others as it reaches them): a shard from another
     # tokenizer fails here, before minutes of compiling. An evaluation reads no training data.
     if not (cfg.eval_only or cfg.sample):
@@ -3693,8 +3718,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Appendix: Triton kernels (used on CUDA when Triton imports; every one has a plain-torch equivalent, which the
-# model calls on the CPU and when --triton_kernels=0)
+# Appendix: Triton kernels (used where choose_kernels turns them on: on CUDA when Triton imports; every one has a
+# plain-torch equivalent, which the model calls on the CPU and with --triton_kernels=0)
 
 try:
     import triton
@@ -3858,17 +3883,15 @@ def multi_token_losses(z: Tensor, targets: Tensor, mtp: tuple | None) -> Tensor:
     return sum(w * (lse - z.gather(1, ahead[:, None])[:, 0]) for w, ahead in multi_token_targets(targets, mtp))
 
 
-def softcapped_cross_entropy(logits: Tensor, targets: Tensor, cap: tuple, use_triton: bool | None = None,
+def softcapped_cross_entropy(logits: Tensor, targets: Tensor, cap: tuple, use_triton: bool,
                              mtp: tuple | None = None) -> Tensor:
     """Mean cross-entropy of softcap(logits, cap), a [rows, vocab] input; with mtp, multi_token_losses.
 
     The soft cap squeezes logits into (0, cap): the speedrun's 30*sigmoid(z/7.5) form of Gemma 2's tanh
     cap, which keeps logits from growing without bound early in training (its 2025-12-26 record shifts it:
-    23*sigmoid((z+5)/7.5)). On CUDA with Triton the fused kernels compute next-token losses; otherwise, and for
-    multi-token losses, plain torch.
+    23*sigmoid((z+5)/7.5)). With use_triton (Kernels.loss; CUDA) the fused kernels compute next-token losses;
+    otherwise, and for multi-token losses, plain torch.
     """
-    if use_triton is None:
-        use_triton = logits.is_cuda and triton is not None
     if use_triton and mtp is None:
         return _SoftcappedCrossEntropy.apply(logits, targets, cap).mean()
     return multi_token_losses(softcap(logits, cap), targets, mtp).mean()
@@ -4118,13 +4141,11 @@ def multi_token_grad(z: Tensor, targets: Tensor, mtp: tuple | None) -> Tensor:
     return d
 
 
-def fp8_softcapped_head(x: Tensor, weight: Tensor, targets: Tensor, cap: tuple, use_triton: bool | None = None,
+def fp8_softcapped_head(x: Tensor, weight: Tensor, targets: Tensor, cap: tuple, use_triton: bool,
                         mtp: tuple | None = None) -> Tensor:
     """Mean softcapped cross-entropy of x @ weight.T (x: [rows, dim] rms-normed, weight: [vocab, dim]) with
-    FP8 matmuls, next-token or multi-token (mtp): _Fp8SoftcappedHead. On CUDA with Triton the fast kernels,
-    otherwise plain torch."""
-    if use_triton is None:
-        use_triton = x.is_cuda and triton is not None
+    FP8 matmuls, next-token or multi-token (mtp): _Fp8SoftcappedHead. With use_triton (Kernels.loss; CUDA) the
+    fast kernels, otherwise plain torch."""
     weights, period = mtp if mtp is not None else (None, 0)
     return _Fp8SoftcappedHead.apply(x, weight, targets, cap, use_triton, weights, period)
 
