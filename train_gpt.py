@@ -5,9 +5,9 @@
     python train_gpt.py --help                                          # every config field
 
 One file, read top to bottom: config -> model -> comms -> optimizers -> data -> schedule -> logging ->
-checkpoints -> training loop -> DiLoCo -> main, then an appendix of Triton kernels. Importing it runs nothing. The ideas
-(and many constants) come from the public NanoGPT speedrun (github.com/KellerJordan/modded-nanogpt);
-comments credit them where they are used.
+instrumentation -> checkpoints -> training loop -> DiLoCo -> main, then an appendix of Triton kernels. Importing it
+runs nothing. The ideas (and many constants) come from the public NanoGPT speedrun
+(github.com/KellerJordan/modded-nanogpt); comments credit them where they are used.
 """
 from __future__ import annotations
 
@@ -2310,6 +2310,223 @@ def nvidia_smi() -> str:
 
 
 # ----------------------------------------------------------------------------------------------------
+# Instrumentation
+#
+# What a run reports beside its losses, without slowing its steps: each step's loss read back one step late and
+# checked (LossWatch), every step's time judged against its stage's (StepTimes), anything compiled after the
+# warm-up (RecompileWatch), where the compile time went, and a checksum of the final weights.
+
+
+class TrainingDiverged(UserError):
+    pass
+
+
+class LossWatch:
+    """Reads each step's loss back to the host one step late, so checking it for NaN/inf never stalls
+    the GPU: by the time step s is read, step s+1 is already queued behind it. On CUDA the event behind each
+    step also times it: gpu_ms[step] is the GPU time from the previous step's end to this one's (idle
+    gaps included), so a slow step can be told apart from a host that launched it late."""
+
+    def __init__(self, comm: Comm, device: torch.device):
+        self.comm, self.device = comm, device
+        self.pending = None
+        self.previous_end = None  # the CUDA event behind the last step read back, if its successor follows it
+        self.losses: list[float] = []  # mean over all ranks, one per step
+        self.gpu_ms: dict[int, float] = {}  # step (1-based) -> GPU ms since the previous step's end
+
+    def push(self, step: int, local_loss: Tensor):
+        losses = local_loss.float().reshape(1)
+        if self.comm.distributed:
+            losses = losses.new_empty(self.comm.world_size)
+            dist.all_gather_into_tensor(losses, local_loss.float().reshape(1))
+        if self.device.type == "cuda":
+            host = torch.empty(losses.numel(), pin_memory=True)
+            host.copy_(losses, non_blocking=True)
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+        else:
+            host, event = losses, None
+        self.flush()
+        self.pending = (step, host, event)
+
+    def flush(self, other_work_follows: bool = False):
+        """Read the pending step. other_work_follows: something else (validation) runs on the GPU before
+        the next step, so that step's GPU time cannot be measured from this one's end."""
+        if self.pending is None:
+            return
+        step, host, event = self.pending
+        self.pending = None
+        if event is not None:
+            event.synchronize()
+            if self.previous_end is not None:
+                self.gpu_ms[step + 1] = self.previous_end.elapsed_time(event)
+            self.previous_end = None if other_work_follows else event
+        losses = host.tolist()
+        bad = [rank for rank, loss in enumerate(losses) if not math.isfinite(loss)]
+        if bad:
+            raise TrainingDiverged(f"training diverged: loss is {losses[bad[0]]} at step {step + 1} on rank {bad[0]}")
+        self.losses.append(sum(losses) / len(losses))
+
+
+def compiled_graph_count() -> int:
+    from torch._dynamo.utils import counters
+    return int(counters["stats"]["unique_graphs"])
+
+
+class RecompileWatch:
+    """Reports what compiled after the warm-up (there should be nothing): new dynamo graphs with the guard
+    that failed, backward graphs compiled lazily at their first backward, and CUDA graphs recorded under
+    --compile_mode=reduce-overhead (a recording costs a warm-up run, a capture and two synchronizations)."""
+
+    def __init__(self):
+        from torch._dynamo.callback import CallbackTrigger, callback_handler
+        from torch._dynamo.utils import guard_failures
+        self.failures = guard_failures
+        self.graphs = self.after_warm_up = compiled_graph_count()
+        self.seen = {code: len(reasons) for code, reasons in guard_failures.items()}
+        # torch announces runtime compiles and recordings to registered callbacks, with the graph's compile id
+        self.runtime_triggers = {CallbackTrigger.LAZY_BACKWARD: "backward compiled lazily",
+                                 CallbackTrigger.CUDAGRAPH_RECORDING: "CUDA graph recorded"}
+        self.runtime_events: list[str] = []
+        self.reported_events = 0
+        self.handler = callback_handler
+        self.handler.register_start_callback(self._on_runtime_compile)
+
+    def _on_runtime_compile(self, args):
+        what = self.runtime_triggers.get(args.callback_trigger)
+        if what is not None:
+            self.runtime_events.append(f"{what} for compiled graph {args.compile_id}")
+
+    def close(self):
+        self.handler.remove_start_callback(self._on_runtime_compile)
+
+    def since_warm_up(self) -> int:
+        return compiled_graph_count() - self.after_warm_up + len(self.runtime_events)
+
+    def new_reasons(self) -> list[str]:
+        """What compiled since the last call and why ("where: failed guard", "CUDA graph recorded for ...")."""
+        reasons = self.runtime_events[self.reported_events:]
+        self.reported_events = len(self.runtime_events)
+        if compiled_graph_count() == self.graphs:
+            return reasons
+        self.graphs = compiled_graph_count()
+        guards = []
+        for code, failures in list(self.failures.items()):
+            for failure in failures[self.seen.get(code, 0):]:
+                where = f"{code.co_name} ({Path(code.co_filename).name}:{code.co_firstlineno})"
+                guards.append(f"{where}: {failure.splitlines()[0].strip()}")
+            self.seen[code] = len(failures)
+        return (guards or ["a new graph (no guard failed: first call of a new function)"]) + reasons
+
+
+class StepTimes:
+    """Each timed step's time, summarised per stage of the schedule at the end of the log (the target: no step
+    slower than 1.2x its stage's median), and the Python garbage collections that ran after the warm-up
+    (validation included) with their pauses.
+
+    On a GPU a step is judged by its GPU time (LossWatch.gpu_ms: from the previous step's end to its own, idle
+    gaps included), the time it held up training. The host's wall time per step is shown beside it but judges
+    nothing: the host runs ahead of the GPU, so a host pause that the lead absorbs makes one step long and the
+    next one short by as much (1xH100: steps 51 and 52 took 289 and 192 ms of wall time, step 51 241.6 ms of GPU
+    time against a median of 240.2).
+    Without a GPU the wall time is all there is. Slow steps are listed with the host's time inside train_step
+    (launch): a long launch is a host stall; a long GPU time after a normal launch is the GPU or a peer."""
+
+    SLOW = 1.2  # a step this many times its stage's median is flagged in the summary
+    LISTED = 10  # slow steps listed one by one, slowest first
+
+    def __init__(self, schedule: Schedule):
+        self.schedule = schedule
+        self.by_stage: dict[int, list[int]] = {}  # stage -> steps
+        self.wall_ms: dict[int, float] = {}  # step -> host wall time
+        self.launch_ms: dict[int, float] = {}  # step -> host ms inside train_step
+        self.step = 0
+        self.collections: list[tuple[float, int, int]] = []  # (ms, generation, step)
+        self._gc_started = 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict):
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        else:
+            self.collections.append((1000 * (time.perf_counter() - self._gc_started), info["generation"], self.step))
+
+    def add(self, step: int, ms: float, launch_ms: float):
+        """Step `step` (1-based, as logged) took `ms` of wall time, of which `launch_ms` were spent issuing its work."""
+        self.by_stage.setdefault(self.schedule.stage(step - 1), []).append(step)
+        self.wall_ms[step], self.launch_ms[step] = ms, launch_ms
+        self.step = step + 1
+
+    def close(self):
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
+
+    def summary(self, gpu_ms: dict[int, float]) -> list[str]:
+        lines, slow_steps = [], []
+        for stage, steps in sorted(self.by_stage.items()):
+            # the first step after the warm-up and after each validation has no GPU time and is left out
+            timed = [step for step in steps if step in gpu_ms]
+            judge, what = (gpu_ms, "GPU") if timed else (self.wall_ms, "wall")
+            timed = timed or steps
+            median = float(np.median([judge[step] for step in timed]))
+            at = max(timed, key=judge.get)
+            slow = [(judge[step] / median, step) for step in timed if judge[step] > self.SLOW * median]
+            slow_steps += [(ratio, step, what) for ratio, step in slow]
+            line = (f"step times, stage {stage}: {len(steps)} steps, {what} median {median:.1f} ms, slowest "
+                    f"{judge[at]:.1f} ms at step {at} ({judge[at] / median:.2f}x); {len(slow)} over {self.SLOW}x the median")
+            if judge is gpu_ms:
+                wall = [self.wall_ms[step] for step in steps]
+                line += f"; wall median {np.median(wall):.1f} ms, slowest {max(wall) / np.median(wall):.2f}x"
+            lines.append(line + f"; median launch {np.median([self.launch_ms[step] for step in steps]):.1f} ms")
+        for ratio, step, what in sorted(slow_steps, reverse=True)[: self.LISTED]:
+            lines.append(f"slow step {step}: {ratio:.2f}x its stage's {what} median; wall {self.wall_ms[step]:.1f} ms, "
+                         f"launch {self.launch_ms[step]:.1f} ms" + (f", GPU {gpu_ms[step]:.1f} ms" if step in gpu_ms else ""))
+        if self.collections:
+            longest, generation, step = max(self.collections)
+            lines.append(f"garbage collections after the warm-up: {len(self.collections)}, "
+                         f"{sum(ms for ms, _, _ in self.collections):.0f} ms in all; longest {longest:.1f} ms "
+                         f"(generation {generation}, step {step})")
+        return lines
+
+
+def compile_cache_hits() -> int:
+    """Compiled graphs served from a cache (inductor kernels and AOTAutograd graphs) in this process."""
+    from torch._dynamo.utils import counters
+    return int(counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"])
+
+
+def compile_phase_times(top: int = 12) -> str:
+    """Where the compile time went: torch's own phase timers (nested, so they do not add up), longest
+    first. The names are torch internals and vary across versions."""
+    from torch._dynamo.utils import compile_times
+    names, values = compile_times(repr="csv", aggregate=True)
+    longest = sorted(zip(names, (float(v) for v in values)), key=lambda item: -item[1])[:top]
+    return ", ".join(f"{name} {seconds:.1f}s" for name, seconds in longest if seconds >= 0.5)
+
+
+def seconds_since_process_start() -> float | None:
+    """Wall time since this process began (Linux /proc), imports included: the whole cold-start cost."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: start time in clock ticks
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+def weights_checksum(model: nn.Module) -> str:
+    """A log line to tell whether two runs ended with the same weights (after a refactor, under another
+    compile mode or world size): float64 sum and sum of squares over every parameter."""
+    total = squares = 0.0
+    with torch.no_grad():
+        for p in model.parameters():
+            as_double = p.detach().double()
+            total += as_double.sum().item()
+            squares += as_double.square().sum().item()
+    return f"final weights: float64 sum {total:.12e}, sum of squares {squares:.12e}"
+
+
+# ----------------------------------------------------------------------------------------------------
 # Checkpoints
 #
 # One torch.save file, written by rank 0 through a temporary file and a rename, so a crash mid-write never leaves a
@@ -2510,10 +2727,6 @@ def load_checkpoint_weights(model: GPT, checkpoint: dict) -> None:
 # Training loop
 
 
-class TrainingDiverged(UserError):
-    pass
-
-
 def build_optimizers(model: GPT, cfg: Config) -> list[torch.optim.Optimizer]:
     """Adam for embeddings, head and scalars; Muon for the hidden matrices (speedrun 2024-10)."""
     matrices = model.matrix_params()
@@ -2591,53 +2804,6 @@ def set_hyperparameters(optimizers, schedule: Schedule, step: int):
                 group["momentum"] = schedule.muon_momentum(step)
 
 
-class LossWatch:
-    """Reads each step's loss back to the host one step late, so checking it for NaN/inf never stalls
-    the GPU: by the time step s is read, step s+1 is already queued behind it. On CUDA the event behind each
-    step also times it: gpu_ms[step] is the GPU time from the previous step's end to this one's (idle
-    gaps included), so a slow step can be told apart from a host that launched it late."""
-
-    def __init__(self, comm: Comm, device: torch.device):
-        self.comm, self.device = comm, device
-        self.pending = None
-        self.previous_end = None  # the CUDA event behind the last step read back, if its successor follows it
-        self.losses: list[float] = []  # mean over all ranks, one per step
-        self.gpu_ms: dict[int, float] = {}  # step (1-based) -> GPU ms since the previous step's end
-
-    def push(self, step: int, local_loss: Tensor):
-        losses = local_loss.float().reshape(1)
-        if self.comm.distributed:
-            losses = losses.new_empty(self.comm.world_size)
-            dist.all_gather_into_tensor(losses, local_loss.float().reshape(1))
-        if self.device.type == "cuda":
-            host = torch.empty(losses.numel(), pin_memory=True)
-            host.copy_(losses, non_blocking=True)
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-        else:
-            host, event = losses, None
-        self.flush()
-        self.pending = (step, host, event)
-
-    def flush(self, other_work_follows: bool = False):
-        """Read the pending step. other_work_follows: something else (validation) runs on the GPU before
-        the next step, so that step's GPU time cannot be measured from this one's end."""
-        if self.pending is None:
-            return
-        step, host, event = self.pending
-        self.pending = None
-        if event is not None:
-            event.synchronize()
-            if self.previous_end is not None:
-                self.gpu_ms[step + 1] = self.previous_end.elapsed_time(event)
-            self.previous_end = None if other_work_follows else event
-        losses = host.tolist()
-        bad = [rank for rank, loss in enumerate(losses) if not math.isfinite(loss)]
-        if bad:
-            raise TrainingDiverged(f"training diverged: loss is {losses[bad[0]]} at step {step + 1} on rank {bad[0]}")
-        self.losses.append(sum(losses) / len(losses))
-
-
 def forward_loss(model: GPT, batch: ForwardBatch, windows: tuple[int, int]) -> Tensor:
     # Under CUDA graphs: everything the previous forward returned has been used, so the graphs may
     # reuse its memory (a no-op otherwise).
@@ -2681,18 +2847,6 @@ def train_step(model: GPT, optimizers, batches: Prefetcher, windows: tuple[int, 
         mark(type(opt).__name__)
         opt.zero_grad(set_to_none=True)  # each optimizer its own parameters: Adam's may be adding up
     return total / forwards
-
-
-def weights_checksum(model: nn.Module) -> str:
-    """A log line to tell whether two runs ended with the same weights (after a refactor, under another
-    compile mode or world size): float64 sum and sum of squares over every parameter."""
-    total = squares = 0.0
-    with torch.no_grad():
-        for p in model.parameters():
-            as_double = p.detach().double()
-            total += as_double.sum().item()
-            squares += as_double.square().sum().item()
-    return f"final weights: float64 sum {total:.12e}, sum of squares {squares:.12e}"
 
 
 def evaluate(model: GPT, cfg: Config, comm: Comm, val_paths: list[str], windows: tuple[int, int],
@@ -2766,196 +2920,6 @@ def warm_up(model: GPT, optimizers, cfg: Config, comm: Comm, schedule: Schedule,
     model.load_state_dict(initial)
     for opt in optimizers:
         opt.state.clear()
-
-
-def configure_inductor(cfg: Config, device: torch.device) -> None:
-    """Inductor's options for our graphs, set before they compile (torch keeps them process-wide)."""
-    import torch._inductor.config as inductor
-    inductor.coordinate_descent_tuning = cfg.tune_kernels and device.type == "cuda"
-
-
-def compiled_graph_count() -> int:
-    from torch._dynamo.utils import counters
-    return int(counters["stats"]["unique_graphs"])
-
-
-class RecompileWatch:
-    """Reports what compiled after the warm-up (there should be nothing): new dynamo graphs with the guard
-    that failed, backward graphs compiled lazily at their first backward, and CUDA graphs recorded under
-    --compile_mode=reduce-overhead (a recording costs a warm-up run, a capture and two synchronizations)."""
-
-    def __init__(self):
-        from torch._dynamo.callback import CallbackTrigger, callback_handler
-        from torch._dynamo.utils import guard_failures
-        self.failures = guard_failures
-        self.graphs = self.after_warm_up = compiled_graph_count()
-        self.seen = {code: len(reasons) for code, reasons in guard_failures.items()}
-        # torch announces runtime compiles and recordings to registered callbacks, with the graph's compile id
-        self.runtime_triggers = {CallbackTrigger.LAZY_BACKWARD: "backward compiled lazily",
-                                 CallbackTrigger.CUDAGRAPH_RECORDING: "CUDA graph recorded"}
-        self.runtime_events: list[str] = []
-        self.reported_events = 0
-        self.handler = callback_handler
-        self.handler.register_start_callback(self._on_runtime_compile)
-
-    def _on_runtime_compile(self, args):
-        what = self.runtime_triggers.get(args.callback_trigger)
-        if what is not None:
-            self.runtime_events.append(f"{what} for compiled graph {args.compile_id}")
-
-    def close(self):
-        self.handler.remove_start_callback(self._on_runtime_compile)
-
-    def since_warm_up(self) -> int:
-        return compiled_graph_count() - self.after_warm_up + len(self.runtime_events)
-
-    def new_reasons(self) -> list[str]:
-        """What compiled since the last call and why ("where: failed guard", "CUDA graph recorded for ...")."""
-        reasons = self.runtime_events[self.reported_events:]
-        self.reported_events = len(self.runtime_events)
-        if compiled_graph_count() == self.graphs:
-            return reasons
-        self.graphs = compiled_graph_count()
-        guards = []
-        for code, failures in list(self.failures.items()):
-            for failure in failures[self.seen.get(code, 0):]:
-                where = f"{code.co_name} ({Path(code.co_filename).name}:{code.co_firstlineno})"
-                guards.append(f"{where}: {failure.splitlines()[0].strip()}")
-            self.seen[code] = len(failures)
-        return (guards or ["a new graph (no guard failed: first call of a new function)"]) + reasons
-
-
-class StepTimes:
-    """Each timed step's time, summarised per stage of the schedule at the end of the log (the target: no step
-    slower than 1.2x its stage's median), and the Python garbage collections that ran after the warm-up
-    (validation included) with their pauses.
-
-    On a GPU a step is judged by its GPU time (LossWatch.gpu_ms: from the previous step's end to its own, idle
-    gaps included), the time it held up training. The host's wall time per step is shown beside it but judges
-    nothing: the host runs ahead of the GPU, so a host pause that the lead absorbs makes one step long and the
-    next one short by as much (1xH100: steps 51 and 52 took 289 and 192 ms of wall time, step 51 241.6 ms of GPU
-    time against a median of 240.2).
-    Without a GPU the wall time is all there is. Slow steps are listed with the host's time inside train_step
-    (launch): a long launch is a host stall; a long GPU time after a normal launch is the GPU or a peer."""
-
-    SLOW = 1.2  # a step this many times its stage's median is flagged in the summary
-    LISTED = 10  # slow steps listed one by one, slowest first
-
-    def __init__(self, schedule: Schedule):
-        self.schedule = schedule
-        self.by_stage: dict[int, list[int]] = {}  # stage -> steps
-        self.wall_ms: dict[int, float] = {}  # step -> host wall time
-        self.launch_ms: dict[int, float] = {}  # step -> host ms inside train_step
-        self.step = 0
-        self.collections: list[tuple[float, int, int]] = []  # (ms, generation, step)
-        self._gc_started = 0.0
-        gc.callbacks.append(self._on_gc)
-
-    def _on_gc(self, phase: str, info: dict):
-        if phase == "start":
-            self._gc_started = time.perf_counter()
-        else:
-            self.collections.append((1000 * (time.perf_counter() - self._gc_started), info["generation"], self.step))
-
-    def add(self, step: int, ms: float, launch_ms: float):
-        """Step `step` (1-based, as logged) took `ms` of wall time, of which `launch_ms` were spent issuing its work."""
-        self.by_stage.setdefault(self.schedule.stage(step - 1), []).append(step)
-        self.wall_ms[step], self.launch_ms[step] = ms, launch_ms
-        self.step = step + 1
-
-    def close(self):
-        if self._on_gc in gc.callbacks:
-            gc.callbacks.remove(self._on_gc)
-
-    def summary(self, gpu_ms: dict[int, float]) -> list[str]:
-        lines, slow_steps = [], []
-        for stage, steps in sorted(self.by_stage.items()):
-            # the first step after the warm-up and after each validation has no GPU time and is left out
-            timed = [step for step in steps if step in gpu_ms]
-            judge, what = (gpu_ms, "GPU") if timed else (self.wall_ms, "wall")
-            timed = timed or steps
-            median = float(np.median([judge[step] for step in timed]))
-            at = max(timed, key=judge.get)
-            slow = [(judge[step] / median, step) for step in timed if judge[step] > self.SLOW * median]
-            slow_steps += [(ratio, step, what) for ratio, step in slow]
-            line = (f"step times, stage {stage}: {len(steps)} steps, {what} median {median:.1f} ms, slowest "
-                    f"{judge[at]:.1f} ms at step {at} ({judge[at] / median:.2f}x); {len(slow)} over {self.SLOW}x the median")
-            if judge is gpu_ms:
-                wall = [self.wall_ms[step] for step in steps]
-                line += f"; wall median {np.median(wall):.1f} ms, slowest {max(wall) / np.median(wall):.2f}x"
-            lines.append(line + f"; median launch {np.median([self.launch_ms[step] for step in steps]):.1f} ms")
-        for ratio, step, what in sorted(slow_steps, reverse=True)[: self.LISTED]:
-            lines.append(f"slow step {step}: {ratio:.2f}x its stage's {what} median; wall {self.wall_ms[step]:.1f} ms, "
-                         f"launch {self.launch_ms[step]:.1f} ms" + (f", GPU {gpu_ms[step]:.1f} ms" if step in gpu_ms else ""))
-        if self.collections:
-            longest, generation, step = max(self.collections)
-            lines.append(f"garbage collections after the warm-up: {len(self.collections)}, "
-                         f"{sum(ms for ms, _, _ in self.collections):.0f} ms in all; longest {longest:.1f} ms "
-                         f"(generation {generation}, step {step})")
-        return lines
-
-
-def compile_cache_hits() -> int:
-    """Compiled graphs served from a cache (inductor kernels and AOTAutograd graphs) in this process."""
-    from torch._dynamo.utils import counters
-    return int(counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"])
-
-
-def compile_phase_times(top: int = 12) -> str:
-    """Where the compile time went: torch's own phase timers (nested, so they do not add up), longest
-    first. The names are torch internals and vary across versions."""
-    from torch._dynamo.utils import compile_times
-    names, values = compile_times(repr="csv", aggregate=True)
-    longest = sorted(zip(names, (float(v) for v in values)), key=lambda item: -item[1])[:top]
-    return ", ".join(f"{name} {seconds:.1f}s" for name, seconds in longest if seconds >= 0.5)
-
-
-def seconds_since_process_start() -> float | None:
-    """Wall time since this process began (Linux /proc), imports included: the whole cold-start cost."""
-    try:
-        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-        uptime = float(Path("/proc/uptime").read_text().split()[0])
-        return uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: start time in clock ticks
-    except (OSError, ValueError, IndexError, AttributeError):
-        return None
-
-
-class CompileCache:
-    """--compile_cache=PATH: torch's portable compile artifacts, loaded before the warm-up and written
-    (by rank 0) after it, so a fresh machine or an empty TORCHINDUCTOR_CACHE_DIR skips most compiling.
-    A file that cannot be used (corrupt, foreign, another torch version) is ignored with a warning."""
-
-    def __init__(self, path: str, log: RunLog, comm: Comm):
-        self.path, self.log, self.comm = path, log, comm
-
-    def load(self):
-        if not os.path.exists(self.path):
-            self.log(f"compile cache {self.path}: none yet; it is written after the warm-up")
-            return
-        torch_log = logging.getLogger("torch.compiler._cache")
-        level = torch_log.level
-        torch_log.setLevel(logging.ERROR)  # torch logs a traceback for unreadable files; we say it in one line
-        try:
-            info = torch.compiler.load_cache_artifacts(Path(self.path).read_bytes())
-        except Exception as e:  # whatever the file holds, a bad cache must never stop a run
-            info, reason = None, f"{type(e).__name__}: {e}"
-        else:
-            reason = "corrupt, or written by another torch version"
-        finally:
-            torch_log.setLevel(level)
-        if info is None:
-            self.log(f"warning: compile cache {self.path} ignored ({reason}); compiling from scratch")
-        else:
-            self.log(f"compile cache {self.path}: loaded {sum(len(v) for v in info.artifacts.values())} artifacts")
-
-    def save(self):
-        artifacts = torch.compiler.save_cache_artifacts()
-        if not self.comm.is_main or artifacts is None:
-            return
-        tmp = f"{self.path}.tmp{os.getpid()}"
-        Path(tmp).write_bytes(artifacts[0])
-        os.replace(tmp, self.path)
-        self.log(f"compile cache {self.path}: saved {len(artifacts[0]):,} bytes")
 
 
 @dataclass
@@ -3045,6 +3009,50 @@ def build_model(cfg: Config, comm: Comm, log: RunLog) -> tuple[GPT, torch.device
     log(f"model: {num_params:,} parameters, attention backend {attend.name}, compute dtype {compute_dtype}, "
         f"world size {comm.world_size}, {packed} micro-batch(es) of {cfg.micro_batch_tokens} tokens per forward")
     return model, device, packed
+
+
+def configure_inductor(cfg: Config, device: torch.device) -> None:
+    """Inductor's options for our graphs, set before they compile (torch keeps them process-wide)."""
+    import torch._inductor.config as inductor
+    inductor.coordinate_descent_tuning = cfg.tune_kernels and device.type == "cuda"
+
+
+class CompileCache:
+    """--compile_cache=PATH: torch's portable compile artifacts, loaded before the warm-up and written
+    (by rank 0) after it, so a fresh machine or an empty TORCHINDUCTOR_CACHE_DIR skips most compiling.
+    A file that cannot be used (corrupt, foreign, another torch version) is ignored with a warning."""
+
+    def __init__(self, path: str, log: RunLog, comm: Comm):
+        self.path, self.log, self.comm = path, log, comm
+
+    def load(self):
+        if not os.path.exists(self.path):
+            self.log(f"compile cache {self.path}: none yet; it is written after the warm-up")
+            return
+        torch_log = logging.getLogger("torch.compiler._cache")
+        level = torch_log.level
+        torch_log.setLevel(logging.ERROR)  # torch logs a traceback for unreadable files; we say it in one line
+        try:
+            info = torch.compiler.load_cache_artifacts(Path(self.path).read_bytes())
+        except Exception as e:  # whatever the file holds, a bad cache must never stop a run
+            info, reason = None, f"{type(e).__name__}: {e}"
+        else:
+            reason = "corrupt, or written by another torch version"
+        finally:
+            torch_log.setLevel(level)
+        if info is None:
+            self.log(f"warning: compile cache {self.path} ignored ({reason}); compiling from scratch")
+        else:
+            self.log(f"compile cache {self.path}: loaded {sum(len(v) for v in info.artifacts.values())} artifacts")
+
+    def save(self):
+        artifacts = torch.compiler.save_cache_artifacts()
+        if not self.comm.is_main or artifacts is None:
+            return
+        tmp = f"{self.path}.tmp{os.getpid()}"
+        Path(tmp).write_bytes(artifacts[0])
+        os.replace(tmp, self.path)
+        self.log(f"compile cache {self.path}: saved {len(artifacts[0]):,} bytes")
 
 
 def compile_model(model: GPT, cfg: Config, comm: Comm, device: torch.device) -> tuple[str, str]:
