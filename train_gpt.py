@@ -82,8 +82,8 @@ class Config:
     doc_len_schedule: str = _data("", "tokens kept of a document in each stage, each <= max_doc_len; empty: "
                                       "max_doc_len throughout")
     # ---- run: schedule, validation, logging, seeds
-    # 1515 scheduled steps, then 40 more (the speedrun's 2026-02 record): on bench2 this shape beat the same 520
-    # steps cooled down to their end (docs/performance.md)
+    # 1515 scheduled steps, then 40 more (the speedrun's 2026-02 record): on bench2 this shape ends lower than the
+    # same 520 steps cooled down to their end (docs/performance.md)
     num_iterations: int = _run(1515, "scheduled steps: the stages split them and the lr cools down over them")
     extension_steps: int = _run(40, "further steps at the last stage's batch, the final lr and extension_windows")
     # batch: every micro-batch is micro_batch_tokens tokens, the unit of data and of the loss, and every
@@ -148,8 +148,8 @@ class Config:
     residual_init: float = _model(1.1, "initial scale of the residual in each layer's input")
     head_init_std: float = _model(0.005, "std of the head's normal initialisation; 0: zeros")
     value_embed_init_std: float = _model(0.0, "std of the value-embedding tables' normal initialisation; 0: zeros")
-    # The speedrun's records add 2 sigmoid(gate) * value embedding to v unscaled (2026-01); the learned scale
-    # starting at 0.5 comes from its earlier [0.5, 0.5] value lambdas.
+    # 1: the speedrun's records add 2 sigmoid(gate) * value embedding to v unscaled (2026-01); 0.5 (--preset=plain):
+    # the [0.5, 0.5] value lambdas of its records before 2026-01.
     value_embed_scale_init: float = _model(1.0, "initial learned scale of each layer's value embedding in v")
     # muP-like (2026-01-30)
     attn_out_zero_init: bool = _model(False, "attention output projections start at zero, not like Q, K and V")
@@ -227,9 +227,8 @@ class Config:
     # as a warning). auto: see resolve_compile_mode.
     compile_mode: str = _speed(
         "auto", "auto: reduce-overhead on one GPU, else default; or max-autotune[-no-cudagraphs]")
-    # 1xH100, last stage, two calls: 648.3 -> 640.6 and 645.9 -> 645.4 ms per step (inductor's kernels 100.0 -> 92.4
-    # and 100.0 -> 95.6 ms; the tuning itself is timed, so it varies); a cold compile takes 80-90 s instead of 50 (the
-    # inductor cache keeps the tuned configs).
+    # Up to about 1% faster steps on one H100, for a cold compile nearly twice as long; the inductor cache keeps the
+    # tuned configs (docs/performance.md).
     tune_kernels: bool = _speed(True, "inductor tunes its Triton kernels' block sizes by coordinate descent (CUDA)")
     attn_backend: str = _speed("auto", "auto (fa3 if it imports, else flex on CUDA, sdpa on CPU) | fa3 | flex | sdpa")
     triton_kernels: bool = _speed(True, "Triton kernels for Newton-Schulz, the loss and the MLP (CUDA); 0: plain torch")
@@ -241,27 +240,27 @@ class Config:
     # matmuls and inductor's elementwise kernels (A/B).
     fused_mlp: bool = _speed(True, "the MLP as two Triton matmuls with ReLU^2 fused; needs compute capability 9.0+")
     # The embedding tables (token, value, bigram) through _RowLookup, instead of a dense [rows, dim] gradient per
-    # forward plus a dense accumulation; the lookups then run outside the compiled graph (1xH100: 2-3% faster steps).
+    # forward plus a dense accumulation; the lookups then run outside the compiled graph, and steps are faster
+    # (docs/performance.md).
     row_embedding_grads: bool = _speed(
         True, "embedding tables add only the rows a forward touched into their .grad; 0: dense")
     sparse_bigram_comms: bool = _speed(True, "the bigram table's gradient rows travel sparsely between ranks")
     # auto: the most (up to 8 on a GPU of at least PACK_8_MIN_GIB, else 4) that divides every stage's and the
     # validation's micro-batches per rank. Each micro-batch starts a document and its positions, so a packed
-    # forward computes the same losses. Fewer, larger kernels: 1xH100, last stage, 763 ms per step at 1, 728 at 2,
-    # 711 at 4 with the earlier plain-torch loss and MLP; 665 at 4 and 649 at 8 with the fused ones, for a peak
-    # memory of 37.2 and 64.3 GiB.
+    # forward computes the same losses. Fewer, larger kernels make each step faster, for about 7 GiB more memory
+    # per packed micro-batch (docs/performance.md).
     forward_micro_batches: int = _speed(0, "micro-batches of one rank packed into each forward/backward; 0: auto")
     # ---- DiLoCo: across nodes, streaming DiLoCo on torchft (README: "Training across nodes")
     diloco: bool = _diloco(False, "train replica groups that sync rarely (streaming DiLoCo on torchft)")
     diloco_replicas: int = _diloco(2, "replica groups in the run; each reads its own share of the data")
     replica: int = _diloco(0, "this group's index, 0 .. diloco_replicas-1")
-    # On the CPU benchmark 8 cost 0.005 nats against data parallelism, 16 0.025, 32 0.056 (docs/performance.md).
+    # On the CPU benchmark 8 costs 0.005 nats against data parallelism, 16 0.025, 32 0.056 (docs/performance.md).
     sync_every: int = _diloco(8, "inner steps between two syncs of a fragment; may differ per replica (README)")
     num_fragments: int = _diloco(2, "contiguous groups of blocks, synced in turn")
     fragment_sync_delay: int = _diloco(0, "inner steps between launching a fragment's all-reduce and applying it")
     fragment_update_alpha: float = _diloco(0.0, "after a sync the fragment is (1 - alpha) * global + alpha * local")
     # The new global weights are (1 - outer_lr) * global + outer_lr * the replicas' mean (momentum 0). At speedrun
-    # lengths (syncs every 8 steps) 0.7 without momentum came within 0.005 nats of data parallelism, the Streaming
+    # lengths (syncs every 8 steps) 0.7 without momentum comes within 0.005 nats of data parallelism, the Streaming
     # DiLoCo paper's 0.7 with Nesterov 0.9 0.24 behind (bench/bench_diloco_quality.py, docs/performance.md).
     outer_lr: float = _diloco(0.7, "lr of the outer SGD step on a fragment's averaged pseudogradient; 1: plain mean")
     outer_momentum: float = _diloco(0.0, "Nesterov momentum of the outer SGD step")
@@ -325,9 +324,8 @@ PRESETS = {
     ),
 }
 
-# The defaults before the rest of the speedrun 2026-02 record's ideas joined them (plain Muon at lr 0.06; no gates,
-# smear, backout, tied embedding, multi-token loss, key offset, paired heads or output scale; Adam on every step),
-# for A/B runs, e.g.
+# The defaults without most of the speedrun 2026-02 record's ideas (plain Muon at lr 0.06; no gates, smear, backout,
+# tied embedding, multi-token loss, key offset, paired heads or output scale; Adam on every step), for A/B runs, e.g.
 # bench/ml_bench.sh "" "--preset=plain" (docs/performance.md compares the two).
 PRESETS["plain"] = dict(
     normuon_beta2=0.0, muon_lr=0.06, muon_shape_lr=False, muon_proj_lr_mul=1.0, muon_weight_decay=0.0,
@@ -681,8 +679,8 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x: [T, heads, head_dim]; rotates pairs (x1, x2) = (x[i], x[i + head_dim/2]) by position-dependent angles to
     (x1 cos + x2 sin, x2 cos - x1 sin); sin holds (sin, -sin) per position (Rotary). On a [T, heads, 2, head_dim/2]
     view with the halves swapped by a flip, rather than chunk and cat, inductor fuses the q/k norm's backward
-    without writing fp32 intermediates to memory (1xH100: 1.62 against 1.77 ms per packed forward and backward in
-    bench/bench_qk_prep.py; in the whole model those kernels took 18.1 against 21.5 ms per last-stage step)."""
+    without writing fp32 intermediates to memory, and those kernels run faster (bench/bench_qk_prep.py,
+    docs/performance.md)."""
     T, heads, dim = x.shape
     halves = x.float().view(T, heads, 2, dim // 2)
     rotated = halves * cos[:T, None, None, :] + halves.flip(-2) * sin[:T, None]
@@ -731,8 +729,8 @@ class FlexAttention:
     """torch FlexAttention with block-sparse masks (the speedrun's 2024-11 switch to long contexts).
 
     The block masks are built here with a few eager tensor ops on the [blocks, blocks] grid instead of
-    a compiled create_block_mask: at our length that compile put a Triton sort on the cold-start
-    critical path (about 160 of 227 s on an H100; pytorch/pytorch#182060). Document ids are
+    a compiled create_block_mask: at our length that compile puts a Triton sort on the cold start's
+    critical path, where it takes most of the time (pytorch/pytorch#182060; docs/performance.md). Document ids are
     non-decreasing along the packed sequence, so two blocks share a document exactly when the query
     block's first document is the key block's last one, and that pair of positions is also the
     pair nearest in distance, which makes the block classification exact (see the test against
@@ -741,8 +739,8 @@ class FlexAttention:
     blocks never see a new function; stream order keeps a forward's backward ahead of the next
     forward's overwrite. The block masks are overwritten in place too: under CUDA graphs, torch
     takes the forward's inputs that the backward keeps for fixed addresses, so masks made afresh for
-    each forward had the backward graph recorded again and again (1xH100, torch 2.11: 21 recordings
-    in 6 steps, found with bench/why_rerecord.py).
+    each forward would have the backward graph recorded again and again (bench/why_rerecord.py finds
+    such recordings; docs/performance.md).
     """
     name = "flex"
     block_size = 128  # FlexAttention's default tile
@@ -821,10 +819,9 @@ class FlashAttention3:
     FA3's backward launches a thread block for every (sequence, key tile of max_seqlen) pair, empty
     ones included, so the kernels get the document starts cut to one entry per 256 tokens (of the
     loader's one per 16) and max_seqlen the longest a document can be, when the loader says the
-    forward allows it (1xH100, 131,072 tokens, 107 documents, bench/bench_fa4.py: forward +
-    backward 2.3 ms with the documents alone, 8.9 ms padded to 8,193 sequences, 395 ms with
-    max_seqlen the whole forward). Training documents never pass max_doc_len; a forward with a
-    longer one (validation chunks are not cut) takes max_seqlen = the forward's length, a graph of its own.
+    forward allows it: with all the loader's starts, or max_seqlen the whole forward, the empty blocks
+    take most of the backward's time (docs/performance.md). Training documents never pass max_doc_len; a forward with
+    a longer one (validation chunks are not cut) takes max_seqlen = the forward's length, a graph of its own.
     """
     name = "fa3"
     compiles_for_longest_document = True  # the warm-up compiles validation's longer documents too
@@ -1316,7 +1313,7 @@ class _AdamBucket:
 
 def union_of_rows(row_lists: list[np.ndarray], num_rows: int) -> np.ndarray:
     """The sorted union of row indices below num_rows, through a mask: at 24 micro-batches of 16K bigram rows,
-    np.unique of their concatenation took 90 ms on a 2-core CPU, the mask 1.3 ms."""
+    np.unique of their concatenation is about 70 times slower (docs/performance.md)."""
     touched = np.zeros(num_rows, dtype=bool)
     for rows in row_lists:
         touched[rows] = True
@@ -1862,9 +1859,8 @@ def bos_aligned_batches(paths: list[str], length: int, max_doc_len, repeat: bool
 
     The text of a document past max_doc_len is dropped; so is the tail of each shard. With `repeat`,
     the shards start over when they run out, and on_new_pass(number) is called. The next shard is mapped
-    and indexed on a helper thread while this one is read. Done in line, a shard's first read (46 ms for 16M
-    tokens on a 2-core CPU, about 6x that for a 100M-token FineWeb shard) paused the host: on 1xH100 one step
-    took 296 ms of wall time for 246 ms of GPU time, and a pause longer than the host's lead idles the GPU.
+    and indexed on a helper thread while this one is read: done in line, a shard's first read pauses the host
+    for longer than its lead over the GPU, which then idles (docs/performance.md).
     """
     def shard_order():
         for number in range(1, sys.maxsize if repeat else 2):
@@ -2427,8 +2423,7 @@ class StepTimes:
     On a GPU a step is judged by its GPU time (LossWatch.gpu_ms: from the previous step's end to its own, idle
     gaps included), the time it held up training. The host's wall time per step is shown beside it but judges
     nothing: the host runs ahead of the GPU, so a host pause that the lead absorbs makes one step long and the
-    next one short by as much (1xH100: steps 51 and 52 took 289 and 192 ms of wall time, step 51 241.6 ms of GPU
-    time against a median of 240.2).
+    next one short by as much, while their GPU times stay at the median (docs/performance.md).
     Without a GPU the wall time is all there is. Slow steps are listed with the host's time inside train_step
     (launch): a long launch is a host stall; a long GPU time after a normal launch is the GPU or a peer."""
 
@@ -2892,7 +2887,7 @@ def warm_up(model: GPT, optimizers, cfg: Config, comm: Comm, schedule: Schedule,
 
     Under CUDA graphs each window pair runs as many forwards per step as the stages that use it, and at
     least two: a graph is recorded at its second call (the first runs in a warm-up mode), and FA3 has a
-    graph per window pair; with one, the timed region recorded two graphs per stage (1xH100)."""
+    graph per window pair; with one, the timed region would record two graphs per stage."""
     initial = {name: t.detach().clone() for name, t in model.state_dict().items()}
     forwards = {windows: 1 for windows in schedule.all_windows()}
     if model.replays_cuda_graphs:
@@ -2944,17 +2939,16 @@ class Trainer:
         return self.schedule.micro_batches(step) // world_size // self.packed
 
 
-# Auto packs up to 8 micro-batches per forward only on a GPU with at least this much memory (GiB). Default config,
-# FP8 head, fused loss and MLP kernels, 1xH100: peak allocated 37.2 GiB with 4 per forward, 64.3 GiB with 8.
+# Auto packs up to 8 micro-batches per forward only on a GPU with at least this much memory (GiB): with the default
+# config 8 per forward peak at about 64 GiB allocated, 4 at about 37 (docs/performance.md).
 PACK_8_MIN_GIB = 72
 
 
 def resolve_forward_micro_batches(cfg: Config, world_size: int, device_memory_gib: float | None = None) -> int:
     """--forward_micro_batches, or for 0 the most micro-batches that every stage's and the validation's
     micro-batches per rank divide into: up to 8 on a GPU of at least PACK_8_MIN_GIB, up to 4 otherwise (default
-    schedule: 8 on one such GPU, 4 on 1 smaller GPU or 2 processes, 2 on 4, 1 on 8). 1xH100, last stage: 4.7%
-    faster from 1 to 2, 2.3% from 2 to 4, 2.3% from 4 to 8 (the last with the fused kernels); the activations grow by
-    about 7 GiB per micro-batch."""
+    schedule: 8 on one such GPU, 4 on 1 smaller GPU or 2 processes, 2 on 4, 1 on 8). Each doubling makes the
+    steps faster, and the activations grow by about 7 GiB per micro-batch (docs/performance.md)."""
     per_rank = {f"stage {i}": n // world_size for i, n in enumerate(cfg.stage_batches)}
     per_rank["validation"] = val_micro_batches_per_rank(cfg, world_size)
     if cfg.forward_micro_batches == 0:
@@ -2968,10 +2962,9 @@ def resolve_forward_micro_batches(cfg: Config, world_size: int, device_memory_gi
 
 
 def resolve_compile_mode(cfg: Config, comm: Comm, device: torch.device) -> str:
-    """--compile_mode=auto: reduce-overhead (CUDA graphs) on a single GPU, where it measured 2% faster steps
-    than default (docs/performance.md); default on several GPUs, where on 2xH200 graphs were no faster and the
-    weights after 30 steps differed from default's by more than two default runs differ (README, Hardware),
-    and on CPUs, which have no graphs."""
+    """--compile_mode=auto: reduce-overhead (CUDA graphs) on a single GPU, where its steps are faster than
+    default's; default on several GPUs, where graphs are no faster and move the weights further from default's
+    than two default runs differ (docs/performance.md), and on CPUs, which have no graphs."""
     if cfg.compile_mode != "auto":
         return cfg.compile_mode
     single_gpu = device.type == "cuda" and comm.world_size == 1 and not cfg.diloco
@@ -3060,11 +3053,10 @@ def compile_model(model: GPT, cfg: Config, comm: Comm, device: torch.device) -> 
     say; the graphs compile at the first calls. Returns the scope and mode chosen."""
     scope = cfg.compile_scope
     if scope == "auto":
-        # The one whole-model graph measured ~10% faster per step on an H100 than a graph per block (fewer
-        # launches from the host, fusion across blocks), for a cold compile of ~50 s against ~35 s. FA3
-        # takes its window as a Python int, so there each window pair is a whole graph of its own (four
-        # for the default schedule: 144 s cold against 84 s per block), and still the faster steps: last
-        # stage 595 against 632 ms (1xH100, bench stream).
+        # The one whole-model graph makes faster steps than a graph per block (fewer launches from the
+        # host, fusion across blocks), for a longer cold compile. FA3 takes its window as a Python int, so
+        # there each window pair is a whole graph of its own (four for the default schedule), and the steps
+        # are still the faster (docs/performance.md).
         scope = "whole"
     compile_mode = resolve_compile_mode(cfg, comm, device)
     mode = None if compile_mode == "default" else compile_mode
@@ -3195,9 +3187,9 @@ class TrainingRun:
         N = schedule.total_steps
         self.batches = self.batches_from(self.start_step)
         # Compiling leaves hundreds of thousands of long-lived Python objects, and a full collection walks them
-        # all (the tiny preset compiled on a CPU: 408K objects, 359 ms per full collection; frozen, 0.003 ms).
-        # The likely cause of the single steps 300-430 ms over the median in 400-step runs on 1xH100; the log's
-        # garbage-collection line tells. Frozen, and watched, right before the try whose finally undoes both.
+        # all: a pause of hundreds of ms inside a step; frozen, a collection skips them (docs/performance.md).
+        # The log's garbage-collection line tells whether any pause is left. Frozen, and watched, right before
+        # the try whose finally undoes both.
         gc.collect()
         gc.freeze()
         self.step_times = StepTimes(schedule)
@@ -3624,9 +3616,9 @@ class StreamingDiLoCo:
 def keep_freed_cpu_memory() -> bool:
     """On the CPU a step allocates and frees buffers above glibc's largest mmap threshold (32 MB): one forward's
     logits with GPT-2's vocabulary are 50 MB. glibc maps each such buffer afresh and unmaps it when freed, so every
-    step page-faults all of them in again (the tiny preset with GPT-2's vocabulary, 8 steps: 17M page faults, more
-    kernel than user time). Served from the heap, which keeps freed memory for reuse, those steps run 2.8x faster
-    (docs/performance.md). glibc only: returns whether it took effect."""
+    step page-faults all of them in again, spending more time in the kernel than computing. Served from the heap,
+    which keeps freed memory for reuse, those steps run nearly 3 times as fast (docs/performance.md). glibc only:
+    returns whether it took effect."""
     import ctypes
     try:
         libc = ctypes.CDLL("libc.so.6")
@@ -3981,10 +3973,10 @@ if triton is not None:
         k + 1 ahead), for the k that keep row + k inside the row's micro-batch of `period` rows (multi-token
         prediction; K = 1, weight 1: next-token cross-entropy).
 
-        With tl.sigmoid and tl.exp this took six MUFU (special function unit) operations per logit, which
-        bounded it as much as memory did. The loss pass takes three single instructions (loss within 1e-6 of
+        tl.sigmoid and tl.exp would take six MUFU (special function unit) operations per logit, enough to bound
+        the kernel as much as memory does. The loss pass takes three single instructions (loss within 1e-6 of
         float64); the gradient pass, whose output keeps 3 significant bits, one (tanh.approx), its exp on the FMA
-        units. Blocks of BLOCK logits by 16 warps leave fewer rows in flight than small blocks did, so the second
+        units. Blocks of BLOCK logits by 16 warps leave fewer rows in flight than small blocks, so the second
         pass finds more of its row still in L2; the row's tail goes in masked blocks of TAIL, and the target's -1
         is written once, after the pass, instead of being compared for at every logit."""
         row = tl.program_id(0).to(tl.int64)
@@ -4046,8 +4038,8 @@ if triton is not None:
 
 
 def transpose_fp8(x: Tensor, block_m: int = 64, block_n: int = 128, warps: int = 4) -> Tensor:
-    """A contiguous copy of x.T (x: contiguous [M, N] FP8) with the Triton tile kernel: torch's copy of the
-    transposed view took 5.93 ms for [16384, 50304] on 1xH100, this 0.64 ms (bench/bench_loss.py fp8_grad)."""
+    """A contiguous copy of x.T (x: contiguous [M, N] FP8) with the Triton tile kernel, about 9 times as fast as
+    torch's copy of the transposed view (bench/bench_loss.py fp8_grad, docs/design.md)."""
     M, N = x.shape
     out = x.new_empty(N, M)
     _transpose_kernel[(triton.cdiv(M, block_m), triton.cdiv(N, block_n))](x, out, M, N, BLOCK_M=block_m,
@@ -4057,18 +4049,14 @@ def transpose_fp8(x: Tensor, block_m: int = 64, block_n: int = 128, warps: int =
 
 # The FP8 logit gradient is needed in two layouts: [T, V] for the input gradient's matmul and [V, T] for the
 # weight gradient's (FP8 matmuls on Hopper take both operands contiguous along the reduced dimension). The
-# forward's kernel writes [T, V] and transpose_fp8 makes [V, T] from it in the backward (0.64 ms for [16384,
-# 50304] on 1xH100, bit for bit what a second launch recomputing it from the logits in [V, T] order wrote in 1.10
-# ms: bench/bench_loss.py fp8_grad, 2026-11-23).
+# forward's kernel writes [T, V] and transpose_fp8 makes [V, T] from it in the backward: the same bits as a second
+# launch recomputing it from the logits in [V, T] order, in less time (bench/bench_loss.py fp8_grad, docs/design.md).
 E4M3_MAX = 448.0
 # The largest |gradient| lands at most at 2**15, under e5m2's 57344: no overflow, 2**31 of range.
 GRAD_E5M2_EXP = 15
 GRAD_E5M2_MAX = 2.0 ** GRAD_E5M2_EXP
-# The fused loss kernel's launch shape. 1xH100, one packed forward's [65536, 50304] logits
-# (bench/bench_ce_fp8.py, two calls of three interleaved rounds): 4.51-4.68 ms, against 6.29-6.54 ms for the
-# previous kernel (1024 x 4 warps, tl.sigmoid and tl.exp in both passes) and 4.01-4.07 ms for that kernel's loads
-# and stores around no arithmetic at 8192 x 32. 8192 x 16 took 4.8-5.1 ms, 16384 x 32 4.7-5.0, 4096 x 8 5.4-5.5,
-# 32768 x 32 9.1-9.5; at 131,072 rows 16384 x 16 stays the fastest (9.3-9.5 ms against 12.6-13.2).
+# The fused loss kernel's launch shape: the fastest of the blocks and warps tried on one H100, at one packed
+# forward's [65536, 50304] logits and at 131,072 rows (bench/bench_ce_fp8.py, docs/performance.md).
 CE_FP8_BLOCK, CE_FP8_WARPS, CE_FP8_TAIL = 16384, 16, 1024
 
 
@@ -4190,8 +4178,9 @@ if triton is not None:
         values = tl.load(Table + rows[:, None] * dim + cols[None, :], mask=inside)
         tl.store(Out + positions[:, None].to(tl.int64) * dim + cols[None, :], values.to(Out.dtype.element_ty), mask=inside)
 
-# 1xH100, one packed forward (65,536 bench-stream tokens; bench/bench_rows.py, 2026-11-24): 0.86 ms for the
-# token, five value and bigram tables, against 2.47 ms with index_add_; chunks of 16-64 and other blocks within 15%.
+# The row-gradient kernel's launch shape: at one packed forward on one H100 it adds the token, value and bigram
+# tables' rows about 3x as fast as index_add_, and the shape matters little (bench/bench_rows.py,
+# docs/performance.md).
 ROWS_CHUNK, ROWS_BLOCK_D, ROWS_WARPS = 64, 512, 4
 
 
@@ -4292,11 +4281,9 @@ if triton is not None:
     def _(a: Tensor, b: Tensor, post: Tensor | None = None) -> Tensor:
         return a.new_empty(a.size(0), b.size(0))
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT, warps, stages) of the MLP kernel, forward and backward. 1xH100, [65536,
-# 768] @ [768, 3072] (bench/bench_mlp.py, four calls of 2026-11-24): forward 0.57-0.64 ms, backward 0.69-0.82
-# ms, against 0.45-0.49 ms for cuBLAS's matmul alone and 0.75-0.88 / 0.87-1.01 ms with inductor's elementwise pass
-# after it. No other tile that fits in shared memory was faster in both directions (BLOCK_K 32 with 5-6 stages tied:
-# 0.548 + 0.709 against 0.570 + 0.691 ms), nor 2 programs per SM with smaller tiles (0.79-1.01 / 0.85-0.95 ms).
+# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT, warps, stages) of the MLP kernel, forward and backward: on one H100, at
+# [65536, 768] @ [768, 3072], no other tile that fits in shared memory is faster in both directions, nor 2 programs
+# per SM with smaller tiles (bench/bench_mlp.py, docs/performance.md).
 RELU2_MM_CONFIG = (128, 256, 64, 8, 2, 8, 3)
 
 
