@@ -151,8 +151,6 @@ class Config:
     # 1: the speedrun's records add 2 sigmoid(gate) * value embedding to v unscaled (2026-01); 0.5 (--preset=plain):
     # the [0.5, 0.5] value lambdas of its records before 2026-01.
     value_embed_scale_init: float = _model(1.0, "initial learned scale of each layer's value embedding in v")
-    # muP-like (2026-01-30)
-    attn_out_zero_init: bool = _model(False, "attention output projections start at zero, not like Q, K and V")
     # The speedrun's records scale each attention output projection by a learned scalar (init 1, Adam's scalars).
     attn_out_scale: bool = _model(True, "each attention output projection times a learned scalar, starting at 1")
     # The token embedding starts as a copy of the head and trains tied to it (one Adam update from the sum of both
@@ -1080,8 +1078,6 @@ class GPT(nn.Module):
         for block in self.blocks:
             if block.attn is not None:
                 block.attn.qkvo_w.uniform_(-bound, bound)
-                if self.cfg.attn_out_zero_init:
-                    block.attn.qkvo_w[3 * dim:].zero_()
             block.mlp.fc_w.uniform_(-bound, bound)
             block.mlp.proj_w.zero_()
         self.lm_head.weight.normal_(std=self.cfg.head_init_std) if self.cfg.head_init_std else self.lm_head.weight.zero_()
