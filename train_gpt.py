@@ -5,9 +5,9 @@
     python train_gpt.py --help                                          # every config field
 
 One file, read top to bottom: config -> model -> comms -> optimizers -> data -> schedule -> logging ->
-checkpoints -> training loop -> DiLoCo -> main, then an appendix of Triton kernels. Importing it runs nothing. The ideas
-(and many constants) come from the public NanoGPT speedrun (github.com/KellerJordan/modded-nanogpt);
-comments credit them where they are used.
+instrumentation -> checkpoints -> training loop -> DiLoCo -> main, then an appendix of Triton kernels. Importing it
+runs nothing. The ideas (and many constants) come from the public NanoGPT speedrun
+(github.com/KellerJordan/modded-nanogpt); comments credit them where they are used.
 """
 from __future__ import annotations
 
@@ -83,8 +83,8 @@ class Config:
     doc_len_schedule: str = _data("", "tokens kept of a document in each stage, each <= max_doc_len; empty: "
                                       "max_doc_len throughout")
     # ---- run: schedule, validation, logging, seeds
-    # 1515 scheduled steps, then 40 more (the speedrun's 2026-02 record): on bench2 this shape beat the same 520
-    # steps cooled down to their end (docs/performance.md)
+    # 1515 scheduled steps, then 40 more (the speedrun's 2026-02 record): on bench2 this shape ends lower than the
+    # same 520 steps cooled down to their end (docs/performance.md)
     num_iterations: int = _run(1515, "scheduled steps: the stages split them and the lr cools down over them")
     extension_steps: int = _run(40, "further steps at the last stage's batch, the final lr and extension_windows")
     # batch: every micro-batch is micro_batch_tokens tokens, the unit of data and of the loss, and every
@@ -154,11 +154,9 @@ class Config:
     residual_init: float = _model(1.1, "initial scale of the residual in each layer's input")
     head_init_std: float = _model(0.005, "std of the head's normal initialisation; 0: zeros")
     value_embed_init_std: float = _model(0.0, "std of the value-embedding tables' normal initialisation; 0: zeros")
-    # The speedrun's records add 2 sigmoid(gate) * value embedding to v unscaled (2026-01); the learned scale
-    # starting at 0.5 comes from its earlier [0.5, 0.5] value lambdas.
+    # 1: the speedrun's records add 2 sigmoid(gate) * value embedding to v unscaled (2026-01); 0.5 (--preset=plain):
+    # the [0.5, 0.5] value lambdas of its records before 2026-01.
     value_embed_scale_init: float = _model(1.0, "initial learned scale of each layer's value embedding in v")
-    # muP-like (2026-01-30)
-    attn_out_zero_init: bool = _model(False, "attention output projections start at zero, not like Q, K and V")
     # The speedrun's records scale each attention output projection by a learned scalar (init 1, Adam's scalars).
     attn_out_scale: bool = _model(True, "each attention output projection times a learned scalar, starting at 1")
     # The token embedding starts as a copy of the head and trains tied to it (one Adam update from the sum of both
@@ -239,9 +237,8 @@ class Config:
     # as a warning). auto: see resolve_compile_mode.
     compile_mode: str = _speed(
         "auto", "auto: reduce-overhead on one GPU, else default; or max-autotune[-no-cudagraphs]")
-    # 1xH100, last stage, two calls: 648.3 -> 640.6 and 645.9 -> 645.4 ms per step (inductor's kernels 100.0 -> 92.4
-    # and 100.0 -> 95.6 ms; the tuning itself is timed, so it varies); a cold compile takes 80-90 s instead of 50 (the
-    # inductor cache keeps the tuned configs).
+    # Up to about 1% faster steps on one H100, for a cold compile nearly twice as long; the inductor cache keeps the
+    # tuned configs (docs/performance.md).
     tune_kernels: bool = _speed(True, "inductor tunes its Triton kernels' block sizes by coordinate descent (CUDA)")
     attn_backend: str = _speed("auto", "auto (fa3 if it imports, else flex on CUDA, sdpa on CPU) | fa3 | flex | sdpa")
     triton_kernels: bool = _speed(True, "Triton kernels for Newton-Schulz, the loss and the MLP (CUDA); 0: plain torch")
@@ -253,21 +250,21 @@ class Config:
     # matmuls and inductor's elementwise kernels (A/B).
     fused_mlp: bool = _speed(True, "the MLP as two Triton matmuls with ReLU^2 fused; needs compute capability 9.0+")
     # The embedding tables (token, value, bigram) through _RowLookup, instead of a dense [rows, dim] gradient per
-    # forward plus a dense accumulation; the lookups then run outside the compiled graph (1xH100: 2-3% faster steps).
+    # forward plus a dense accumulation; the lookups then run outside the compiled graph, and steps are faster
+    # (docs/performance.md).
     row_embedding_grads: bool = _speed(
         True, "embedding tables add only the rows a forward touched into their .grad; 0: dense")
     sparse_bigram_comms: bool = _speed(True, "the bigram table's gradient rows travel sparsely between ranks")
     # auto: the most (up to 8 on a GPU of at least PACK_8_MIN_GIB, else 4) that divides every stage's and the
     # validation's micro-batches per rank. Each micro-batch starts a document and its positions, so a packed
-    # forward computes the same losses. Fewer, larger kernels: 1xH100, last stage, 763 ms per step at 1, 728 at 2,
-    # 711 at 4 with the earlier plain-torch loss and MLP; 665 at 4 and 649 at 8 with the fused ones, for a peak
-    # memory of 37.2 and 64.3 GiB.
+    # forward computes the same losses. Fewer, larger kernels make each step faster, for about 7 GiB more memory
+    # per packed micro-batch (docs/performance.md).
     forward_micro_batches: int = _speed(0, "micro-batches of one rank packed into each forward/backward; 0: auto")
     # ---- DiLoCo: across nodes, streaming DiLoCo on torchft (README: "Training across nodes")
     diloco: bool = _diloco(False, "train replica groups that sync rarely (streaming DiLoCo on torchft)")
     diloco_replicas: int = _diloco(2, "replica groups in the run; each reads its own share of the data")
     replica: int = _diloco(0, "this group's index, 0 .. diloco_replicas-1")
-    # On the CPU benchmark 8 cost 0.005 nats against data parallelism, 16 0.025, 32 0.056 (docs/performance.md).
+    # On the CPU benchmark 8 costs 0.005 nats against data parallelism, 16 0.025, 32 0.056 (docs/performance.md).
     sync_every: int = _diloco(8, "inner steps between two syncs of a fragment; may differ per replica (README)")
     num_fragments: int = _diloco(2, "contiguous groups of blocks, synced in turn")
     fragment_sync_delay: int = _diloco(0, "inner steps between launching a fragment's all-reduce and applying it")
@@ -338,9 +335,8 @@ PRESETS = {
     ),
 }
 
-# The defaults before the rest of the speedrun 2026-02 record's ideas joined them (plain Muon at lr 0.06; no gates,
-# smear, backout, tied embedding, multi-token loss, key offset, paired heads or output scale; Adam on every step),
-# for A/B runs, e.g.
+# The defaults without most of the speedrun 2026-02 record's ideas (plain Muon at lr 0.06; no gates, smear, backout,
+# tied embedding, multi-token loss, key offset, paired heads or output scale; Adam on every step), for A/B runs, e.g.
 # bench/ml_bench.sh "" "--preset=plain" (docs/performance.md compares the two).
 PRESETS["plain"] = dict(
     normuon_beta2=0.0, muon_lr=0.06, muon_shape_lr=False, muon_proj_lr_mul=1.0, muon_weight_decay=0.0,
@@ -603,6 +599,27 @@ def config_help() -> str:
 # Model
 
 
+@dataclass(frozen=True)
+class Kernels:
+    """Where a run takes a Triton kernel instead of plain torch: decided once, by choose_kernels at startup, and
+    handed down to the model (MLP, row lookups, loss head) and to Muon, which call no kernel on their own. All off,
+    the default, is plain torch: the CPU's path, and the GPU's with --triton_kernels=0."""
+    fused_mlp: bool = False  # the MLP as _FusedReLU2MLP
+    rows: bool = False  # the embedding rows' gather and gradient kernels (gather_rows, add_rows_)
+    loss: bool = False  # the softcapped cross-entropy kernels; with --fp8_head, torch._scaled_mm and its loss kernel
+    newton_schulz: bool = False  # Muon's symmetric matmuls (symmetric_matmul)
+
+
+PLAIN_TORCH = Kernels()
+
+
+def choose_kernels(cfg: Config, device: torch.device) -> Kernels:
+    """The Triton kernels of a run on `device`: every one on CUDA when Triton imports and --triton_kernels is on
+    (the fused MLP also with --fused_mlp); none on the CPU."""
+    on = device.type == "cuda" and triton is not None and cfg.triton_kernels
+    return Kernels(fused_mlp=on and cfg.fused_mlp, rows=on, loss=on, newton_schulz=on)
+
+
 def rms_norm(x: Tensor) -> Tensor:
     return F.rms_norm(x, (x.size(-1),))
 
@@ -681,8 +698,8 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x: [T, heads, head_dim]; rotates pairs (x1, x2) = (x[i], x[i + head_dim/2]) by position-dependent angles to
     (x1 cos + x2 sin, x2 cos - x1 sin); sin holds (sin, -sin) per position (Rotary). On a [T, heads, 2, head_dim/2]
     view with the halves swapped by a flip, rather than chunk and cat, inductor fuses the q/k norm's backward
-    without writing fp32 intermediates to memory (1xH100: 1.62 against 1.77 ms per packed forward and backward in
-    bench/bench_qk_prep.py; in the whole model those kernels took 18.1 against 21.5 ms per last-stage step)."""
+    without writing fp32 intermediates to memory, and those kernels run faster (bench/bench_qk_prep.py,
+    docs/performance.md)."""
     T, heads, dim = x.shape
     halves = x.float().view(T, heads, 2, dim // 2)
     rotated = halves * cos[:T, None, None, :] + halves.flip(-2) * sin[:T, None]
@@ -731,8 +748,8 @@ class FlexAttention:
     """torch FlexAttention with block-sparse masks (the speedrun's 2024-11 switch to long contexts).
 
     The block masks are built here with a few eager tensor ops on the [blocks, blocks] grid instead of
-    a compiled create_block_mask: at our length that compile put a Triton sort on the cold-start
-    critical path (about 160 of 227 s on an H100; pytorch/pytorch#182060). Document ids are
+    a compiled create_block_mask: at our length that compile puts a Triton sort on the cold start's
+    critical path, where it takes most of the time (pytorch/pytorch#182060; docs/performance.md). Document ids are
     non-decreasing along the packed sequence, so two blocks share a document exactly when the query
     block's first document is the key block's last one, and that pair of positions is also the
     pair nearest in distance, which makes the block classification exact (see the test against
@@ -741,8 +758,8 @@ class FlexAttention:
     blocks never see a new function; stream order keeps a forward's backward ahead of the next
     forward's overwrite. The block masks are overwritten in place too: under CUDA graphs, torch
     takes the forward's inputs that the backward keeps for fixed addresses, so masks made afresh for
-    each forward had the backward graph recorded again and again (1xH100, torch 2.11: 21 recordings
-    in 6 steps, found with bench/why_rerecord.py).
+    each forward would have the backward graph recorded again and again (bench/why_rerecord.py finds
+    such recordings; docs/performance.md).
     """
     name = "flex"
     block_size = 128  # FlexAttention's default tile
@@ -821,10 +838,9 @@ class FlashAttention3:
     FA3's backward launches a thread block for every (sequence, key tile of max_seqlen) pair, empty
     ones included, so the kernels get the document starts cut to one entry per 256 tokens (of the
     loader's one per 16) and max_seqlen the longest a document can be, when the loader says the
-    forward allows it (1xH100, 131,072 tokens, 107 documents, bench/bench_fa4.py: forward +
-    backward 2.3 ms with the documents alone, 8.9 ms padded to 8,193 sequences, 395 ms with
-    max_seqlen the whole forward). Training documents never pass max_doc_len; a forward with a
-    longer one (validation chunks are not cut) takes max_seqlen = the forward's length, a graph of its own.
+    forward allows it: with all the loader's starts, or max_seqlen the whole forward, the empty blocks
+    take most of the backward's time (docs/performance.md). Training documents never pass max_doc_len; a forward with
+    a longer one (validation chunks are not cut) takes max_seqlen = the forward's length, a graph of its own.
     """
     name = "fa3"
     compiles_for_longest_document = True  # the warm-up compiles validation's longer documents too
@@ -954,15 +970,15 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, dim: int, hidden: int, fused: bool = True):
+    def __init__(self, dim: int, hidden: int, fused: bool):
         super().__init__()
         self.fc_w = nn.Parameter(torch.empty(hidden, dim))  # out x in
         self.proj_w = nn.Parameter(torch.empty(hidden, dim))  # in x out: stored transposed, same shape as fc_w
-        self.fused = fused  # _FusedReLU2MLP on CUDA when Triton imports
+        self.fused = fused  # _FusedReLU2MLP (Kernels.fused_mlp), else plain torch
 
     def forward(self, x: Tensor) -> Tensor:
         fc_w, proj_w = self.fc_w.to(x.dtype), self.proj_w.to(x.dtype)
-        if x.is_cuda and triton is not None and self.fused:
+        if self.fused:
             return _FusedReLU2MLP.apply(x, fc_w, proj_w)
         return F.relu(x @ fc_w.T).square() @ proj_w  # ReLU^2 (So et al. 2021)
 
@@ -974,17 +990,17 @@ class Block(nn.Module):
     - --sublayer_scales (speedrun 2026-02-12, as simplified 2026-03-06): x = r_a * x + o_a * attention(norm a) +
       x0_scale * x0 + bigram_scale * bigram, then r_m * x + o_m * MLP(norm x), with a the layer's input or (past
       --attn_input_from) that layer's output; a layer without attention only runs its MLP.
-    value_scales: [value scale, value-embedding scale] of the attention's v. With `mixed` (MUDD's last layer) the
-    sublayer scales are per token, from a LayerMix, and the block has none of its own."""
+    value_scales: [value scale, value-embedding scale] of the attention's v. fused_mlp: Kernels.fused_mlp. With
+    `mixed` (MUDD's last layer) the sublayer scales are per token, from a LayerMix, and the block has none of its own."""
 
     def __init__(self, cfg: Config, has_attention: bool, shift_keys: bool = False, paired: bool = False,
-                 xsa: bool = False, mixed: bool = False):
+                 xsa: bool = False, fused_mlp: bool = False, mixed: bool = False):
         super().__init__()
         self.attn = (CausalSelfAttention(cfg.model_dim, cfg.num_heads, cfg.head_dim, cfg.gate_dims if cfg.gates else 0,
                                          shift_keys, cfg.attn_out_scale, paired, xsa, cfg.value_gate_reads_embed)
                      if has_attention else None)
         self.paired = paired
-        self.mlp = MLP(cfg.model_dim, cfg.mlp_ratio * cfg.model_dim, cfg.fused_mlp and cfg.triton_kernels)
+        self.mlp = MLP(cfg.model_dim, cfg.mlp_ratio * cfg.model_dim, fused_mlp)
         self.value_scales = nn.Parameter(torch.tensor([0.5, cfg.value_embed_scale_init]))
         if cfg.sublayer_scales and not mixed:  # sqrt(1.1) per sublayer: 1.1 per layer, as the single scale
             self.residual_scales = nn.Parameter(torch.full((2,), cfg.residual_init ** 0.5))  # attention, MLP
@@ -1088,9 +1104,12 @@ class _RowLookup(torch.autograd.Function):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: Config, attend, compute_dtype: torch.dtype, forward_micro_batches: int = 1):
+    """kernels: the run's Triton kernels (choose_kernels); plain torch unless given."""
+
+    def __init__(self, cfg: Config, attend, compute_dtype: torch.dtype, forward_micro_batches: int = 1,
+                 kernels: Kernels = PLAIN_TORCH):
         super().__init__()
-        self.cfg, self.attend, self.compute_dtype = cfg, attend, compute_dtype
+        self.cfg, self.attend, self.compute_dtype, self.kernels = cfg, attend, compute_dtype, kernels
         vocab = next_multiple_of(cfg.vocab_size, 128)  # padded for efficient matmuls
         dim = cfg.model_dim
         self.embed = nn.Embedding(vocab, dim)
@@ -1099,7 +1118,7 @@ class GPT(nn.Module):
         paired = cfg.paired_layers
         last = cfg.num_layers - 1
         self.blocks = nn.ModuleList(Block(cfg, kind != "-", cfg.key_offset and kind == "L", i in paired,
-                                          i in cfg.xsa_layer_list, mixed=cfg.mudd and i == last)
+                                          i in cfg.xsa_layer_list, kernels.fused_mlp, mixed=cfg.mudd and i == last)
                                     for i, kind in enumerate(cfg.attn_layout))
         self.attend_paired = attend.for_paired_heads() if paired else None
         for block in self.blocks:
@@ -1148,8 +1167,6 @@ class GPT(nn.Module):
         for block in self.blocks:
             if block.attn is not None:
                 block.attn.qkvo_w.uniform_(-bound, bound)
-                if self.cfg.attn_out_zero_init:
-                    block.attn.qkvo_w[3 * dim:].zero_()
             block.mlp.fc_w.uniform_(-bound, bound)
             block.mlp.proj_w.zero_()
         self.lm_head.weight.normal_(std=self.cfg.head_init_std) if self.cfg.head_init_std else self.lm_head.weight.zero_()
@@ -1217,7 +1234,7 @@ class GPT(nn.Module):
         before a step's first backward."""
         token_tables = [self.embed.weight] + [ve.weight for ve in self.value_embeds]
         if self.cfg.row_embedding_grads:
-            use_triton = tokens.is_cuda and triton is not None and self.cfg.triton_kernels
+            use_triton = self.kernels.rows
             # The value and bigram rows go straight into the compute dtype, as the trunk would convert them
             # (same values, half the bytes to write, copy into the CUDA graph and read back); the token rows
             # are rms-normed in float32 first.
@@ -1318,7 +1335,7 @@ class GPT(nn.Module):
 
     def loss_head(self, x: Tensor, targets: Tensor) -> Tensor:
         cfg = self.cfg
-        use_triton = None if cfg.triton_kernels else False
+        use_triton = self.kernels.loss
         cap = (cfg.logit_softcap, cfg.logit_offset, cfg.logit_divisor)
         # rows of each micro-batch predict inside it only, so packed forwards compute the losses of separate ones
         mtp = (self.mtp_weights, cfg.micro_batch_tokens) if self.mtp_weights.numel() > 1 else None
@@ -1417,7 +1434,7 @@ class _AdamBucket:
 
 def union_of_rows(row_lists: list[np.ndarray], num_rows: int) -> np.ndarray:
     """The sorted union of row indices below num_rows, through a mask: at 24 micro-batches of 16K bigram rows,
-    np.unique of their concatenation took 90 ms on a 2-core CPU, the mask 1.3 ms."""
+    np.unique of their concatenation is about 70 times slower (docs/performance.md)."""
     touched = np.zeros(num_rows, dtype=bool)
     for rows in row_lists:
         touched[rows] = True
@@ -1667,15 +1684,13 @@ POLAR_EXPRESS_COEFFS = (
 )
 
 
-def orthogonalize(grads: Tensor, use_triton: bool | None = None) -> Tensor:
+def orthogonalize(grads: Tensor, use_triton: bool) -> Tensor:
     """Approximately replace each matrix of a [..., rows, cols] batch by U V^T of its SVD.
 
-    bf16 on the GPU (the iteration is robust to it), fp32 elsewhere so CPU tests are exact. On CUDA
-    with Triton, X X^T and b A + c A A (A symmetric) use the symmetric kernel, which skips the
+    bf16 on the GPU (the iteration is robust to it), fp32 elsewhere so CPU tests are exact. With use_triton
+    (Kernels.newton_schulz; CUDA), X X^T and b A + c A A (A symmetric) use the symmetric kernel, which skips the
     products above the diagonal (the speedrun's 2025-07 Triton Muon record); otherwise plain torch.
     """
-    if use_triton is None:
-        use_triton = grads.is_cuda and triton is not None
     dtype = torch.bfloat16 if grads.is_cuda else torch.float32
     X = grads.to(dtype)
     transposed = X.size(-2) > X.size(-1)
@@ -1754,10 +1769,10 @@ class Muon(torch.optim.Optimizer):
     """
 
     def __init__(self, params, lr: float, momentum: float, weight_decay: float = 0.0, beta2: float = 0.0,
-                 shape_lr: bool = False, use_triton: bool | None = None):
+                 shape_lr: bool = False, use_triton: bool = False):
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, split=1, lr_mul=1.0))
         self.beta2, self.shape_lr = beta2, shape_lr
-        self.use_triton = use_triton  # None: the Triton kernel on CUDA when Triton imports
+        self.use_triton = use_triton  # Kernels.newton_schulz: orthogonalize's Triton kernel, else plain torch
         self.rank, self.world_size = current_rank_and_world()
         self.distributed = self.world_size > 1
         params = [p for group in self.param_groups for p in group["params"]]
@@ -1965,9 +1980,8 @@ def bos_aligned_batches(paths: list[str], length: int, max_doc_len, repeat: bool
 
     The text of a document past max_doc_len is dropped; so is the tail of each shard. With `repeat`,
     the shards start over when they run out, and on_new_pass(number) is called. The next shard is mapped
-    and indexed on a helper thread while this one is read. Done in line, a shard's first read (46 ms for 16M
-    tokens on a 2-core CPU, about 6x that for a 100M-token FineWeb shard) paused the host: on 1xH100 one step
-    took 296 ms of wall time for 246 ms of GPU time, and a pause longer than the host's lead idles the GPU.
+    and indexed on a helper thread while this one is read: done in line, a shard's first read pauses the host
+    for longer than its lead over the GPU, which then idles (docs/performance.md).
     """
     def shard_order():
         for number in range(1, sys.maxsize if repeat else 2):
@@ -2413,6 +2427,222 @@ def nvidia_smi() -> str:
 
 
 # ----------------------------------------------------------------------------------------------------
+# Instrumentation
+#
+# What a run reports beside its losses, without slowing its steps: each step's loss read back one step late and
+# checked (LossWatch), every step's time judged against its stage's (StepTimes), anything compiled after the
+# warm-up (RecompileWatch), where the compile time went, and a checksum of the final weights.
+
+
+class TrainingDiverged(UserError):
+    pass
+
+
+class LossWatch:
+    """Reads each step's loss back to the host one step late, so checking it for NaN/inf never stalls
+    the GPU: by the time step s is read, step s+1 is already queued behind it. On CUDA the event behind each
+    step also times it: gpu_ms[step] is the GPU time from the previous step's end to this one's (idle
+    gaps included), so a slow step can be told apart from a host that launched it late."""
+
+    def __init__(self, comm: Comm, device: torch.device):
+        self.comm, self.device = comm, device
+        self.pending = None
+        self.previous_end = None  # the CUDA event behind the last step read back, if its successor follows it
+        self.losses: list[float] = []  # mean over all ranks, one per step
+        self.gpu_ms: dict[int, float] = {}  # step (1-based) -> GPU ms since the previous step's end
+
+    def push(self, step: int, local_loss: Tensor):
+        losses = local_loss.float().reshape(1)
+        if self.comm.distributed:
+            losses = losses.new_empty(self.comm.world_size)
+            dist.all_gather_into_tensor(losses, local_loss.float().reshape(1))
+        if self.device.type == "cuda":
+            host = torch.empty(losses.numel(), pin_memory=True)
+            host.copy_(losses, non_blocking=True)
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+        else:
+            host, event = losses, None
+        self.flush()
+        self.pending = (step, host, event)
+
+    def flush(self, other_work_follows: bool = False):
+        """Read the pending step. other_work_follows: something else (validation) runs on the GPU before
+        the next step, so that step's GPU time cannot be measured from this one's end."""
+        if self.pending is None:
+            return
+        step, host, event = self.pending
+        self.pending = None
+        if event is not None:
+            event.synchronize()
+            if self.previous_end is not None:
+                self.gpu_ms[step + 1] = self.previous_end.elapsed_time(event)
+            self.previous_end = None if other_work_follows else event
+        losses = host.tolist()
+        bad = [rank for rank, loss in enumerate(losses) if not math.isfinite(loss)]
+        if bad:
+            raise TrainingDiverged(f"training diverged: loss is {losses[bad[0]]} at step {step + 1} on rank {bad[0]}")
+        self.losses.append(sum(losses) / len(losses))
+
+
+def compiled_graph_count() -> int:
+    from torch._dynamo.utils import counters
+    return int(counters["stats"]["unique_graphs"])
+
+
+class RecompileWatch:
+    """Reports what compiled after the warm-up (there should be nothing): new dynamo graphs with the guard
+    that failed, backward graphs compiled lazily at their first backward, and CUDA graphs recorded under
+    --compile_mode=reduce-overhead (a recording costs a warm-up run, a capture and two synchronizations)."""
+
+    def __init__(self):
+        from torch._dynamo.callback import CallbackTrigger, callback_handler
+        from torch._dynamo.utils import guard_failures
+        self.failures = guard_failures
+        self.graphs = self.after_warm_up = compiled_graph_count()
+        self.seen = {code: len(reasons) for code, reasons in guard_failures.items()}
+        # torch announces runtime compiles and recordings to registered callbacks, with the graph's compile id
+        self.runtime_triggers = {CallbackTrigger.LAZY_BACKWARD: "backward compiled lazily",
+                                 CallbackTrigger.CUDAGRAPH_RECORDING: "CUDA graph recorded"}
+        self.runtime_events: list[str] = []
+        self.reported_events = 0
+        self.handler = callback_handler
+        self.handler.register_start_callback(self._on_runtime_compile)
+
+    def _on_runtime_compile(self, args):
+        what = self.runtime_triggers.get(args.callback_trigger)
+        if what is not None:
+            self.runtime_events.append(f"{what} for compiled graph {args.compile_id}")
+
+    def close(self):
+        self.handler.remove_start_callback(self._on_runtime_compile)
+
+    def since_warm_up(self) -> int:
+        return compiled_graph_count() - self.after_warm_up + len(self.runtime_events)
+
+    def new_reasons(self) -> list[str]:
+        """What compiled since the last call and why ("where: failed guard", "CUDA graph recorded for ...")."""
+        reasons = self.runtime_events[self.reported_events:]
+        self.reported_events = len(self.runtime_events)
+        if compiled_graph_count() == self.graphs:
+            return reasons
+        self.graphs = compiled_graph_count()
+        guards = []
+        for code, failures in list(self.failures.items()):
+            for failure in failures[self.seen.get(code, 0):]:
+                where = f"{code.co_name} ({Path(code.co_filename).name}:{code.co_firstlineno})"
+                guards.append(f"{where}: {failure.splitlines()[0].strip()}")
+            self.seen[code] = len(failures)
+        return (guards or ["a new graph (no guard failed: first call of a new function)"]) + reasons
+
+
+class StepTimes:
+    """Each timed step's time, summarised per stage of the schedule at the end of the log (the target: no step
+    slower than 1.2x its stage's median), and the Python garbage collections that ran after the warm-up
+    (validation included) with their pauses.
+
+    On a GPU a step is judged by its GPU time (LossWatch.gpu_ms: from the previous step's end to its own, idle
+    gaps included), the time it held up training. The host's wall time per step is shown beside it but judges
+    nothing: the host runs ahead of the GPU, so a host pause that the lead absorbs makes one step long and the
+    next one short by as much, while their GPU times stay at the median (docs/performance.md).
+    Without a GPU the wall time is all there is. Slow steps are listed with the host's time inside train_step
+    (launch): a long launch is a host stall; a long GPU time after a normal launch is the GPU or a peer."""
+
+    SLOW = 1.2  # a step this many times its stage's median is flagged in the summary
+    LISTED = 10  # slow steps listed one by one, slowest first
+
+    def __init__(self, schedule: Schedule):
+        self.schedule = schedule
+        self.by_stage: dict[int, list[int]] = {}  # stage -> steps
+        self.wall_ms: dict[int, float] = {}  # step -> host wall time
+        self.launch_ms: dict[int, float] = {}  # step -> host ms inside train_step
+        self.step = 0
+        self.collections: list[tuple[float, int, int]] = []  # (ms, generation, step)
+        self._gc_started = 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict):
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        else:
+            self.collections.append((1000 * (time.perf_counter() - self._gc_started), info["generation"], self.step))
+
+    def add(self, step: int, ms: float, launch_ms: float):
+        """Step `step` (1-based, as logged) took `ms` of wall time, of which `launch_ms` were spent issuing its work."""
+        self.by_stage.setdefault(self.schedule.stage(step - 1), []).append(step)
+        self.wall_ms[step], self.launch_ms[step] = ms, launch_ms
+        self.step = step + 1
+
+    def close(self):
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
+
+    def summary(self, gpu_ms: dict[int, float]) -> list[str]:
+        lines, slow_steps = [], []
+        for stage, steps in sorted(self.by_stage.items()):
+            # the first step after the warm-up and after each validation has no GPU time and is left out
+            timed = [step for step in steps if step in gpu_ms]
+            judge, what = (gpu_ms, "GPU") if timed else (self.wall_ms, "wall")
+            timed = timed or steps
+            median = float(np.median([judge[step] for step in timed]))
+            at = max(timed, key=judge.get)
+            slow = [(judge[step] / median, step) for step in timed if judge[step] > self.SLOW * median]
+            slow_steps += [(ratio, step, what) for ratio, step in slow]
+            line = (f"step times, stage {stage}: {len(steps)} steps, {what} median {median:.1f} ms, slowest "
+                    f"{judge[at]:.1f} ms at step {at} ({judge[at] / median:.2f}x); {len(slow)} over {self.SLOW}x the median")
+            if judge is gpu_ms:
+                wall = [self.wall_ms[step] for step in steps]
+                line += f"; wall median {np.median(wall):.1f} ms, slowest {max(wall) / np.median(wall):.2f}x"
+            lines.append(line + f"; median launch {np.median([self.launch_ms[step] for step in steps]):.1f} ms")
+        for ratio, step, what in sorted(slow_steps, reverse=True)[: self.LISTED]:
+            lines.append(f"slow step {step}: {ratio:.2f}x its stage's {what} median; wall {self.wall_ms[step]:.1f} ms, "
+                         f"launch {self.launch_ms[step]:.1f} ms" + (f", GPU {gpu_ms[step]:.1f} ms" if step in gpu_ms else ""))
+        if self.collections:
+            longest, generation, step = max(self.collections)
+            lines.append(f"garbage collections after the warm-up: {len(self.collections)}, "
+                         f"{sum(ms for ms, _, _ in self.collections):.0f} ms in all; longest {longest:.1f} ms "
+                         f"(generation {generation}, step {step})")
+        return lines
+
+
+def compile_cache_hits() -> int:
+    """Compiled graphs served from a cache (inductor kernels and AOTAutograd graphs) in this process."""
+    from torch._dynamo.utils import counters
+    return int(counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"])
+
+
+def compile_phase_times(top: int = 12) -> str:
+    """Where the compile time went: torch's own phase timers (nested, so they do not add up), longest
+    first. The names are torch internals and vary across versions."""
+    from torch._dynamo.utils import compile_times
+    names, values = compile_times(repr="csv", aggregate=True)
+    longest = sorted(zip(names, (float(v) for v in values)), key=lambda item: -item[1])[:top]
+    return ", ".join(f"{name} {seconds:.1f}s" for name, seconds in longest if seconds >= 0.5)
+
+
+def seconds_since_process_start() -> float | None:
+    """Wall time since this process began (Linux /proc), imports included: the whole cold-start cost."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: start time in clock ticks
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+def weights_checksum(model: nn.Module) -> str:
+    """A log line to tell whether two runs ended with the same weights (after a refactor, under another
+    compile mode or world size): float64 sum and sum of squares over every parameter."""
+    total = squares = 0.0
+    with torch.no_grad():
+        for p in model.parameters():
+            as_double = p.detach().double()
+            total += as_double.sum().item()
+            squares += as_double.square().sum().item()
+    return f"final weights: float64 sum {total:.12e}, sum of squares {squares:.12e}"
+
+
+# ----------------------------------------------------------------------------------------------------
 # Checkpoints
 #
 # One torch.save file, written by rank 0 through a temporary file and a rename, so a crash mid-write never leaves a
@@ -2613,10 +2843,6 @@ def load_checkpoint_weights(model: GPT, checkpoint: dict) -> None:
 # Training loop
 
 
-class TrainingDiverged(UserError):
-    pass
-
-
 def build_optimizers(model: GPT, cfg: Config) -> list[torch.optim.Optimizer]:
     """Adam for embeddings, head and scalars; Muon for the hidden matrices (speedrun 2024-10)."""
     matrices = model.matrix_params()
@@ -2625,7 +2851,7 @@ def build_optimizers(model: GPT, cfg: Config) -> list[torch.optim.Optimizer]:
     muon = Muon([dict(params=matrices["attn"], split=attn_split), dict(params=matrices["mlp_in"]),
                  dict(params=matrices["mlp_out"], lr_mul=cfg.muon_proj_lr_mul)],
                 lr=cfg.muon_lr, momentum=cfg.muon_momentum, weight_decay=cfg.muon_weight_decay,
-                beta2=cfg.normuon_beta2, shape_lr=cfg.muon_shape_lr, use_triton=None if cfg.triton_kernels else False)
+                beta2=cfg.normuon_beta2, shape_lr=cfg.muon_shape_lr, use_triton=model.kernels.newton_schulz)
     bigram = [model.bigram_embed.weight] if model.bigram_embed is not None else []
     tables = [ve.weight for ve in model.value_embeds] + bigram
     scalars = [model.skip_gate] + [block.value_scales for block in model.blocks]
@@ -2700,53 +2926,6 @@ def set_hyperparameters(optimizers, schedule: Schedule, step: int):
                 group["momentum"] = schedule.muon_momentum(step)
 
 
-class LossWatch:
-    """Reads each step's loss back to the host one step late, so checking it for NaN/inf never stalls
-    the GPU: by the time step s is read, step s+1 is already queued behind it. On CUDA the event behind each
-    step also times it: gpu_ms[step] is the GPU time from the previous step's end to this one's (idle
-    gaps included), so a slow step can be told apart from a host that launched it late."""
-
-    def __init__(self, comm: Comm, device: torch.device):
-        self.comm, self.device = comm, device
-        self.pending = None
-        self.previous_end = None  # the CUDA event behind the last step read back, if its successor follows it
-        self.losses: list[float] = []  # mean over all ranks, one per step
-        self.gpu_ms: dict[int, float] = {}  # step (1-based) -> GPU ms since the previous step's end
-
-    def push(self, step: int, local_loss: Tensor):
-        losses = local_loss.float().reshape(1)
-        if self.comm.distributed:
-            losses = losses.new_empty(self.comm.world_size)
-            dist.all_gather_into_tensor(losses, local_loss.float().reshape(1))
-        if self.device.type == "cuda":
-            host = torch.empty(losses.numel(), pin_memory=True)
-            host.copy_(losses, non_blocking=True)
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-        else:
-            host, event = losses, None
-        self.flush()
-        self.pending = (step, host, event)
-
-    def flush(self, other_work_follows: bool = False):
-        """Read the pending step. other_work_follows: something else (validation) runs on the GPU before
-        the next step, so that step's GPU time cannot be measured from this one's end."""
-        if self.pending is None:
-            return
-        step, host, event = self.pending
-        self.pending = None
-        if event is not None:
-            event.synchronize()
-            if self.previous_end is not None:
-                self.gpu_ms[step + 1] = self.previous_end.elapsed_time(event)
-            self.previous_end = None if other_work_follows else event
-        losses = host.tolist()
-        bad = [rank for rank, loss in enumerate(losses) if not math.isfinite(loss)]
-        if bad:
-            raise TrainingDiverged(f"training diverged: loss is {losses[bad[0]]} at step {step + 1} on rank {bad[0]}")
-        self.losses.append(sum(losses) / len(losses))
-
-
 def forward_loss(model: GPT, batch: ForwardBatch, windows: tuple[int, int]) -> Tensor:
     # Under CUDA graphs: everything the previous forward returned has been used, so the graphs may
     # reuse its memory (a no-op otherwise).
@@ -2792,18 +2971,6 @@ def train_step(model: GPT, optimizers, batches: Prefetcher, windows: tuple[int, 
     return total / forwards
 
 
-def weights_checksum(model: nn.Module) -> str:
-    """A log line to tell whether two runs ended with the same weights (after a refactor, under another
-    compile mode or world size): float64 sum and sum of squares over every parameter."""
-    total = squares = 0.0
-    with torch.no_grad():
-        for p in model.parameters():
-            as_double = p.detach().double()
-            total += as_double.sum().item()
-            squares += as_double.square().sum().item()
-    return f"final weights: float64 sum {total:.12e}, sum of squares {squares:.12e}"
-
-
 def evaluate(model: GPT, cfg: Config, comm: Comm, val_paths: list[str], windows: tuple[int, int],
              device: torch.device, packed: int) -> float:
     """Mean loss over the fixed validation tokens, `packed` micro-batches per forward. It runs with
@@ -2847,7 +3014,7 @@ def warm_up(model: GPT, optimizers, cfg: Config, comm: Comm, schedule: Schedule,
 
     Under CUDA graphs each window pair runs as many forwards per step as the stages that use it, and at
     least two: a graph is recorded at its second call (the first runs in a warm-up mode), and FA3 has a
-    graph per window pair; with one, the timed region recorded two graphs per stage (1xH100)."""
+    graph per window pair; with one, the timed region would record two graphs per stage."""
     initial = {name: t.detach().clone() for name, t in model.state_dict().items()}
     forwards = {windows: 1 for windows in schedule.all_windows()}
     if model.replays_cuda_graphs:
@@ -2877,156 +3044,97 @@ def warm_up(model: GPT, optimizers, cfg: Config, comm: Comm, schedule: Schedule,
         opt.state.clear()
 
 
+@dataclass
+class TrainResult:
+    train_losses: list[float]  # per step, mean over ranks
+    val_losses: list[tuple[int, float]]  # (step, loss)
+    train_time_ms: float
+
+
+@dataclasses.dataclass
+class Trainer:
+    """What the timed loop (or a benchmark) needs once the warm-up is done."""
+    model: GPT
+    optimizers: list
+    schedule: Schedule
+    device: torch.device
+    recompiles: RecompileWatch
+    packed: int  # micro-batches per forward
+
+    def forwards(self, step: int, world_size: int) -> int:
+        """Forwards this rank runs in the step."""
+        return self.schedule.micro_batches(step) // world_size // self.packed
+
+
+# Auto packs up to 8 micro-batches per forward only on a GPU with at least this much memory (GiB): with the default
+# config 8 per forward peak at about 64 GiB allocated, 4 at about 37 (docs/performance.md).
+PACK_8_MIN_GIB = 72
+
+
+def resolve_forward_micro_batches(cfg: Config, world_size: int, device_memory_gib: float | None = None) -> int:
+    """--forward_micro_batches, or for 0 the most micro-batches that every stage's and the validation's
+    micro-batches per rank divide into: up to 8 on a GPU of at least PACK_8_MIN_GIB, up to 4 otherwise (default
+    schedule: 8 on one such GPU, 4 on 1 smaller GPU or 2 processes, 2 on 4, 1 on 8). Each doubling makes the
+    steps faster, and the activations grow by about 7 GiB per micro-batch (docs/performance.md)."""
+    per_rank = {f"stage {i}": n // world_size for i, n in enumerate(cfg.stage_batches)}
+    per_rank["validation"] = val_micro_batches_per_rank(cfg, world_size)
+    if cfg.forward_micro_batches == 0:
+        most = 8 if device_memory_gib is not None and device_memory_gib >= PACK_8_MIN_GIB else 4
+        return next(k for k in (8, 4, 2, 1) if k <= most and all(n % k == 0 for n in per_rank.values()))
+    uneven = [f"{name}: {n}" for name, n in per_rank.items() if n % cfg.forward_micro_batches]
+    if cfg.forward_micro_batches < 0 or uneven:
+        raise UserError(f"--forward_micro_batches={cfg.forward_micro_batches} must divide the micro-batches per rank "
+                        f"at {world_size} process(es) ({', '.join(uneven or ['it must be positive'])}); use 0 (auto)")
+    return cfg.forward_micro_batches
+
+
+def resolve_compile_mode(cfg: Config, comm: Comm, device: torch.device) -> str:
+    """--compile_mode=auto: reduce-overhead (CUDA graphs) on a single GPU, where its steps are faster than
+    default's; default on several GPUs, where graphs are no faster and move the weights further from default's
+    than two default runs differ (docs/performance.md), and on CPUs, which have no graphs."""
+    if cfg.compile_mode != "auto":
+        return cfg.compile_mode
+    single_gpu = device.type == "cuda" and comm.world_size == 1 and not cfg.diloco
+    return "reduce-overhead" if single_gpu else "default"
+
+
+def check_gpu_features(cfg: Config, device: torch.device, kernels: Kernels) -> None:
+    """The default kernels need a recent GPU: one line naming the GPU and the flag that turns each one off."""
+    if device.type != "cuda":
+        return
+    capability, name = torch.cuda.get_device_capability(device), torch.cuda.get_device_name(device)
+    if cfg.fp8_head and capability < (8, 9):
+        raise UserError(f"the FP8 head (--fp8_head, on by default) needs FP8 matmuls (compute capability 8.9 or "
+                        f"newer: Ada, Hopper); {name} has none: pass --fp8_head=0")
+    if kernels.fused_mlp and capability < (9, 0):
+        raise UserError(f"the fused MLP (--fused_mlp, on by default) needs the TMA copy engine (compute capability "
+                        f"9.0 or newer: Hopper); {name} has none: pass --fused_mlp=0")
+
+
+def build_model(cfg: Config, comm: Comm, log: RunLog) -> tuple[GPT, torch.device, int]:
+    """The model on this rank's device, the same initial weights on every rank; with the micro-batches per forward."""
+    device = torch.device("cuda", comm.local_rank) if cfg.device == "cuda" else torch.device("cpu")
+    torch.manual_seed(cfg.seed)
+    memory_gib = torch.cuda.get_device_properties(device).total_memory / 2 ** 30 if device.type == "cuda" else None
+    packed = resolve_forward_micro_batches(cfg, comm.world_size, memory_gib)
+    attend = make_attention(cfg, device, packed * cfg.micro_batch_tokens)
+    compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    kernels = choose_kernels(cfg, device)
+    check_gpu_features(cfg, device, kernels)
+    model = GPT(cfg, attend, compute_dtype, forward_micro_batches=packed, kernels=kernels).to(device)
+    if comm.distributed:  # same seed gives the same init, but make certain
+        for t in model.state_dict().values():
+            dist.broadcast(t, 0)
+    num_params = sum(p.numel() for p in model.parameters())
+    log(f"model: {num_params:,} parameters, attention backend {attend.name}, compute dtype {compute_dtype}, "
+        f"world size {comm.world_size}, {packed} micro-batch(es) of {cfg.micro_batch_tokens} tokens per forward")
+    return model, device, packed
+
+
 def configure_inductor(cfg: Config, device: torch.device) -> None:
     """Inductor's options for our graphs, set before they compile (torch keeps them process-wide)."""
     import torch._inductor.config as inductor
     inductor.coordinate_descent_tuning = cfg.tune_kernels and device.type == "cuda"
-
-
-def compiled_graph_count() -> int:
-    from torch._dynamo.utils import counters
-    return int(counters["stats"]["unique_graphs"])
-
-
-class RecompileWatch:
-    """Reports what compiled after the warm-up (there should be nothing): new dynamo graphs with the guard
-    that failed, backward graphs compiled lazily at their first backward, and CUDA graphs recorded under
-    --compile_mode=reduce-overhead (a recording costs a warm-up run, a capture and two synchronizations)."""
-
-    def __init__(self):
-        from torch._dynamo.callback import CallbackTrigger, callback_handler
-        from torch._dynamo.utils import guard_failures
-        self.failures = guard_failures
-        self.graphs = self.after_warm_up = compiled_graph_count()
-        self.seen = {code: len(reasons) for code, reasons in guard_failures.items()}
-        # torch announces runtime compiles and recordings to registered callbacks, with the graph's compile id
-        self.runtime_triggers = {CallbackTrigger.LAZY_BACKWARD: "backward compiled lazily",
-                                 CallbackTrigger.CUDAGRAPH_RECORDING: "CUDA graph recorded"}
-        self.runtime_events: list[str] = []
-        self.reported_events = 0
-        self.handler = callback_handler
-        self.handler.register_start_callback(self._on_runtime_compile)
-
-    def _on_runtime_compile(self, args):
-        what = self.runtime_triggers.get(args.callback_trigger)
-        if what is not None:
-            self.runtime_events.append(f"{what} for compiled graph {args.compile_id}")
-
-    def close(self):
-        self.handler.remove_start_callback(self._on_runtime_compile)
-
-    def since_warm_up(self) -> int:
-        return compiled_graph_count() - self.after_warm_up + len(self.runtime_events)
-
-    def new_reasons(self) -> list[str]:
-        """What compiled since the last call and why ("where: failed guard", "CUDA graph recorded for ...")."""
-        reasons = self.runtime_events[self.reported_events:]
-        self.reported_events = len(self.runtime_events)
-        if compiled_graph_count() == self.graphs:
-            return reasons
-        self.graphs = compiled_graph_count()
-        guards = []
-        for code, failures in list(self.failures.items()):
-            for failure in failures[self.seen.get(code, 0):]:
-                where = f"{code.co_name} ({Path(code.co_filename).name}:{code.co_firstlineno})"
-                guards.append(f"{where}: {failure.splitlines()[0].strip()}")
-            self.seen[code] = len(failures)
-        return (guards or ["a new graph (no guard failed: first call of a new function)"]) + reasons
-
-
-class StepTimes:
-    """Each timed step's time, summarised per stage of the schedule at the end of the log (the target: no step
-    slower than 1.2x its stage's median), and the Python garbage collections that ran after the warm-up
-    (validation included) with their pauses.
-
-    On a GPU a step is judged by its GPU time (LossWatch.gpu_ms: from the previous step's end to its own, idle
-    gaps included), the time it held up training. The host's wall time per step is shown beside it but judges
-    nothing: the host runs ahead of the GPU, so a host pause that the lead absorbs makes one step long and the
-    next one short by as much (1xH100: steps 51 and 52 took 289 and 192 ms of wall time, step 51 241.6 ms of GPU
-    time against a median of 240.2).
-    Without a GPU the wall time is all there is. Slow steps are listed with the host's time inside train_step
-    (launch): a long launch is a host stall; a long GPU time after a normal launch is the GPU or a peer."""
-
-    SLOW = 1.2  # a step this many times its stage's median is flagged in the summary
-    LISTED = 10  # slow steps listed one by one, slowest first
-
-    def __init__(self, schedule: Schedule):
-        self.schedule = schedule
-        self.by_stage: dict[int, list[int]] = {}  # stage -> steps
-        self.wall_ms: dict[int, float] = {}  # step -> host wall time
-        self.launch_ms: dict[int, float] = {}  # step -> host ms inside train_step
-        self.step = 0
-        self.collections: list[tuple[float, int, int]] = []  # (ms, generation, step)
-        self._gc_started = 0.0
-        gc.callbacks.append(self._on_gc)
-
-    def _on_gc(self, phase: str, info: dict):
-        if phase == "start":
-            self._gc_started = time.perf_counter()
-        else:
-            self.collections.append((1000 * (time.perf_counter() - self._gc_started), info["generation"], self.step))
-
-    def add(self, step: int, ms: float, launch_ms: float):
-        """Step `step` (1-based, as logged) took `ms` of wall time, of which `launch_ms` were spent issuing its work."""
-        self.by_stage.setdefault(self.schedule.stage(step - 1), []).append(step)
-        self.wall_ms[step], self.launch_ms[step] = ms, launch_ms
-        self.step = step + 1
-
-    def close(self):
-        if self._on_gc in gc.callbacks:
-            gc.callbacks.remove(self._on_gc)
-
-    def summary(self, gpu_ms: dict[int, float]) -> list[str]:
-        lines, slow_steps = [], []
-        for stage, steps in sorted(self.by_stage.items()):
-            # the first step after the warm-up and after each validation has no GPU time and is left out
-            timed = [step for step in steps if step in gpu_ms]
-            judge, what = (gpu_ms, "GPU") if timed else (self.wall_ms, "wall")
-            timed = timed or steps
-            median = float(np.median([judge[step] for step in timed]))
-            at = max(timed, key=judge.get)
-            slow = [(judge[step] / median, step) for step in timed if judge[step] > self.SLOW * median]
-            slow_steps += [(ratio, step, what) for ratio, step in slow]
-            line = (f"step times, stage {stage}: {len(steps)} steps, {what} median {median:.1f} ms, slowest "
-                    f"{judge[at]:.1f} ms at step {at} ({judge[at] / median:.2f}x); {len(slow)} over {self.SLOW}x the median")
-            if judge is gpu_ms:
-                wall = [self.wall_ms[step] for step in steps]
-                line += f"; wall median {np.median(wall):.1f} ms, slowest {max(wall) / np.median(wall):.2f}x"
-            lines.append(line + f"; median launch {np.median([self.launch_ms[step] for step in steps]):.1f} ms")
-        for ratio, step, what in sorted(slow_steps, reverse=True)[: self.LISTED]:
-            lines.append(f"slow step {step}: {ratio:.2f}x its stage's {what} median; wall {self.wall_ms[step]:.1f} ms, "
-                         f"launch {self.launch_ms[step]:.1f} ms" + (f", GPU {gpu_ms[step]:.1f} ms" if step in gpu_ms else ""))
-        if self.collections:
-            longest, generation, step = max(self.collections)
-            lines.append(f"garbage collections after the warm-up: {len(self.collections)}, "
-                         f"{sum(ms for ms, _, _ in self.collections):.0f} ms in all; longest {longest:.1f} ms "
-                         f"(generation {generation}, step {step})")
-        return lines
-
-
-def compile_cache_hits() -> int:
-    """Compiled graphs served from a cache (inductor kernels and AOTAutograd graphs) in this process."""
-    from torch._dynamo.utils import counters
-    return int(counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"])
-
-
-def compile_phase_times(top: int = 12) -> str:
-    """Where the compile time went: torch's own phase timers (nested, so they do not add up), longest
-    first. The names are torch internals and vary across versions."""
-    from torch._dynamo.utils import compile_times
-    names, values = compile_times(repr="csv", aggregate=True)
-    longest = sorted(zip(names, (float(v) for v in values)), key=lambda item: -item[1])[:top]
-    return ", ".join(f"{name} {seconds:.1f}s" for name, seconds in longest if seconds >= 0.5)
-
-
-def seconds_since_process_start() -> float | None:
-    """Wall time since this process began (Linux /proc), imports included: the whole cold-start cost."""
-    try:
-        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-        uptime = float(Path("/proc/uptime").read_text().split()[0])
-        return uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: start time in clock ticks
-    except (OSError, ValueError, IndexError, AttributeError):
-        return None
 
 
 class CompileCache:
@@ -3067,104 +3175,15 @@ class CompileCache:
         self.log(f"compile cache {self.path}: saved {len(artifacts[0]):,} bytes")
 
 
-@dataclass
-class TrainResult:
-    train_losses: list[float]  # per step, mean over ranks
-    val_losses: list[tuple[int, float]]  # (step, loss)
-    train_time_ms: float
-
-
-@dataclasses.dataclass
-class Trainer:
-    """What the timed loop (or a benchmark) needs once the warm-up is done."""
-    model: GPT
-    optimizers: list
-    schedule: Schedule
-    device: torch.device
-    recompiles: RecompileWatch
-    packed: int  # micro-batches per forward
-
-    def forwards(self, step: int, world_size: int) -> int:
-        """Forwards this rank runs in the step."""
-        return self.schedule.micro_batches(step) // world_size // self.packed
-
-
-# Auto packs up to 8 micro-batches per forward only on a GPU with at least this much memory (GiB). Default config,
-# FP8 head, fused loss and MLP kernels, 1xH100: peak allocated 37.2 GiB with 4 per forward, 64.3 GiB with 8.
-PACK_8_MIN_GIB = 72
-
-
-def resolve_forward_micro_batches(cfg: Config, world_size: int, device_memory_gib: float | None = None) -> int:
-    """--forward_micro_batches, or for 0 the most micro-batches that every stage's and the validation's
-    micro-batches per rank divide into: up to 8 on a GPU of at least PACK_8_MIN_GIB, up to 4 otherwise (default
-    schedule: 8 on one such GPU, 4 on 1 smaller GPU or 2 processes, 2 on 4, 1 on 8). 1xH100, last stage: 4.7%
-    faster from 1 to 2, 2.3% from 2 to 4, 2.3% from 4 to 8 (the last with the fused kernels); the activations grow by
-    about 7 GiB per micro-batch."""
-    per_rank = {f"stage {i}": n // world_size for i, n in enumerate(cfg.stage_batches)}
-    per_rank["validation"] = val_micro_batches_per_rank(cfg, world_size)
-    if cfg.forward_micro_batches == 0:
-        most = 8 if device_memory_gib is not None and device_memory_gib >= PACK_8_MIN_GIB else 4
-        return next(k for k in (8, 4, 2, 1) if k <= most and all(n % k == 0 for n in per_rank.values()))
-    uneven = [f"{name}: {n}" for name, n in per_rank.items() if n % cfg.forward_micro_batches]
-    if cfg.forward_micro_batches < 0 or uneven:
-        raise UserError(f"--forward_micro_batches={cfg.forward_micro_batches} must divide the micro-batches per rank "
-                        f"at {world_size} process(es) ({', '.join(uneven or ['it must be positive'])}); use 0 (auto)")
-    return cfg.forward_micro_batches
-
-
-def resolve_compile_mode(cfg: Config, comm: Comm, device: torch.device) -> str:
-    """--compile_mode=auto: reduce-overhead (CUDA graphs) on a single GPU, where it measured 2% faster steps
-    than default (docs/performance.md); default on several GPUs, where on 2xH200 graphs were no faster and the
-    weights after 30 steps differed from default's by more than two default runs differ (README, Hardware),
-    and on CPUs, which have no graphs."""
-    if cfg.compile_mode != "auto":
-        return cfg.compile_mode
-    single_gpu = device.type == "cuda" and comm.world_size == 1 and not cfg.diloco
-    return "reduce-overhead" if single_gpu else "default"
-
-
-def check_gpu_features(cfg: Config, device: torch.device) -> None:
-    """The default kernels need a recent GPU: one line naming the GPU and the flag that turns each one off."""
-    if device.type != "cuda":
-        return
-    capability, name = torch.cuda.get_device_capability(device), torch.cuda.get_device_name(device)
-    if cfg.fp8_head and capability < (8, 9):
-        raise UserError(f"the FP8 head (--fp8_head, on by default) needs FP8 matmuls (compute capability 8.9 or "
-                        f"newer: Ada, Hopper); {name} has none: pass --fp8_head=0")
-    if cfg.fused_mlp and cfg.triton_kernels and triton is not None and capability < (9, 0):
-        raise UserError(f"the fused MLP (--fused_mlp, on by default) needs the TMA copy engine (compute capability "
-                        f"9.0 or newer: Hopper); {name} has none: pass --fused_mlp=0")
-
-
-def build_model(cfg: Config, comm: Comm, log: RunLog) -> tuple[GPT, torch.device, int]:
-    """The model on this rank's device, the same initial weights on every rank; with the micro-batches per forward."""
-    device = torch.device("cuda", comm.local_rank) if cfg.device == "cuda" else torch.device("cpu")
-    torch.manual_seed(cfg.seed)
-    memory_gib = torch.cuda.get_device_properties(device).total_memory / 2 ** 30 if device.type == "cuda" else None
-    packed = resolve_forward_micro_batches(cfg, comm.world_size, memory_gib)
-    attend = make_attention(cfg, device, packed * cfg.micro_batch_tokens)
-    compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    check_gpu_features(cfg, device)
-    model = GPT(cfg, attend, compute_dtype, forward_micro_batches=packed).to(device)
-    if comm.distributed:  # same seed gives the same init, but make certain
-        for t in model.state_dict().values():
-            dist.broadcast(t, 0)
-    num_params = sum(p.numel() for p in model.parameters())
-    log(f"model: {num_params:,} parameters, attention backend {attend.name}, compute dtype {compute_dtype}, "
-        f"world size {comm.world_size}, {packed} micro-batch(es) of {cfg.micro_batch_tokens} tokens per forward")
-    return model, device, packed
-
-
 def compile_model(model: GPT, cfg: Config, comm: Comm, device: torch.device) -> tuple[str, str]:
     """Wrap the model's forward (or its blocks) in torch.compile as --compile, --compile_scope and --compile_mode
     say; the graphs compile at the first calls. Returns the scope and mode chosen."""
     scope = cfg.compile_scope
     if scope == "auto":
-        # The one whole-model graph measured ~10% faster per step on an H100 than a graph per block (fewer
-        # launches from the host, fusion across blocks), for a cold compile of ~50 s against ~35 s. FA3
-        # takes its window as a Python int, so there each window pair is a whole graph of its own (four
-        # for the default schedule: 144 s cold against 84 s per block), and still the faster steps: last
-        # stage 595 against 632 ms (1xH100, bench stream).
+        # The one whole-model graph makes faster steps than a graph per block (fewer launches from the
+        # host, fusion across blocks), for a longer cold compile. FA3 takes its window as a Python int, so
+        # there each window pair is a whole graph of its own (four for the default schedule), and the steps
+        # are still the faster (docs/performance.md).
         scope = "whole"
     compile_mode = resolve_compile_mode(cfg, comm, device)
     mode = None if compile_mode == "default" else compile_mode
@@ -3295,9 +3314,9 @@ class TrainingRun:
         N = schedule.total_steps
         self.batches = self.batches_from(self.start_step)
         # Compiling leaves hundreds of thousands of long-lived Python objects, and a full collection walks them
-        # all (the tiny preset compiled on a CPU: 408K objects, 359 ms per full collection; frozen, 0.003 ms).
-        # The likely cause of the single steps 300-430 ms over the median in 400-step runs on 1xH100; the log's
-        # garbage-collection line tells. Frozen, and watched, right before the try whose finally undoes both.
+        # all: a pause of hundreds of ms inside a step; frozen, a collection skips them (docs/performance.md).
+        # The log's garbage-collection line tells whether any pause is left. Frozen, and watched, right before
+        # the try whose finally undoes both.
         gc.collect()
         gc.freeze()
         self.step_times = StepTimes(schedule)
@@ -3727,9 +3746,9 @@ class StreamingDiLoCo:
 def keep_freed_cpu_memory() -> bool:
     """On the CPU a step allocates and frees buffers above glibc's largest mmap threshold (32 MB): one forward's
     logits with GPT-2's vocabulary are 50 MB. glibc maps each such buffer afresh and unmaps it when freed, so every
-    step page-faults all of them in again (the tiny preset with GPT-2's vocabulary, 8 steps: 17M page faults, more
-    kernel than user time). Served from the heap, which keeps freed memory for reuse, those steps run 2.8x faster
-    (docs/performance.md). glibc only: returns whether it took effect."""
+    step page-faults all of them in again, spending more time in the kernel than computing. Served from the heap,
+    which keeps freed memory for reuse, those steps run nearly 3 times as fast (docs/performance.md). glibc only:
+    returns whether it took effect."""
     import ctypes
     try:
         libc = ctypes.CDLL("libc.so.6")
@@ -3770,7 +3789,8 @@ def check_inputs(cfg: Config) -> None:
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device=cuda, but torch sees no CUDA GPU; pass --device=cpu to run on the CPU")
     if cfg.device == "cuda":
-        check_gpu_features(cfg, torch.device("cuda", 0))
+        cuda = torch.device("cuda", 0)
+        check_gpu_features(cfg, cuda, choose_kernels(cfg, cuda))
     # The first training shard in full (the loader checks the others as it reaches them): a shard from another
     # tokenizer fails here, before minutes of compiling. An evaluation reads no training data.
     if not (cfg.eval_only or cfg.sample):
@@ -3828,8 +3848,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Appendix: Triton kernels (used on CUDA when Triton imports; every one has a plain-torch equivalent, which the
-# model calls on the CPU and when --triton_kernels=0)
+# Appendix: Triton kernels (used where choose_kernels turns them on: on CUDA when Triton imports; every one has a
+# plain-torch equivalent, which the model calls on the CPU and with --triton_kernels=0)
 
 try:
     import triton
@@ -3993,17 +4013,15 @@ def multi_token_losses(z: Tensor, targets: Tensor, mtp: tuple | None) -> Tensor:
     return sum(w * (lse - z.gather(1, ahead[:, None])[:, 0]) for w, ahead in multi_token_targets(targets, mtp))
 
 
-def softcapped_cross_entropy(logits: Tensor, targets: Tensor, cap: tuple, use_triton: bool | None = None,
+def softcapped_cross_entropy(logits: Tensor, targets: Tensor, cap: tuple, use_triton: bool,
                              mtp: tuple | None = None) -> Tensor:
     """Mean cross-entropy of softcap(logits, cap), a [rows, vocab] input; with mtp, multi_token_losses.
 
     The soft cap squeezes logits into (0, cap): the speedrun's 30*sigmoid(z/7.5) form of Gemma 2's tanh
     cap, which keeps logits from growing without bound early in training (its 2025-12-26 record shifts it:
-    23*sigmoid((z+5)/7.5)). On CUDA with Triton the fused kernels compute next-token losses; otherwise, and for
-    multi-token losses, plain torch.
+    23*sigmoid((z+5)/7.5)). With use_triton (Kernels.loss; CUDA) the fused kernels compute next-token losses;
+    otherwise, and for multi-token losses, plain torch.
     """
-    if use_triton is None:
-        use_triton = logits.is_cuda and triton is not None
     if use_triton and mtp is None:
         return _SoftcappedCrossEntropy.apply(logits, targets, cap).mean()
     return multi_token_losses(softcap(logits, cap), targets, mtp).mean()
@@ -4085,10 +4103,10 @@ if triton is not None:
         k + 1 ahead), for the k that keep row + k inside the row's micro-batch of `period` rows (multi-token
         prediction; K = 1, weight 1: next-token cross-entropy).
 
-        With tl.sigmoid and tl.exp this took six MUFU (special function unit) operations per logit, which
-        bounded it as much as memory did. The loss pass takes three single instructions (loss within 1e-6 of
+        tl.sigmoid and tl.exp would take six MUFU (special function unit) operations per logit, enough to bound
+        the kernel as much as memory does. The loss pass takes three single instructions (loss within 1e-6 of
         float64); the gradient pass, whose output keeps 3 significant bits, one (tanh.approx), its exp on the FMA
-        units. Blocks of BLOCK logits by 16 warps leave fewer rows in flight than small blocks did, so the second
+        units. Blocks of BLOCK logits by 16 warps leave fewer rows in flight than small blocks, so the second
         pass finds more of its row still in L2; the row's tail goes in masked blocks of TAIL, and the target's -1
         is written once, after the pass, instead of being compared for at every logit."""
         row = tl.program_id(0).to(tl.int64)
@@ -4150,8 +4168,8 @@ if triton is not None:
 
 
 def transpose_fp8(x: Tensor, block_m: int = 64, block_n: int = 128, warps: int = 4) -> Tensor:
-    """A contiguous copy of x.T (x: contiguous [M, N] FP8) with the Triton tile kernel: torch's copy of the
-    transposed view took 5.93 ms for [16384, 50304] on 1xH100, this 0.64 ms (bench/bench_loss.py fp8_grad)."""
+    """A contiguous copy of x.T (x: contiguous [M, N] FP8) with the Triton tile kernel, about 9 times as fast as
+    torch's copy of the transposed view (bench/bench_loss.py fp8_grad, docs/design.md)."""
     M, N = x.shape
     out = x.new_empty(N, M)
     _transpose_kernel[(triton.cdiv(M, block_m), triton.cdiv(N, block_n))](x, out, M, N, BLOCK_M=block_m,
@@ -4161,18 +4179,14 @@ def transpose_fp8(x: Tensor, block_m: int = 64, block_n: int = 128, warps: int =
 
 # The FP8 logit gradient is needed in two layouts: [T, V] for the input gradient's matmul and [V, T] for the
 # weight gradient's (FP8 matmuls on Hopper take both operands contiguous along the reduced dimension). The
-# forward's kernel writes [T, V] and transpose_fp8 makes [V, T] from it in the backward (0.64 ms for [16384,
-# 50304] on 1xH100, bit for bit what a second launch recomputing it from the logits in [V, T] order wrote in 1.10
-# ms: bench/bench_loss.py fp8_grad, 2026-11-23).
+# forward's kernel writes [T, V] and transpose_fp8 makes [V, T] from it in the backward: the same bits as a second
+# launch recomputing it from the logits in [V, T] order, in less time (bench/bench_loss.py fp8_grad, docs/design.md).
 E4M3_MAX = 448.0
 # The largest |gradient| lands at most at 2**15, under e5m2's 57344: no overflow, 2**31 of range.
 GRAD_E5M2_EXP = 15
 GRAD_E5M2_MAX = 2.0 ** GRAD_E5M2_EXP
-# The fused loss kernel's launch shape. 1xH100, one packed forward's [65536, 50304] logits
-# (bench/bench_ce_fp8.py, two calls of three interleaved rounds): 4.51-4.68 ms, against 6.29-6.54 ms for the
-# previous kernel (1024 x 4 warps, tl.sigmoid and tl.exp in both passes) and 4.01-4.07 ms for that kernel's loads
-# and stores around no arithmetic at 8192 x 32. 8192 x 16 took 4.8-5.1 ms, 16384 x 32 4.7-5.0, 4096 x 8 5.4-5.5,
-# 32768 x 32 9.1-9.5; at 131,072 rows 16384 x 16 stays the fastest (9.3-9.5 ms against 12.6-13.2).
+# The fused loss kernel's launch shape: the fastest of the blocks and warps tried on one H100, at one packed
+# forward's [65536, 50304] logits and at 131,072 rows (bench/bench_ce_fp8.py, docs/performance.md).
 CE_FP8_BLOCK, CE_FP8_WARPS, CE_FP8_TAIL = 16384, 16, 1024
 
 
@@ -4253,13 +4267,11 @@ def multi_token_grad(z: Tensor, targets: Tensor, mtp: tuple | None) -> Tensor:
     return d
 
 
-def fp8_softcapped_head(x: Tensor, weight: Tensor, targets: Tensor, cap: tuple, use_triton: bool | None = None,
+def fp8_softcapped_head(x: Tensor, weight: Tensor, targets: Tensor, cap: tuple, use_triton: bool,
                         mtp: tuple | None = None) -> Tensor:
     """Mean softcapped cross-entropy of x @ weight.T (x: [rows, dim] rms-normed, weight: [vocab, dim]) with
-    FP8 matmuls, next-token or multi-token (mtp): _Fp8SoftcappedHead. On CUDA with Triton the fast kernels,
-    otherwise plain torch."""
-    if use_triton is None:
-        use_triton = x.is_cuda and triton is not None
+    FP8 matmuls, next-token or multi-token (mtp): _Fp8SoftcappedHead. With use_triton (Kernels.loss; CUDA) the
+    fast kernels, otherwise plain torch."""
     weights, period = mtp if mtp is not None else (None, 0)
     return _Fp8SoftcappedHead.apply(x, weight, targets, cap, use_triton, weights, period)
 
@@ -4296,8 +4308,9 @@ if triton is not None:
         values = tl.load(Table + rows[:, None] * dim + cols[None, :], mask=inside)
         tl.store(Out + positions[:, None].to(tl.int64) * dim + cols[None, :], values.to(Out.dtype.element_ty), mask=inside)
 
-# 1xH100, one packed forward (65,536 bench-stream tokens; bench/bench_rows.py, 2026-11-24): 0.86 ms for the
-# token, five value and bigram tables, against 2.47 ms with index_add_; chunks of 16-64 and other blocks within 15%.
+# The row-gradient kernel's launch shape: at one packed forward on one H100 it adds the token, value and bigram
+# tables' rows about 3x as fast as index_add_, and the shape matters little (bench/bench_rows.py,
+# docs/performance.md).
 ROWS_CHUNK, ROWS_BLOCK_D, ROWS_WARPS = 64, 512, 4
 
 
@@ -4398,11 +4411,9 @@ if triton is not None:
     def _(a: Tensor, b: Tensor, post: Tensor | None = None) -> Tensor:
         return a.new_empty(a.size(0), b.size(0))
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT, warps, stages) of the MLP kernel, forward and backward. 1xH100, [65536,
-# 768] @ [768, 3072] (bench/bench_mlp.py, four calls of 2026-11-24): forward 0.57-0.64 ms, backward 0.69-0.82
-# ms, against 0.45-0.49 ms for cuBLAS's matmul alone and 0.75-0.88 / 0.87-1.01 ms with inductor's elementwise pass
-# after it. No other tile that fits in shared memory was faster in both directions (BLOCK_K 32 with 5-6 stages tied:
-# 0.548 + 0.709 against 0.570 + 0.691 ms), nor 2 programs per SM with smaller tiles (0.79-1.01 / 0.85-0.95 ms).
+# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT, warps, stages) of the MLP kernel, forward and backward: on one H100, at
+# [65536, 768] @ [768, 3072], no other tile that fits in shared memory is faster in both directions, nor 2 programs
+# per SM with smaller tiles (bench/bench_mlp.py, docs/performance.md).
 RELU2_MM_CONFIG = (128, 256, 64, 8, 2, 8, 3)
 
 

@@ -60,10 +60,10 @@ def head():
     targets = torch.randint(0, vocab, (rows,), device="cuda")
 
     def bf16_head(x, w, y):
-        return tg.softcapped_cross_entropy(x @ w.to(x.dtype).T, y, (cap, 0.0, cap / 4))
+        return tg.softcapped_cross_entropy(x @ w.to(x.dtype).T, y, (cap, 0.0, cap / 4), True)
 
     def fp8_head(x, w, y):
-        return tg.fp8_softcapped_head(x, w, y, (cap, 0.0, cap / 4))
+        return tg.fp8_softcapped_head(x, w, y, (cap, 0.0, cap / 4), True)
 
     def step(fn, compiled=True):
         torch._dynamo.reset()

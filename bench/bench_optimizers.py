@@ -66,7 +66,7 @@ def main():
             t.numel() * t.element_size() for s in state.values() for t in s.values() if torch.is_tensor(t)) / 2**20
 
     muon = tg.Muon([dict(params=matrices["attn"], split=4), dict(params=matrices["mlp_in"] + matrices["mlp_out"])], lr=cfg.muon_lr,
-                   momentum=cfg.muon_momentum)
+                   momentum=cfg.muon_momentum, use_triton=True)
     results["muon_step_ms"] = median_ms(muon.step)
     if rank == 0:
         print(f"world_size {world} on {torch.cuda.get_device_name()}")

@@ -25,6 +25,6 @@ def median_ms(fn, repeats=20, warmup=3):
     return statistics.median(times)
 
 
-# The single-kernel benchmarks (bench_ce_fp8, bench_flex, bench_gluon_mlp, bench_loss, bench_mlp, bench_rows) take
-# more samples of their shorter kernels.
+# The single-kernel benchmarks (bench_ce_fp8, bench_flex, bench_loss, bench_mlp, bench_rows) take more samples
+# of their shorter kernels.
 kernel_median_ms = functools.partial(median_ms, repeats=30, warmup=5)

@@ -94,14 +94,18 @@ def test_gpus_without_fp8_matmuls_or_tma_are_told_which_kernel_to_turn_off(monke
     cfg = tg.Config()
     assert cfg.fp8_head and cfg.fused_mlp
     cuda = torch.device("cuda", 0)
+
+    def check_gpu_features(config):  # with the kernels that a run on that GPU chooses
+        tg.check_gpu_features(config, cuda, tg.choose_kernels(config, cuda))
+
     with pytest.raises(tg.UserError, match=r"A100.*pass --fp8_head=0"):
-        tg.check_gpu_features(cfg, cuda)
+        check_gpu_features(cfg)
     no_fp8 = dataclasses.replace(cfg, fp8_head=False)
     if tg.triton is not None:
         with pytest.raises(tg.UserError, match=r"A100.*pass --fused_mlp=0"):
-            tg.check_gpu_features(no_fp8, cuda)
-    tg.check_gpu_features(dataclasses.replace(no_fp8, fused_mlp=False), cuda)  # bf16 head, unfused MLP: fine
+            check_gpu_features(no_fp8)
+    check_gpu_features(dataclasses.replace(no_fp8, fused_mlp=False))  # bf16 head, unfused MLP: fine
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))  # Ada: FP8, no TMA
-    tg.check_gpu_features(dataclasses.replace(cfg, fused_mlp=False), cuda)
+    check_gpu_features(dataclasses.replace(cfg, fused_mlp=False))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    tg.check_gpu_features(cfg, cuda)
+    check_gpu_features(cfg)

@@ -711,7 +711,7 @@ def test_rotary_rotates_half_pairs_and_keeps_relative_positions():
 
 def test_orthogonalize_gives_near_orthogonal_matrices():
     g = torch.randn(3, 48, 96, generator=torch.Generator().manual_seed(0))
-    singular_values = torch.linalg.svdvals(tg.orthogonalize(g))
+    singular_values = torch.linalg.svdvals(tg.orthogonalize(g, use_triton=False))
     assert singular_values.min() > 0.6 and singular_values.max() < 1.25
 
 
@@ -1033,7 +1033,7 @@ def table_grads_after_two_forwards(cfg, device, dtype, windows):
     """Losses of two forwards (each followed by its backward) of a model whose matrices are random, and the
     embedding tables' gradients accumulated over both."""
     torch.manual_seed(0)
-    model = tg.GPT(cfg, tg.SdpaAttention(), dtype).to(device)
+    model = tg.GPT(cfg, tg.SdpaAttention(), dtype, kernels=tg.choose_kernels(cfg, device)).to(device)
     with torch.no_grad():  # leave the zero init, so that gradients reach the tables
         for p in model.parameters():
             if p.ndim == 2:

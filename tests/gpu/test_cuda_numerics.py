@@ -149,7 +149,8 @@ def test_gpu_bf16_loss_matches_cpu_fp32():
         for p in cpu_model.parameters():
             if p.ndim == 2:
                 p.normal_(0, 0.02)
-    gpu_model = tg.GPT(cfg, tg.FlexAttention(1024, torch.device("cuda")), torch.bfloat16).cuda()
+    cuda = torch.device("cuda")
+    gpu_model = tg.GPT(cfg, tg.FlexAttention(1024, cuda), torch.bfloat16, kernels=tg.choose_kernels(cfg, cuda)).cuda()
     gpu_model.load_state_dict(cpu_model.state_dict())
     gpu_model.compile_regions(None)
     tokens, *_ = random_attention_inputs(T=1025, seed=3)
@@ -261,7 +262,7 @@ def test_softcapped_cross_entropy_kernel_matches_float64(rows, vocab, compiled):
     if compiled:
         loss_fn = torch.compile(loss_fn, fullgraph=True, dynamic=False)
     x = logits.cuda().requires_grad_()
-    loss = loss_fn(x, targets.cuda(), (30.0, 0.0, 7.5))
+    loss = loss_fn(x, targets.cuda(), (30.0, 0.0, 7.5), True)
     (2.5 * loss).backward()
 
     ref_x = logits.double().requires_grad_()
@@ -280,7 +281,8 @@ def test_row_embedding_grads_match_dense_ones_on_the_gpu():
         cfg, _ = tg.parse_cli([*TINY, "--micro_batch_tokens=1024", "--window_block=128", "--compile=1",
                                f"--row_embedding_grads={int(rows)}"])
         torch.manual_seed(0)
-        model = tg.GPT(cfg, tg.FlexAttention(1024, torch.device("cuda")), torch.bfloat16).cuda()
+        cuda = torch.device("cuda")
+        model = tg.GPT(cfg, tg.FlexAttention(1024, cuda), torch.bfloat16, kernels=tg.choose_kernels(cfg, cuda)).cuda()
         with torch.no_grad():
             for p in model.parameters():
                 if p.ndim == 2:
