@@ -23,7 +23,7 @@ def head_inputs(rows=96, dim=64, vocab=1000, seed=0):
 def run_head(x, weight, targets, grad_loss: float, cap=30.0):
     """The head's mean loss and its gradients for an upstream gradient of grad_loss, on the plain-torch path."""
     x, weight = x.clone().requires_grad_(), weight.clone().requires_grad_()
-    loss = tg._Fp8SoftcappedHead.apply(x, weight, targets, (cap, 0.0, cap / 4), False, None, 0)
+    loss = tg._Fp8SoftcappedHead.apply(x, weight, targets, (cap, 0.0, cap / 4), False, None, 0, None)
     loss.backward(torch.tensor(grad_loss))
     return loss.detach(), x.grad, weight.grad
 
@@ -48,7 +48,7 @@ def test_plain_fp8_head_with_multi_token_weights_matches_the_float64_reference()
     x, weight, targets = head_inputs(seed=2)
     weights, period, cap = torch.tensor([1.0, 0.5, 0.25]) / 1.75, 32, (23.0, 5.0, 7.5)
     x, weight = x.clone().requires_grad_(), weight.clone().requires_grad_()
-    loss = tg._Fp8SoftcappedHead.apply(x, weight, targets, cap, False, weights, period)
+    loss = tg._Fp8SoftcappedHead.apply(x, weight, targets, cap, False, weights, period, None)
     loss.backward(torch.tensor(0.7))
     per_row = torch.full((x.size(0),), 0.7 / x.size(0))
     ref_losses, ref_x, ref_w = fp8_head_reference(x, weight, targets, 23.0, per_row, offset=5.0, divisor=7.5,
@@ -58,6 +58,28 @@ def test_plain_fp8_head_with_multi_token_weights_matches_the_float64_reference()
     # the weights matter: next-token only is far off
     next_only, _, _ = fp8_head_reference(x, weight, targets, 23.0, per_row, offset=5.0, divisor=7.5)
     assert abs(next_only.mean().item() - loss.item()) > 1e-2
+
+
+def test_plain_fp8_head_with_a_prefix_token_loss_matches_the_float64_reference():
+    """Two offsets and the prefix-token term (weights 1 : 0.5 : 0.25, normalised), a prefix table where some tokens
+    have none (-1) and one target's prefix is the token after it: the plain-torch path of the FP8 head against the
+    float64 reference; without the prefix term the loss is far off."""
+    x, weight, targets = head_inputs(seed=3)
+    vocab = weight.size(0)
+    prefix = torch.randint(-1, vocab, (vocab,), generator=torch.Generator().manual_seed(4))
+    prefix[targets[0]] = targets[1]  # row 0's prefix target is also its token 2 ahead
+    weights, period, cap = torch.tensor([1.0, 0.5, 0.25]) / 1.75, 32, (23.0, 5.0, 7.5)
+    x, weight = x.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss = tg._Fp8SoftcappedHead.apply(x, weight, targets, cap, False, weights, period, prefix)
+    loss.backward(torch.tensor(0.7))
+    per_row = torch.full((x.size(0),), 0.7 / x.size(0))
+    ref_losses, ref_x, ref_w = fp8_head_reference(x, weight, targets, 23.0, per_row, offset=5.0, divisor=7.5,
+                                                  mtp=(weights, period, prefix))
+    torch.testing.assert_close(loss.detach().double(), ref_losses.mean(), rtol=1e-5, atol=1e-5)
+    assert relative_error(x.grad, ref_x) < 1e-3 and relative_error(weight.grad, ref_w) < 1e-3
+    without, _, _ = fp8_head_reference(x, weight, targets, 23.0, per_row, offset=5.0, divisor=7.5,
+                                       mtp=(weights[:2], period))
+    assert abs(without.mean().item() - loss.item()) > 1e-2
 
 
 def test_fp8_head_gradient_scale_follows_the_upstream_gradient():
