@@ -921,6 +921,22 @@ def test_world_size_1_and_2_give_the_same_losses(tiny_data, tmp_path, extras):
     np.testing.assert_allclose(two[0], single, rtol=1e-5)
 
 
+def assert_same_tensors(got, want, rtol: float, where: str, looser: dict | None = None):
+    """Nested dicts of tensors (and plain values) with the same keys: each tensor within rtol of its counterpart
+    in norm (||got - want|| <= rtol ||want||), each plain value equal. looser: {key: rtol} for what is under those
+    keys."""
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and sorted(got) == sorted(want), (where, sorted(got), sorted(want))
+        for key in want:
+            assert_same_tensors(got[key], want[key], (looser or {}).get(key, rtol), f"{where}, {key}", looser)
+    elif isinstance(want, torch.Tensor):
+        assert got.shape == want.shape and got.dtype == want.dtype, where
+        error = (got.double() - want.double()).norm().item()
+        assert error <= rtol * want.double().norm().item(), (where, error, want.double().norm().item())
+    else:
+        assert got == want, (where, got, want)
+
+
 def _train_and_note_ownership_on_rank(rank, world_size, cfg):
     """Train and validate, noting what this rank owned in the optimizers' steps (the warm-up's included): the
     bigram rows it received in each sparse exchange, and the real (not padding) Muon matrices it orthogonalised in
@@ -940,21 +956,26 @@ def _train_and_note_ownership_on_rank(rank, world_size, cfg):
     return _train_and_validate_on_rank(rank, world_size, cfg), owned
 
 
-def test_world_sizes_1_2_4_and_8_give_the_same_losses(tiny_data, tmp_path):
-    """The tiny model's defaults at 1, 2, 4 and 8 gloo processes in fp32: the same training loss at every step
-    and the same final validation loss. Each step's micro-batches are split over the ranks, and every optimizer
-    averages its gradients over them (train_step), so the updates are the same math at any world size, up to
-    summation order. 4 steps (0-3) of 8, 8, 8 and 16 micro-batches: 1 or 2 a rank at 8 processes; Adam (period 2)
-    adds steps 0 and 2 to steps 1 and 3, their sparse bigram rows too, and the embedding unties at step 3.
+def test_world_sizes_1_2_4_and_8_give_the_same_losses_and_states(tiny_data, tmp_path):
+    """The tiny model's defaults at 1, 2, 4 and 8 gloo processes in fp32: the same training loss at every step,
+    the same final validation loss, and the same weights and optimizer states at the end. Each step's micro-batches
+    are split over the ranks, and every optimizer averages its gradients over them (train_step), so the updates are
+    the same math at any world size, up to summation order. 4 steps (0-3) of 8, 8, 8 and 16 micro-batches: 1 or 2
+    a rank at 8 processes; Adam (period 2) adds steps 0 and 2 to steps 1 and 3, their sparse bigram rows too, and
+    the embedding unties at step 3.
+    The states are compared in the end's checkpoints (gathered from the shards, so the same at every world size).
+    The losses alone would miss a lost average: Adam's and Muon's updates do not change when every gradient of a
+    tensor is scaled alike (up to their epsilons), but its moments do, by the world size.
 
     At 8 ranks every distributed piece has something to do on every rank: DistAdam's reduce-scatters and
     all-gathers (each table 1/8 a rank, the scalars' bucket padded), the bigram table's sparse exchange (each
-    rank owns 512 of its 4096 rows and receives some each step), and Muon's sharding, whose 12 matrices of one
+    rank owns 512 of its 4096 rows and receives some in every exchange), and Muon's sharding, whose 12 matrices of one
     shape make one group padded to 16 at 8 ranks: ranks 0-5 own 2 each, ranks 6 and 7 only padding (they
     orthogonalise nothing and still join the all-gather)."""
     cfg = tiny_config(*tiny_data, num_iterations=4, val_loss_every=0, log_dir=str(tmp_path), run_id="w1",
-                      micro_batch_tokens=128)
+                      micro_batch_tokens=128, save_checkpoint=tmp_path / "w1.pt")
     single = tg.train(cfg, tg.Comm(), tg.RunLog(cfg, tg.Comm()))
+    reference = torch.load(tmp_path / "w1.pt", weights_only=True)
     assert len(single.train_losses) == 4 and [step for step, _ in single.val_losses] == [4]
     assert single.train_losses[0] > single.train_losses[-1]  # it trained
     # rtol 1e-5, as at 1 and 2 processes: the world sizes differ only in the order of fp32 sums (a step's gradient
@@ -962,14 +983,22 @@ def test_world_sizes_1_2_4_and_8_give_the_same_losses(tiny_data, tmp_path):
     # total over ranks in the all-reduce), up to 1.1e-7 here at 8 processes. A lost average or a rank's data
     # missing is off by orders of magnitude more.
     for world_size in (2, 4, 8):
-        ranks = run_on_ranks(_train_and_note_ownership_on_rank, world_size,
-                             dataclasses.replace(cfg, run_id=f"w{world_size}"))
+        ranks = run_on_ranks(_train_and_note_ownership_on_rank, world_size, dataclasses.replace(
+            cfg, run_id=f"w{world_size}", save_checkpoint=str(tmp_path / f"w{world_size}.pt")))
         (train_losses, val_losses), _ = ranks[0]
         assert all(losses == (train_losses, val_losses) for losses, _ in ranks)
         np.testing.assert_allclose(train_losses, single.train_losses, rtol=1e-5, err_msg=f"world size {world_size}")
         assert [step for step, _ in val_losses] == [4]
         np.testing.assert_allclose(val_losses[0][1], single.val_losses[0][1], rtol=1e-5,
                                    err_msg=f"world size {world_size}")
+        # Weights and states per tensor at 1e-5 too (measured up to 2.2e-6), but the smear gate's 12 weights: they
+        # start at zero, and one's gradient is far below Adam's eps (root of exp_avg_sq 5e-11, eps 1e-8), where the
+        # update is proportional to the gradient itself, a sum that cancels down to 1e-11 and whose last digits
+        # follow the summation order (measured 1.4e-5 at 2 processes, 7e-6 at 4 and 8).
+        checkpoint = torch.load(tmp_path / f"w{world_size}.pt", weights_only=True)
+        for part in ("adam", "muon", "model"):  # the moments first: they name the tensor a lost average scaled
+            assert_same_tensors(checkpoint[part], reference[part], 1e-5, f"world size {world_size}, {part}",
+                                looser={"smear_gate_w": 1e-4})
         for rank, (_, owned) in enumerate(ranks):
             assert owned["bigram_rows"] and min(owned["bigram_rows"]) > 0, (world_size, rank, owned)
         if world_size == 8:
