@@ -908,9 +908,10 @@ def _train_on_rank(rank, world_size, cfg):
 @pytest.mark.parametrize("extras", [tg.PRESETS["plain"], dict(adam_period=3, num_iterations=4),
                                     dict(paired_head_layers="0,1"),
                                     dict(xsa_layers="1,3", value_gate_reads_embed=1, doc_len_schedule="32,64,128"),
-                                    dict(sublayer_scales=1, attn_input_from=1, muon_qk_blocks=2)],
+                                    dict(sublayer_scales=1, attn_input_from=1, muon_qk_blocks=2, mudd=1, bigram_dims=24,
+                                         bigram_signs=16)],
                          ids=["plain", "adam_period_3", "paired_short_and_long", "xsa_ve_gate_doc_lens",
-                              "sublayer_scales"])
+                              "sublayer_scales_mudd_bigram_signs"])
 def test_world_size_1_and_2_give_the_same_losses(tiny_data, tmp_path, extras):
     cfg = tiny_config(*tiny_data, **{**dict(num_iterations=3), **extras}, val_loss_every=0, log_dir=str(tmp_path),
                       run_id="w1", micro_batch_tokens=128)
@@ -1051,8 +1052,9 @@ def test_packed_forwards_train_as_separate_ones(tiny_data, tmp_path):
 
 
 @pytest.mark.parametrize("extras", [{}, tg.PRESETS["plain"], dict(paired_head_layers="0,1"),
-                                    dict(sublayer_scales=1, attn_input_from=1, xsa_layers="1,3")],
-                         ids=["defaults", "plain", "paired_heads", "sublayer_scales_xsa"])
+                                    dict(sublayer_scales=1, attn_input_from=1, xsa_layers="1,3", mudd=1, bigram_dims=24,
+                                         bigram_signs=16)],
+                         ids=["defaults", "plain", "paired_heads", "sublayer_scales_xsa_mudd_bigram_signs"])
 def test_a_packed_forward_computes_the_losses_of_separate_ones(tiny_data, extras):
     """Two validation chunks (the second starts mid-document) in one forward against one forward each, with random
     weights so that attention carries signal: the same mean loss. A packed forward must not let the second
