@@ -89,19 +89,21 @@ def run_on_ranks(target, world_size: int, *args, timeout: float = 300) -> list:
 def train_scheduled_steps(model, optimizers, cfg, steps: int, seed: int = 1, before_step=None, after_step=None):
     """Train on the warm-up's random batches (train_gpt.dummy_batches(cfg, seed)) as the training loop does, one
     forward a step: each step sets the schedule's hyperparameters and trains with its windows. before_step(step)
-    and after_step(step), when given, run around each step."""
+    and after_step(step), when given, run around each step; after_step may return the next step (a replica that
+    healed from a peer goes on at the peer's step), else the loop goes on at step + 1."""
     import torch
     import train_gpt as tg
     schedule = tg.Schedule(cfg)
     batches = tg.prefetch(tg.dummy_batches(cfg, seed=seed), cfg, torch.device("cpu"), packed=1)
     try:
-        for step in range(steps):
+        step = 0
+        while step < steps:
             if before_step is not None:
                 before_step(step)
             tg.set_hyperparameters(optimizers, schedule, step)
             tg.train_step(model, optimizers, batches, schedule.windows(step), forwards=1)
-            if after_step is not None:
-                after_step(step)
+            following = after_step(step) if after_step is not None else None
+            step = step + 1 if following is None else following
     finally:
         batches.close()
 

@@ -82,13 +82,17 @@ def test_outer_step_matches_hand_computation(lr, momentum):
     assert moved  # the inner steps did change the weights, so the check above is not vacuous
 
 
-def train_replicas_in_threads(cfg, data_seeds, steps, init_sync, on_local=None, before_step=None, timeout=60.0):
+def train_replicas_in_threads(cfg, data_seeds, steps, init_sync, on_local=None, before_step=None, timeout=60.0,
+                              min_replicas=None, before_start=None):
     """Replicas as threads of this process, as torchft's own tests run them: each with its model (same seed),
     optimizers, manager and StreamingDiLoCo, trained on dummy_batches(cfg, seed) with the schedule set every step
-    as the training loop sets it. on_local(replica, step, named weights) sees each inner step's weights before
-    DiLoCo's hook; before_step(replica, step, run) runs before each step; `timeout` (seconds) bounds each
-    manager's collectives and its process group's. Returns [(final weights, the run)] by replica."""
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=len(data_seeds))
+    as the training loop sets it; a replica that heals goes on at the step it healed to, as the loop does.
+    on_local(replica, step, named weights) sees each inner step's weights before DiLoCo's hook; before_step(replica,
+    step, run) runs before each step; before_start(replica) before a replica joins (makes its manager);
+    `timeout` (seconds) bounds each manager's collectives and its process group's; min_replicas (default: all)
+    that quorums need. Returns [(final weights, the run)] by replica."""
+    min_replicas = min_replicas or len(data_seeds)
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=min_replicas)
     replicas = []
     for index, _ in enumerate(data_seeds):
         torch.manual_seed(cfg.seed)
@@ -99,9 +103,11 @@ def train_replicas_in_threads(cfg, data_seeds, steps, init_sync, on_local=None, 
 
     def replica_main(index):
         model, optimizers = replicas[index]
+        if before_start is not None:
+            before_start(index)
         store = torch.distributed.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
         manager = torchft.Manager(pg=torchft.ProcessGroupGloo(timeout=timedelta(seconds=timeout)), load_state_dict=None,
-                                  state_dict=None, min_replica_size=len(data_seeds), use_async_quorum=False,
+                                  state_dict=None, min_replica_size=min_replicas, use_async_quorum=False,
                                   replica_id=f"test_{index}", store_addr="localhost", store_port=store.port,
                                   rank=0, world_size=1, lighthouse_addr=lighthouse.address(),
                                   timeout=timedelta(seconds=timeout), init_sync=init_sync)
@@ -119,7 +125,8 @@ def train_replicas_in_threads(cfg, data_seeds, steps, init_sync, on_local=None, 
             run.step = step + 1
         run.__enter__()
         try:
-            train_scheduled_steps(model, optimizers, cfg, steps, seed=data_seeds[index], before_step=prepare)
+            train_scheduled_steps(model, optimizers, cfg, steps, seed=data_seeds[index], before_step=prepare,
+                                  after_step=lambda step: run.step)  # run.step: step + 1, or the healed step
         finally:
             run.close()
         results[index] = ({name: p.detach().clone() for name, p in model.named_parameters()}, run)
@@ -278,6 +285,41 @@ def test_an_all_reduce_that_fails_at_a_sync_rolls_both_replicas_back_and_the_nex
     assert same(results[0][0], results[1][0])
 
 
+def test_a_replica_that_joins_late_heals_from_its_peer_and_trains_on_from_its_step():
+    """Replica 0 trains alone (quorums of one) until its step 4; only then does replica 1 join. At its first quorum it
+    is behind, so it heals: it takes replica 0's weights, optimizer state and step, and goes on from that step, not
+    from its own; from then on every sync has both replicas and commits, and the two end with one model."""
+    cfg = tiny_diloco_config(sync_every=2, num_fragments=1, num_iterations=12, outer_lr=1.0, outer_momentum=0.0)
+    joined, running = threading.Event(), threading.Event()
+    trained = {0: [], 1: []}
+
+    def before_start(replica):
+        if replica == 1:
+            assert joined.wait(timeout=120)
+
+    def before_step(replica, step, run):
+        trained[replica].append(step)
+        if replica == 0 and step == 4:
+            joined.set()
+        if replica == 0 and step == 6:  # not done before replica 1 is up (its manager beating): its syncs wait for it
+            assert running.wait(timeout=120)
+        if replica == 1 and step == 1:
+            running.set()
+
+    with weights_after_each_sync_hook() as after:
+        results = train_replicas_in_threads(cfg, data_seeds=(1, 2), steps=12, init_sync=False, before_step=before_step,
+                                            min_replicas=1, before_start=before_start)
+    runs = [run for _, run in results]
+    assert [run.heals for run in runs] == [0, 1]
+    assert trained[0] == list(range(12))
+    healed_to = trained[1][2]  # its steps 0 and 1, then the sync after step 1 heals it
+    assert trained[1] == [0, 1] + list(range(healed_to, 12)) and healed_to > 4
+    for step in range(healed_to + 1, 12, 2):  # every sync after the heal: one model
+        assert all(torch.equal(w, after[1, step][name]) for name, w in after[0, step].items()), step
+    assert all(torch.equal(w, results[1][0][name]) for name, w in results[0][0].items())
+    assert runs[1].manager.num_participants() == 2
+
+
 def test_diloco_flags_are_checked():
     for flags, message in (
         (["--sync_every=6", "--num_fragments=4"], "--sync_every=6 must be a multiple of --num_fragments=4"),
@@ -424,41 +466,6 @@ def test_killed_replica_rejoins_with_the_weights_of_its_peer(tiny_data, tmp_path
     assert rejoined, "the restarted replica never synced together with the survivor"
     for step, fragment, digest in rejoined:
         assert survivor_syncs[(step, fragment)] == digest
-
-
-def test_a_replica_that_starts_late_heals_from_its_peer_and_trains_on_with_it(tiny_data, tmp_path):
-    """Replica 0 trains alone (min_replicas 1) until its second sync; only then does replica 1 start. At its first
-    quorum replica 1 is behind, so it heals: it takes replica 0's weights, optimizer state and step, reads its own
-    share of the data from that step's micro-batch, and from then on both sync every fragment with the same
-    weights and end with one model."""
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=20000, heartbeat_timeout_ms=1000)
-    flags = ("--num_iterations=96", "--val_loss_every=96", "--train_repeat=1")  # as the killed-replica test
-    try:
-        first = start_replica(tmp_path, tiny_data, lighthouse, 0, "first", *flags)
-        first_log = tmp_path / "logs" / "first.txt"
-        deadline = time.time() + 300
-        while not (first_log.exists() and len(SYNC.findall(first_log.read_text())) >= 2):
-            assert time.time() < deadline and first.poll() is None, "replica 0 never reached its second sync"
-            time.sleep(0.2)
-        late = start_replica(tmp_path, tiny_data, lighthouse, 1, "late", *flags)
-        logs = {"first": finish(first, tmp_path, "first"), "late": finish(late, tmp_path, "late")}
-    finally:
-        lighthouse.shutdown()
-    recovered = re.search(r"^diloco: recovered weights and optimizer state from a peer; step \d+ -> (\d+); "
-                          r"the data goes on from this rank's micro-batch (\d+)$", logs["late"], re.M)
-    assert recovered and int(recovered.group(1)) > 4
-    schedule = tg.Schedule(tg.parse_cli(["--device=cpu", *TINY, *flags])[0])
-    assert int(recovered.group(2)) == schedule.micro_batches_before(int(recovered.group(1)))
-    first_syncs = {(step, fragment): (replicas, digest) for step, fragment, replicas, digest in SYNC.findall(logs["first"])}
-    late_syncs = SYNC.findall(logs["late"])
-    assert late_syncs and all(replicas == "2" for _, _, replicas, _ in late_syncs)
-    for step, fragment, replicas, digest in late_syncs:  # every sync of the late replica, also on the first
-        assert first_syncs[(step, fragment)] == (replicas, digest)
-    assert re.search(r"^diloco: \d+ fragment syncs \(\d+ committed\), 1 heals", logs["late"], re.M)
-    assert re.search(r"^diloco: \d+ fragment syncs \(\d+ committed\), 0 heals", logs["first"], re.M)
-    finals = [re.findall(r"^final weights: .*$", log, re.M) for log in logs.values()]
-    assert len(finals[0]) == 1 and finals[0] == finals[1]
-    assert VAL.findall(logs["first"])[-1] == VAL.findall(logs["late"])[-1]
 
 
 def test_replicas_resumed_from_their_checkpoints_train_as_if_never_stopped(tiny_data, tmp_path):
