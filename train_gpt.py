@@ -1514,8 +1514,8 @@ class DistAdam(torch.optim.Optimizer):
     [r*shard, (r+1)*shard); exp_avg and exp_avg_sq exist only for that slice, so the state is 1/world
     of plain AdamW's. Small parameters of one param group share a bucket (their gradients are packed
     with one copy); a bucket whose size is not a multiple of the world size is zero-padded to the next
-    multiple (in the default model only the scalar bucket: 45 values padded to 48 at 8 ranks; padding
-    stays zero because its gradient is zero).
+    multiple (in the default model the scalar bucket, 68 values padded to 72 at 8 ranks, and the two gate vectors
+    of 12, each padded to 16; padding stays zero because its gradient is zero).
 
     Communication schedule of one step, world size W > 1 (W = 1 sends nothing):
       1. reduce_scatter_tensor (average) of each bucket's gradient into this rank's shard, launched from
