@@ -11,14 +11,7 @@
 # packs it back under $OUT/cache).
 set -uo pipefail
 source bench/prelude.sh
-python3 - <<'EOF'
-import lzma, pathlib
-out = pathlib.Path("/tmp/bench2")
-out.mkdir(exist_ok=True)
-for xz in sorted(pathlib.Path(".bench2").glob("*.bin.xz")):
-    if not (out / xz.name[:-3]).exists():
-        (out / xz.name[:-3]).write_bytes(lzma.decompress(xz.read_bytes()))
-EOF
+python3 bench/unpack_bench.py .bench2 /tmp/bench2
 restore_inductor_cache
 schedule=(--train_files='/tmp/bench2/docs_train_*.bin' --val_files=/tmp/bench2/docs_val_000000.bin
           --val_tokens=2097152 --train_repeat=1 --num_iterations=480 --extension_steps=40 --val_loss_every=160)

@@ -44,14 +44,7 @@ if [ "$what" = all ] || [ "$what" = bench ]; then
 fi
 
 [ "$what" = bench ] && exit 0
-python3 - <<'EOF'
-import lzma, pathlib
-out = pathlib.Path("/tmp/bench2")
-out.mkdir(exist_ok=True)
-for xz in sorted(pathlib.Path(".bench2").glob("*.bin.xz")):
-    if not (out / xz.name[:-3]).exists():
-        (out / xz.name[:-3]).write_bytes(lzma.decompress(xz.read_bytes()))
-EOF
+python3 bench/unpack_bench.py .bench2 /tmp/bench2
 data=(--train_files='/tmp/bench2/docs_train_*.bin' --val_files=/tmp/bench2/docs_val_000000.bin --val_tokens=2097152
       --micro_batch_tokens=4096 --val_loss_every=0 --num_iterations="$steps" --extension_steps=0)
 start=$SECONDS

@@ -108,6 +108,20 @@ def train_scheduled_steps(model, optimizers, cfg, steps: int, seed: int = 1, bef
         batches.close()
 
 
+def random_tiny_model(cfg, std: float = 0.1, seed: int = 0):
+    """A CPU GPT of cfg whose matrices, tables and gate weights are drawn from N(0, std), so that every path carries
+    signal (most start at zero)."""
+    import torch
+    import train_gpt as tg
+    torch.manual_seed(seed)
+    model = tg.GPT(cfg, tg.SdpaAttention(), torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim >= 2:
+                p.normal_(0, std)
+    return model
+
+
 def load_script(relative_path: str):
     """Import a script of the repository (a file, not a package module) under its own name."""
     path = REPO / relative_path

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import train_gpt as tg
-from helpers import BOS, TINY, cu_seqlens_of
+from helpers import BOS, TINY, cu_seqlens_of, random_tiny_model
 
 
 def mudd_config(**overrides) -> tg.Config:
@@ -47,12 +47,10 @@ def test_the_model_with_mudd_starts_as_the_model_without_it():
     value-embedding gate, 2 instead of 2 sigmoid(0), changes nothing, so the two models give one loss; once the
     mixers' output weights move, the losses differ."""
     with_mudd, without = mudd_config(), mudd_config(mudd=False)
-    torch.manual_seed(0)
-    plain = tg.GPT(without, tg.SdpaAttention(), torch.float32)
-    with torch.no_grad():  # random weights, so that every path carries signal (the value tables stay zero)
-        for name, p in plain.named_parameters():
-            if p.ndim >= 2 and "value_embeds" not in name:
-                p.normal_(0, 0.1)
+    plain = random_tiny_model(without)
+    with torch.no_grad():  # the value tables stay zero
+        for table in plain.value_embeds:
+            table.weight.zero_()
     mixed = tg.GPT(with_mudd, tg.SdpaAttention(), torch.float32)
     missing, unexpected = mixed.load_state_dict(plain.state_dict(), strict=False)
     assert all(name.startswith("mudd_") for name in missing)
@@ -71,12 +69,8 @@ def test_mudd_mixes_its_sources_into_the_last_layer_and_before_the_head():
     formulas of the streams recorded in the forward (the stream entering layer 0, the outputs of layers
     backout_from, last - 1 and skip_from, the first value embedding)."""
     cfg = mudd_config(value_embed_init_std=0.5, backout_from=0)  # four distinct layer outputs of the tiny model
-    torch.manual_seed(0)
-    model = tg.GPT(cfg, tg.SdpaAttention(), torch.float32)
+    model = random_tiny_model(cfg)
     with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim >= 2:
-                p.normal_(0, 0.1)
         for mix in (model.mudd_layer, model.mudd_head):
             mix.bias.normal_()
     seen = {}

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import train_gpt as tg
-from helpers import BOS, TINY, cu_seqlens_of
+from helpers import BOS, TINY, cu_seqlens_of, random_tiny_model
 
 
 def test_each_token_gets_its_longest_proper_prefix_that_is_a_token():
@@ -54,12 +54,8 @@ def test_the_model_adds_the_prefix_token_cross_entropy_to_its_loss(fp8_head):
     token (where it has one), each weight normalised; next-token only for validation ([1.0])."""
     cfg = dataclasses.replace(tg.parse_cli(TINY)[0], mtp_schedule="1,0.5/1,0.5/1", prefix_loss_schedule="0.5/0.5/0",
                               fp8_head=fp8_head)
-    torch.manual_seed(0)
-    model = tg.GPT(cfg, tg.SdpaAttention(), torch.float32)
+    model = random_tiny_model(cfg)
     with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim >= 2:
-                p.normal_(0, 0.1)
         model.prefix_tokens.copy_(torch.randint(-1, cfg.vocab_size, model.prefix_tokens.shape,
                                                 generator=torch.Generator().manual_seed(1)))
     tokens = torch.randint(0, cfg.vocab_size, (256,), generator=torch.Generator().manual_seed(2))
