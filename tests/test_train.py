@@ -1192,21 +1192,29 @@ def test_every_config_field_has_a_group_and_one_line_of_help_that_help_prints():
 def test_run_sh_checks_before_launching(tmp_path, tiny_data):
     if torch.cuda.is_available():
         pytest.skip("on a GPU machine run.sh would launch a real run")
-    no_cuda = subprocess.run(["bash", str(REPO / "run.sh")], capture_output=True, text=True, timeout=120)
-    assert no_cuda.returncode == 1 and no_cuda.stderr.strip() == (
-        "error: --device=cuda, but torch sees no CUDA GPU; pass --device=cpu to run on the CPU")
-    missing = subprocess.run(["bash", str(REPO / "run.sh"), "--device=cpu", "--train_files=nowhere/*.bin"],
-                             capture_output=True, text=True, timeout=120)
-    assert missing.returncode == 1 and len(missing.stderr.strip().splitlines()) == 1
-    assert "matches no files" in missing.stderr and "data/cached_fineweb10B.py 9" in missing.stderr
     (tmp_path / "notes.bin").write_bytes(b"not tokens" * 200)
-    bad = subprocess.run(["bash", str(REPO / "run.sh"), "--device=cpu", "--preset=tiny",
-                          f"--train_files={tmp_path / '*.bin'}"], capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 1 and "notes.bin: not a token shard" in bad.stderr  # rejected before any launch
     train, val = tiny_data
-    three = subprocess.run(["bash", str(REPO / "run.sh"), "--device=cpu", *TINY, f"--train_files={train}",
-                            f"--val_files={val}"], capture_output=True, text=True, timeout=120, env=dict(os.environ, NPROC="3"))
-    assert three.returncode == 1 and "launching" not in three.stdout and three.stderr.strip() == (
+    cases = {  # started together: each is mostly a Python start and torch's import
+        "no_cuda": ([], {}),
+        "missing": (["--device=cpu", "--train_files=nowhere/*.bin"], {}),
+        "bad": (["--device=cpu", "--preset=tiny", f"--train_files={tmp_path / '*.bin'}"], {}),
+        "three": (["--device=cpu", *TINY, f"--train_files={train}", f"--val_files={val}"], {"NPROC": "3"}),
+    }
+    procs = {name: subprocess.Popen(["bash", str(REPO / "run.sh"), *args], stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, env=dict(os.environ, **env))
+             for name, (args, env) in cases.items()}
+    outputs = {name: proc.communicate(timeout=120) for name, proc in procs.items()}
+    done = {name: (procs[name].returncode, *outputs[name]) for name in procs}
+    code, _, err = done["no_cuda"]
+    assert code == 1 and err.strip() == ("error: --device=cuda, but torch sees no CUDA GPU; pass --device=cpu to run on "
+                                         "the CPU")
+    code, _, err = done["missing"]
+    assert code == 1 and len(err.strip().splitlines()) == 1
+    assert "matches no files" in err and "data/cached_fineweb10B.py 9" in err
+    code, _, err = done["bad"]
+    assert code == 1 and "notes.bin: not a token shard" in err  # rejected before any launch
+    code, out, err = done["three"]
+    assert code == 1 and "launching" not in out and err.strip() == (
         "error: NPROC=3: use 1, 2, 4 or 8 (every stage's batch splits evenly over those)")
 
 
