@@ -2836,7 +2836,8 @@ def read_checkpoint(path: str, flag: str) -> dict:
 
 
 def check_same_model(checkpoint: dict, cfg: Config, flag: str) -> None:
-    saved = checkpoint["config"]
+    # a field newer than the checkpoint was then what its default is now
+    saved = {**model_fields(Config()), **checkpoint["config"]}
     differing = [f"{name}={saved.get(name)!r} (here {value!r})" for name, value in model_fields(cfg).items()
                  if saved.get(name) != value]
     if differing:

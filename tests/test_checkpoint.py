@@ -214,3 +214,13 @@ def test_a_run_may_end_on_a_step_that_only_sums_gradients_and_still_save():
 def test_sample_flags_are_checked(flags, message):
     with pytest.raises(tg.UserError, match=re.escape(message)):
         tg.parse_cli(["--preset=tiny", *flags])
+
+
+def test_a_checkpoint_older_than_a_model_field_counts_as_having_its_default():
+    """A checkpoint written before a model field existed (its config lacks the name) was written by a model with
+    that field at its default: it loads where the field is at its default, and not where it is not."""
+    cfg = dataclasses.replace(tg.parse_cli(["--device=cpu", *TINY])[0], resume="old.pt")
+    older = {"config": {name: value for name, value in tg.model_fields(cfg).items() if name != "mudd"}}
+    tg.check_same_model(older, cfg, "resume")
+    with pytest.raises(tg.CheckpointError, match=r"mudd=False \(here True\)"):
+        tg.check_same_model(older, dataclasses.replace(cfg, mudd=True), "resume")
