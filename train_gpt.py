@@ -317,14 +317,14 @@ class Config:
         return parse_mtp_schedule(self.mtp_schedule) if self.mtp_schedule else [[(1.0, 1.0)]]
 
     @functools.cached_property
-    def prefix_loss_stages(self) -> list[tuple[float, float]]:
-        """Per stage, the prefix-token loss weight (at the stage's start, at its end); [] when off."""
+    def prefix_loss_stages(self) -> list[list[tuple[float, float]]]:
+        """Per stage, [the prefix-token loss weight (at the stage's start, at its end)], as mtp_stages; [] when off."""
         if not self.prefix_loss_schedule:
             return []
         stages = parse_mtp_schedule(self.prefix_loss_schedule, "prefix_loss_schedule")
         if any(len(stage) != 1 for stage in stages):
             raise UserError(f"bad --prefix_loss_schedule={self.prefix_loss_schedule!r}: one weight per stage")
-        return [stage[0] for stage in stages]
+        return stages
 
     @functools.cached_property
     def paired_layers(self) -> list[int]:
@@ -516,7 +516,7 @@ def validate_config(cfg: Config) -> None:
              f"--mtp_schedule={cfg.mtp_schedule!r}: weights must be 0 or more, the next token's above 0")
     if cfg.prefix_loss_schedule:
         stages = cfg.prefix_loss_stages
-        need(len(stages) == len(cfg.stage_batches) and min(min(w) for w in stages) >= 0,
+        need(len(stages) == len(cfg.stage_batches) and min(min(stage[0]) for stage in stages) >= 0,
              f"--prefix_loss_schedule={cfg.prefix_loss_schedule!r}: needs one weight of 0 or more per stage of "
              "--batch_schedule, separated by '/'")
         need(cfg.vocab_size == 50257, f"--prefix_loss_schedule needs GPT-2's vocabulary (--vocab_size=50257, not "
@@ -1023,14 +1023,16 @@ class Block(nn.Module):
         self.paired = paired
         self.mlp = MLP(cfg.model_dim, cfg.mlp_ratio * cfg.model_dim, fused_mlp)
         self.value_scales = nn.Parameter(torch.tensor([0.5, cfg.value_embed_scale_init]))
-        if cfg.sublayer_scales and not mixed:  # sqrt(1.1) per sublayer: 1.1 per layer, as the single scale
+        if mixed:  # the sublayer scales come with each forward's LayerMix
+            self.residual_scales = self.output_scales = self.injection = self.lambdas = None
+        elif cfg.sublayer_scales:  # sqrt(1.1) per sublayer: 1.1 per layer, as the single scale
             self.residual_scales = nn.Parameter(torch.full((2,), cfg.residual_init ** 0.5))  # attention, MLP
             self.output_scales = nn.Parameter(torch.ones(2))  # attention, MLP
             self.injection = nn.Parameter(torch.tensor([0.0, 0.05]))  # x0, bigram
             self.lambdas = None
         else:
             self.residual_scales = self.output_scales = self.injection = None
-            self.lambdas = None if mixed else nn.Parameter(torch.tensor([cfg.residual_init, 0.0, 0.1]))  # residual, x0, bigram
+            self.lambdas = nn.Parameter(torch.tensor([cfg.residual_init, 0.0, 0.1]))  # residual, x0, bigram
         self.attend = None  # the attention backend, set by GPT
 
     def forward(self, x: Tensor, x0: Tensor, value_embed: Tensor, rope, mask, bigram: Tensor | None,
@@ -1320,9 +1322,8 @@ class GPT(nn.Module):
             if i == cfg.backout_from:
                 backout = x
         if self.mudd_head is not None:
-            w = self.mudd_head(x).unbind(1)
             sources = (x_in, backout, previous, value_embeds[0], skip)
-            x = x + sum(wk[:, None] * source for wk, source in zip(w, sources))
+            x = x + sum(w * source for w, source in zip(self.mudd_head(x).split(1, dim=1), sources))
         elif self.backout is not None:
             x = x - self.backout.to(x.dtype) * backout
         return self.loss_head(x, targets)
@@ -1343,7 +1344,7 @@ class GPT(nn.Module):
         """MUDD before the last layer, from its input x (the previous layer's output): the layer's new input and
         what it mixes in (speedrun 2026-04-22)."""
         w = self.mudd_layer(x)
-        c = [wk[:, None] for wk in w[:, :6].unbind(1)]
+        c = w[:, :6].split(1, dim=1)  # [T, 1] each
         value = c[0] * x_in + c[1] * mid + c[2] * x
         x = (1 + c[5]) * x + c[3] * x_in + c[4] * mid
         heads = self.cfg.num_heads
@@ -2312,21 +2313,22 @@ class Schedule:
 
     def mtp_weights(self, step: int) -> list[float]:
         """The loss weights of a step (loss_terms of them, unnormalised): the multi-token offsets', then the prefix
-        token's; linear within the stage, and the extension keeps the last stage's end."""
+        token's."""
+        weights = self.ramped(self.mtp, step)
+        return weights + [0.0] * (self.mtp_offsets - len(weights)) + self.ramped(self.prefix, step)
+
+    def ramped(self, stages: list[list[tuple[float, float]]], step: int) -> list[float]:
+        """The values of per-stage (start, end) pairs at a step: linear within its stage; the extension keeps the last
+        stage's ends; none without stages."""
+        if not stages:
+            return []
         stage = self.stage(step)
-        stages = len(self.batches)
-        if stage >= stages:
-            pairs = self.mtp[-1] + [(end, end) for _, end in self.prefix[-1:]]
-            t = 1.0
-        else:
-            start, end = -(-stage * self.num_iterations // stages), -(-(stage + 1) * self.num_iterations // stages)
-            t = (step - start) / max(end - start, 1)
-            pairs = self.mtp[stage] + ([self.prefix[stage]] if self.prefix else [])
-        weights = [a + (b - a) * t for a, b in pairs]
-        if not self.prefix:
-            return weights + [0.0] * (self.mtp_offsets - len(weights))
-        offsets, prefix = weights[:-1], weights[-1]
-        return offsets + [0.0] * (self.mtp_offsets - len(offsets)) + [prefix]
+        count = len(self.batches)
+        if stage >= count:
+            return [end for _, end in stages[-1]]
+        start, end = -(-stage * self.num_iterations // count), -(-(stage + 1) * self.num_iterations // count)
+        t = (step - start) / max(end - start, 1)
+        return [a + (b - a) * t for a, b in stages[stage]]
 
     def micro_batches_before(self, step: int) -> int:
         """Micro-batches of all steps before this one, summed over all ranks."""
