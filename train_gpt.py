@@ -3517,6 +3517,16 @@ def generate(model: GPT, cfg: Config, prompt: list[int], windows: tuple[int, int
     return tokens[len(prompt):]
 
 
+def gpt2_encoding(flag: str):
+    """tiktoken's GPT-2 BPE, or one line saying that `flag` needs it."""
+    try:
+        import tiktoken
+        return tiktoken.get_encoding("gpt2")
+    except Exception as e:  # no package, no network, no cached files
+        raise UserError(f"{flag} needs tiktoken's gpt2 encoding, which did not load ({type(e).__name__}): "
+                        "pip install tiktoken; offline, see data/tokenize_text.py's help") from None
+
+
 def longest_prefix_tokens(token_bytes: list[bytes | None]) -> np.ndarray:
     """For each token (its bytes; None for a special token), the token whose bytes are the longest proper prefix of
     its own, or -1 where no proper prefix is a token (single bytes, special tokens): the prefix-token loss's
@@ -3533,12 +3543,7 @@ def longest_prefix_tokens(token_bytes: list[bytes | None]) -> np.ndarray:
 
 def gpt2_prefix_tokens(rows: int) -> Tensor:
     """longest_prefix_tokens of GPT-2's BPE (from tiktoken), padded with -1 to `rows`."""
-    try:
-        import tiktoken
-        encoding = tiktoken.get_encoding("gpt2")
-    except Exception as e:  # no package, no network, no cached files
-        raise UserError(f"--prefix_loss_schedule needs tiktoken's gpt2 encoding, which did not load "
-                        f"({type(e).__name__}): pip install tiktoken; offline, see data/tokenize_text.py's help") from None
+    encoding = gpt2_encoding("--prefix_loss_schedule")
     token_bytes = [encoding.decode_single_token_bytes(i) if i != encoding.eot_token else None
                    for i in range(encoding.n_vocab)]
     table = torch.full((rows,), -1, dtype=torch.int64)
@@ -3548,12 +3553,7 @@ def gpt2_prefix_tokens(rows: int) -> Tensor:
 
 def gpt2_codec():
     """GPT-2 BPE's (encode, decode), from tiktoken."""
-    try:
-        import tiktoken
-        encoding = tiktoken.get_encoding("gpt2")
-    except Exception as e:  # no package, no network, no cached files
-        raise UserError(f"--sample needs tiktoken's gpt2 encoding, which did not load ({type(e).__name__}): "
-                        "pip install tiktoken; offline, see data/tokenize_text.py's help") from None
+    encoding = gpt2_encoding("--sample")
     return encoding.encode_ordinary, encoding.decode
 
 
@@ -3868,6 +3868,8 @@ def check_inputs(cfg: Config) -> None:
         check_resumable(read_checkpoint(cfg.resume, "resume"), cfg, shard_paths(cfg.train_files, "train_files"))
     if cfg.init_from:
         check_same_model(read_checkpoint(cfg.init_from, "init_from"), cfg, "init_from")
+    if cfg.sample or cfg.prefix_loss_schedule:  # GPT-2's BPE, before anything is written
+        gpt2_encoding("--sample" if cfg.sample else "--prefix_loss_schedule")
     if cfg.diloco:  # before minutes of compiling, not after
         import_torchft()
         if not os.environ.get("TORCHFT_LIGHTHOUSE"):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import train_gpt as tg
-from helpers import BOS, TINY, cu_seqlens_of, random_tiny_model
+from helpers import BOS, TINY, cu_seqlens_of, learnable_documents, random_tiny_model, write_shard
 
 
 def test_each_token_gets_its_longest_proper_prefix_that_is_a_token():
@@ -96,3 +96,16 @@ def fp8_logits(x, weight):
     x_q = (x / x_scale).clamp(-448, 448).to(e4m3).float() * x_scale
     w_q = (weight / w_scale).clamp(-448, 448).to(e4m3).float() * w_scale
     return x_q @ w_q.T
+
+
+def test_without_tiktoken_the_prefix_loss_is_one_line_before_anything_is_written(tmp_path, monkeypatch, capsys):
+    train, val = tmp_path / "t_train_000001.bin", tmp_path / "t_val_000000.bin"
+    write_shard(train, learnable_documents(20_000, seed=1))
+    write_shard(val, learnable_documents(4_000, seed=2))
+    monkeypatch.setitem(__import__("sys").modules, "tiktoken", None)  # `import tiktoken` fails
+    code = tg.main(["--device=cpu", "--preset=tiny", f"--bos_token={BOS}", f"--train_files={train}", f"--val_files={val}",
+                    "--prefix_loss_schedule=0.25/0/0", f"--log_dir={tmp_path / 'logs'}"])
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("error: --prefix_loss_schedule needs tiktoken's gpt2 encoding, which did not load")
+    assert not (tmp_path / "logs").exists()
