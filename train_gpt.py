@@ -136,7 +136,8 @@ class Config:
     # Dynamic dense connections (MUDD, Xiao et al. 2025, arXiv:2502.12170; the speedrun's 2026-04-22 record): two
     # small per-token MLPs of the residual stream mix earlier streams into the last layer (its values, its residual
     # and per-token versions of its sublayer scales) and into the residual before the head (in place of the backout).
-    mudd: bool = _model(False, "dynamic dense connections into the last layer and the head; needs sublayer_scales")
+    mudd: bool = _model(False, "dynamic dense connections into the last layer and before the head; needs "
+                               "sublayer_scales and backout_from")
     skip_from: int = _model(3, "layer whose output is added, gated, to the input of layer skip_to")
     skip_to: int = _model(6, "layer whose input takes skip_from's output")
     # The head's logits x become cap * sigmoid((x + offset) / divisor) (speedrun 2024-11; 2025-12-26: 23, 5, 7.5).
@@ -148,11 +149,6 @@ class Config:
     # extension keeps the last stage's. The weights are normalised to sum to 1; validation is next-token only.
     mtp_schedule: str = _model("1,0.5,0.25>0/1,0.5>0/1",
                                "per-stage ('/') loss weights of the tokens 1, 2, ... ahead; a>b ramps; empty: off")
-    # The prefix-token loss (speedrun 2026-07-13 record: 0.25/0.25>0/0): the same logits also predict the longest
-    # proper byte-prefix of the next token that is itself a token (" the" -> " th"), where there is one: an easier
-    # target early in training. Its weight joins the multi-token weights before they are normalised.
-    prefix_loss_schedule: str = _model("", "per-stage ('/') loss weight of the next token's longest prefix token; "
-                                           "a>b ramps; empty: off")
     # the speedrun's 2025-12 records: attn_scale, residual_init, value_embed_init_std and (2025-12-19) head_init_std
     attn_scale: float = _model(0.1, "softmax scale of the QK-normed heads; raised as the long window grows")
     residual_init: float = _model(1.1, "initial scale of the residual in each layer's input")
@@ -317,16 +313,6 @@ class Config:
         return parse_mtp_schedule(self.mtp_schedule) if self.mtp_schedule else [[(1.0, 1.0)]]
 
     @functools.cached_property
-    def prefix_loss_stages(self) -> list[list[tuple[float, float]]]:
-        """Per stage, [the prefix-token loss weight (at the stage's start, at its end)], as mtp_stages; [] when off."""
-        if not self.prefix_loss_schedule:
-            return []
-        stages = parse_mtp_schedule(self.prefix_loss_schedule, "prefix_loss_schedule")
-        if any(len(stage) != 1 for stage in stages):
-            raise UserError(f"bad --prefix_loss_schedule={self.prefix_loss_schedule!r}: one weight per stage")
-        return stages
-
-    @functools.cached_property
     def paired_layers(self) -> list[int]:
         return parse_layer_list(self, "paired_head_layers")
 
@@ -433,12 +419,12 @@ def _parse_stage_list(cfg: Config, name: str, parse) -> list:
         raise UserError(f"bad --{name}={text!r}: see --help for its form") from None
 
 
-def parse_mtp_schedule(text: str, flag: str = "mtp_schedule") -> list[list[tuple[float, float]]]:
+def parse_mtp_schedule(text: str) -> list[list[tuple[float, float]]]:
     """'1,0.5,0.25>0/1,0.5>0/1' -> per stage, per offset, (weight at the stage's start, weight at its end)."""
     try:
         return [[(float(w.split(">")[0]), float(w.split(">")[-1])) for w in stage.split(",")] for stage in text.split("/")]
     except ValueError:
-        raise UserError(f"bad --{flag}={text!r}: weights separated by ',', stages by '/', a ramp as a>b") from None
+        raise UserError(f"bad --mtp_schedule={text!r}: weights separated by ',', stages by '/', a ramp as a>b") from None
 
 
 def resolved_adam_period(cfg: Config) -> int:
@@ -514,13 +500,6 @@ def validate_config(cfg: Config) -> None:
              f"--mtp_schedule={cfg.mtp_schedule!r}: needs one entry per stage of --batch_schedule, separated by '/'")
         need(all(stage[0][0] > 0 and stage[0][1] > 0 and min(min(w) for w in stage) >= 0 for stage in stages),
              f"--mtp_schedule={cfg.mtp_schedule!r}: weights must be 0 or more, the next token's above 0")
-    if cfg.prefix_loss_schedule:
-        stages = cfg.prefix_loss_stages
-        need(len(stages) == len(cfg.stage_batches) and min(min(stage[0]) for stage in stages) >= 0,
-             f"--prefix_loss_schedule={cfg.prefix_loss_schedule!r}: needs one weight of 0 or more per stage of "
-             "--batch_schedule, separated by '/'")
-        need(cfg.vocab_size == 50257, f"--prefix_loss_schedule needs GPT-2's vocabulary (--vocab_size=50257, not "
-             f"{cfg.vocab_size}): its prefix tokens come from GPT-2's BPE")
     need(0.0 <= cfg.untie_frac <= 1.0, f"--untie_frac={cfg.untie_frac}: use a fraction of the scheduled steps, 0 .. 1")
     need(1 <= cfg.gate_dims <= cfg.model_dim, f"--gate_dims={cfg.gate_dims}: use 1 .. model_dim ({cfg.model_dim})")
     need(2 <= cfg.vocab_size <= 65536, f"--vocab_size={cfg.vocab_size}: shards hold 16-bit tokens, use 2 .. 65536")
@@ -1179,12 +1158,8 @@ class GPT(nn.Module):
         # The multi-token loss weights, normalised: a buffer the compiled graphs read and set_mtp_weights
         # overwrites in place (no recompile, and CUDA graphs see the new values).
         offsets = max(len(stage) for stage in cfg.mtp_stages)
-        prefix = bool(cfg.prefix_loss_schedule)  # then the last weight is the prefix token's
-        self.register_buffer("mtp_weights", torch.zeros(offsets + prefix), persistent=False)
+        self.register_buffer("mtp_weights", torch.zeros(offsets), persistent=False)
         self.mtp_weights[0] = 1.0
-        # each token's longest proper prefix token, -1 for none: filled from GPT-2's BPE by build_model
-        self.register_buffer("prefix_tokens", torch.full((vocab,), -1, dtype=torch.int64) if prefix else None,
-                             persistent=False)
         self.reset_parameters()
 
     @torch.no_grad()
@@ -1364,8 +1339,7 @@ class GPT(nn.Module):
         use_triton = self.kernels.loss
         cap = (cfg.logit_softcap, cfg.logit_offset, cfg.logit_divisor)
         # rows of each micro-batch predict inside it only, so packed forwards compute the losses of separate ones
-        mtp = ((self.mtp_weights, cfg.micro_batch_tokens, self.prefix_tokens) if self.mtp_weights.numel() > 1
-               else None)
+        mtp = (self.mtp_weights, cfg.micro_batch_tokens) if self.mtp_weights.numel() > 1 else None
         x = rms_norm(x)
         if targets is None:  # generation: the soft-capped logits themselves
             return softcap(x @ self.lm_head.weight.to(x.dtype).T, cap)
@@ -2278,8 +2252,6 @@ class Schedule:
         self.untie_step = round(cfg.untie_frac * cfg.num_iterations)  # with --tie_embed
         self.mtp = cfg.mtp_stages
         self.mtp_offsets = max(len(stage) for stage in self.mtp)
-        self.prefix = cfg.prefix_loss_stages
-        self.loss_terms = self.mtp_offsets + bool(self.prefix)  # the model's loss weights: offsets, then prefix
         self.batches, self.lr_multipliers = cfg.stage_batches, cfg.stage_lr_multipliers
         block = cfg.window_block
         in_tokens = [(short * block, long * block) for short, long in cfg.stage_window_blocks]
@@ -2312,23 +2284,17 @@ class Schedule:
         return min(step * len(self.batches) // self.num_iterations, len(self.batches) - 1)
 
     def mtp_weights(self, step: int) -> list[float]:
-        """The loss weights of a step (loss_terms of them, unnormalised): the multi-token offsets', then the prefix
-        token's."""
-        weights = self.ramped(self.mtp, step)
-        return weights + [0.0] * (self.mtp_offsets - len(weights)) + self.ramped(self.prefix, step)
-
-    def ramped(self, stages: list[list[tuple[float, float]]], step: int) -> list[float]:
-        """The values of per-stage (start, end) pairs at a step: linear within its stage; the extension keeps the last
-        stage's ends; none without stages."""
-        if not stages:
-            return []
+        """The multi-token loss weights of a step (mtp_offsets of them, unnormalised): linear within the stage; the
+        extension keeps the last stage's end."""
         stage = self.stage(step)
-        count = len(self.batches)
-        if stage >= count:
-            return [end for _, end in stages[-1]]
-        start, end = -(-stage * self.num_iterations // count), -(-(stage + 1) * self.num_iterations // count)
-        t = (step - start) / max(end - start, 1)
-        return [a + (b - a) * t for a, b in stages[stage]]
+        stages = len(self.batches)
+        if stage >= stages:
+            weights = [end for _, end in self.mtp[-1]]
+        else:
+            start, end = -(-stage * self.num_iterations // stages), -(-(stage + 1) * self.num_iterations // stages)
+            t = (step - start) / max(end - start, 1)
+            weights = [a + (b - a) * t for a, b in self.mtp[stage]]
+        return weights + [0.0] * (self.mtp_offsets - len(weights))
 
     def micro_batches_before(self, step: int) -> int:
         """Micro-batches of all steps before this one, summed over all ranks."""
@@ -3158,8 +3124,6 @@ def build_model(cfg: Config, comm: Comm, log: RunLog) -> tuple[GPT, torch.device
     kernels = choose_kernels(cfg, device)
     check_gpu_features(cfg, device, kernels)
     model = GPT(cfg, attend, compute_dtype, forward_micro_batches=packed, kernels=kernels).to(device)
-    if model.prefix_tokens is not None:
-        model.prefix_tokens.copy_(gpt2_prefix_tokens(model.prefix_tokens.numel()))
     if comm.distributed:  # same seed gives the same init, but make certain
         for t in model.state_dict().values():
             dist.broadcast(t, 0)
@@ -3389,7 +3353,7 @@ class TrainingRun:
         self.pause_clock()
         self.watch.flush(other_work_follows=True)
         seen = self.schedule.validation_step(step)
-        if self.schedule.loss_terms > 1:
+        if self.schedule.mtp_offsets > 1:
             self.model.set_mtp_weights([1.0])
         self.follow_window_history(seen)
         val_loss = evaluate(self.model, self.cfg, self.comm, self.val_paths, self.schedule.windows(seen), self.device,
@@ -3417,7 +3381,7 @@ class TrainingRun:
         schedule, comm, diloco = self.schedule, self.comm, self.diloco
         self.follow_window_history(step)
         set_hyperparameters(self.optimizers, schedule, step)
-        if schedule.loss_terms > 1:
+        if schedule.mtp_offsets > 1:
             self.model.set_mtp_weights(schedule.mtp_weights(step))
         if diloco is not None:
             diloco.step = step + 1  # what a peer healing from us during this step resumes at
@@ -3517,43 +3481,19 @@ def generate(model: GPT, cfg: Config, prompt: list[int], windows: tuple[int, int
     return tokens[len(prompt):]
 
 
-def gpt2_encoding(flag: str):
-    """tiktoken's GPT-2 BPE, or one line saying that `flag` needs it."""
+def gpt2_encoding():
+    """tiktoken's GPT-2 BPE, or one line saying that --sample needs it."""
     try:
         import tiktoken
         return tiktoken.get_encoding("gpt2")
     except Exception as e:  # no package, no network, no cached files
-        raise UserError(f"{flag} needs tiktoken's gpt2 encoding, which did not load ({type(e).__name__}): "
+        raise UserError(f"--sample needs tiktoken's gpt2 encoding, which did not load ({type(e).__name__}): "
                         "pip install tiktoken; offline, see data/tokenize_text.py's help") from None
-
-
-def longest_prefix_tokens(token_bytes: list[bytes | None]) -> np.ndarray:
-    """For each token (its bytes; None for a special token), the token whose bytes are the longest proper prefix of
-    its own, or -1 where no proper prefix is a token (single bytes, special tokens): the prefix-token loss's
-    targets."""
-    index = {b: i for i, b in enumerate(token_bytes) if b is not None}
-    out = np.full(len(token_bytes), -1, dtype=np.int64)
-    for i, b in enumerate(token_bytes):
-        for n in range(len(b or b"") - 1, 0, -1):
-            if b[:n] in index:
-                out[i] = index[b[:n]]
-                break
-    return out
-
-
-def gpt2_prefix_tokens(rows: int) -> Tensor:
-    """longest_prefix_tokens of GPT-2's BPE (from tiktoken), padded with -1 to `rows`."""
-    encoding = gpt2_encoding("--prefix_loss_schedule")
-    token_bytes = [encoding.decode_single_token_bytes(i) if i != encoding.eot_token else None
-                   for i in range(encoding.n_vocab)]
-    table = torch.full((rows,), -1, dtype=torch.int64)
-    table[: len(token_bytes)] = torch.from_numpy(longest_prefix_tokens(token_bytes))
-    return table
 
 
 def gpt2_codec():
     """GPT-2 BPE's (encode, decode), from tiktoken."""
-    encoding = gpt2_encoding("--sample")
+    encoding = gpt2_encoding()
     return encoding.encode_ordinary, encoding.decode
 
 
@@ -3868,8 +3808,8 @@ def check_inputs(cfg: Config) -> None:
         check_resumable(read_checkpoint(cfg.resume, "resume"), cfg, shard_paths(cfg.train_files, "train_files"))
     if cfg.init_from:
         check_same_model(read_checkpoint(cfg.init_from, "init_from"), cfg, "init_from")
-    if cfg.sample or cfg.prefix_loss_schedule:  # GPT-2's BPE, before anything is written
-        gpt2_encoding("--sample" if cfg.sample else "--prefix_loss_schedule")
+    if cfg.sample:  # GPT-2's BPE, before anything is written
+        gpt2_encoding()
     if cfg.diloco:  # before minutes of compiling, not after
         import_torchft()
         if not os.environ.get("TORCHFT_LIGHTHOUSE"):
@@ -4063,21 +4003,16 @@ def softcap(logits: Tensor, cap: tuple) -> Tensor:
 
 
 def multi_token_targets(targets: Tensor, mtp: tuple | None) -> list[tuple[Tensor, Tensor]]:
-    """Per loss term, (each row's weight [rows], its target [rows]). mtp = (weights, period, prefix_tokens): offset k
-    gives row i targets[i + k] at weights[k] where i + k stays inside the row's micro-batch of `period` rows, and 0
-    elsewhere (multi-token prediction); with prefix_tokens ([vocab], -1 for none) the last weight is that of each
-    row's next token's prefix token, 0 where it has none. None gives the next token at weight 1."""
+    """Per offset k, (each row's weight [rows], its target k + 1 ahead [rows]): mtp = (weights [K], period) gives
+    row i targets[i + k] at weights[k] where i + k stays inside the row's micro-batch of `period` rows, and 0
+    elsewhere (multi-token prediction); None gives the next token at weight 1."""
     if mtp is None:
         return [(torch.ones_like(targets, dtype=torch.float32), targets.long())]
-    weights, period, prefix_tokens = mtp
+    weights, period = mtp
     position = torch.arange(targets.numel(), device=targets.device) % period
     # the rolled targets wrap around at the end, where the weight is 0
-    terms = [(weights[k] * (position + k < period), torch.cat([targets[k:], targets[:k]]).long())
-             for k in range(weights.numel() - (prefix_tokens is not None))]
-    if prefix_tokens is not None:
-        prefix = prefix_tokens[targets.long()]
-        terms.append((weights[-1] * (prefix >= 0), prefix.clamp(min=0)))
-    return terms
+    return [(weights[k] * (position + k < period), torch.cat([targets[k:], targets[:k]]).long())
+            for k in range(weights.numel())]
 
 
 def multi_token_losses(z: Tensor, targets: Tensor, mtp: tuple | None) -> Tensor:
@@ -4165,24 +4100,9 @@ if triton is not None:
                 * ((cap / (4.0 * divisor)) * (1.0 - t * t)))
 
     @triton.jit
-    def _loss_term(Targets, Prefix, Weights, row, position, period, k: tl.constexpr, K: tl.constexpr):
-        """Loss term k of a row of _softcapped_ce_fp8_kernel: (its target, its weight, whether it counts). Terms
-        below K: the token k + 1 ahead, inside the row's micro-batch; term K: the next token's prefix token."""
-        if k < K:
-            counts = position + k < period
-            target = tl.load(Targets + row + k, mask=counts, other=0)
-            w = tl.where(counts, tl.load(Weights + k), 0.0)
-        else:
-            prefix = tl.load(Prefix + tl.load(Targets + row))
-            counts = prefix >= 0
-            target = tl.maximum(prefix, 0)
-            w = tl.where(counts, tl.load(Weights + K), 0.0)
-        return target, w, counts
-
-    @triton.jit
-    def _softcapped_ce_fp8_kernel(Logits, Targets, Weights, Prefix, Loss, Grad, V, stride, period, cap: tl.constexpr,
-                                  offset: tl.constexpr, divisor: tl.constexpr, K: tl.constexpr, PREFIX: tl.constexpr,
-                                  GRAD_EXP: tl.constexpr, BLOCK: tl.constexpr, TAIL: tl.constexpr, PTX: tl.constexpr):
+    def _softcapped_ce_fp8_kernel(Logits, Targets, Weights, Loss, Grad, V, stride, period, cap: tl.constexpr,
+                                  offset: tl.constexpr, divisor: tl.constexpr, K: tl.constexpr, GRAD_EXP: tl.constexpr,
+                                  BLOCK: tl.constexpr, TAIL: tl.constexpr, PTX: tl.constexpr):
         """One row per program, two passes over it: the first sums exp(z - cap) for the loss (z < cap, so no
         running max is needed), the second writes the loss's gradient for an upstream gradient of 2^GRAD_EXP in
         Grad's dtype (e5m2 in the trainer), where no value exceeds 2^GRAD_EXP (cap <= 4 divisor and the K weights
@@ -4190,8 +4110,7 @@ if triton is not None:
 
         The row's loss is the sum over k < K of Weights[k] times the cross-entropy to Targets[row + k] (the token
         k + 1 ahead), for the k that keep row + k inside the row's micro-batch of `period` rows (multi-token
-        prediction; K = 1, weight 1: next-token cross-entropy), and with PREFIX, Weights[K] times the cross-entropy
-        to Prefix[Targets[row]], the next token's prefix token, where it is not -1.
+        prediction; K = 1, weight 1: next-token cross-entropy).
 
         tl.sigmoid and tl.exp would take six MUFU (special function unit) operations per logit, enough to bound
         the kernel as much as memory does. The loss pass takes three single instructions (loss within 1e-6 of
@@ -4217,9 +4136,10 @@ if triton is not None:
         position = row % period
         loss = 0.0
         weight = 0.0
-        for k in tl.static_range(K + PREFIX):
-            target, w, _ = _loss_term(Targets, Prefix, Weights, row, position, period, k, K)
-            x_target = tl.load(Logits + target).to(tl.float32)
+        for k in tl.static_range(K):
+            inside_batch = position + k < period
+            w = tl.where(inside_batch, tl.load(Weights + k), 0.0)
+            x_target = tl.load(Logits + tl.load(Targets + row + k, mask=inside_batch, other=0)).to(tl.float32)
             loss += w * (lse - cap * _softcap_sigmoid(x_target, offset, divisor, PTX))
             weight += w
         tl.store(Loss + row, loss)
@@ -4234,15 +4154,17 @@ if triton is not None:
             grad = _scaled_softmax_grad(x, shift, 0.0, cap, offset, divisor, PTX)
             tl.store(Grad + start + tail_cols, grad.to(Grad.dtype.element_ty), mask=inside)
         tl.debug_barrier()  # the targets' entries again, now with their -w: after the barrier they land last
-        for k in tl.static_range(K + PREFIX):
-            target, _, counts = _loss_term(Targets, Prefix, Weights, row, position, period, k, K)
-            same = 0.0  # the weight of every term whose target is this one (a repeated token, a prefix)
-            for j in tl.static_range(K + PREFIX):
-                target_j, w_j, _ = _loss_term(Targets, Prefix, Weights, row, position, period, j, K)
-                same += tl.where(target_j == target, w_j, 0.0)
+        for k in tl.static_range(K):
+            inside_batch = position + k < period
+            target = tl.load(Targets + row + k, mask=inside_batch, other=0)
+            same = 0.0  # the weight of every offset whose target is this one (a repeated token)
+            for j in tl.static_range(K):
+                inside_j = position + j < period
+                same += tl.where(inside_j & (tl.load(Targets + row + j, mask=inside_j, other=0) == target),
+                                 tl.load(Weights + j), 0.0)
             grad = _scaled_softmax_grad(tl.load(Logits + target).to(tl.float32), shift, same * 2.0 ** GRAD_EXP, cap,
                                         offset, divisor, PTX)
-            tl.store(Grad + target, grad.to(Grad.dtype.element_ty), mask=counts)
+            tl.store(Grad + target, grad.to(Grad.dtype.element_ty), mask=inside_batch)
 
     @triton.jit
     def _transpose_kernel(In, Out, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -4280,13 +4202,11 @@ CE_FP8_BLOCK, CE_FP8_WARPS, CE_FP8_TAIL = 16384, 16, 1024
 def softcapped_ce_fp8(logits: Tensor, targets: Tensor, cap: tuple, losses: Tensor, grad: Tensor,
                       mtp: tuple | None = None) -> None:
     """_softcapped_ce_fp8_kernel: each row's loss into losses [T], its gradient into grad [T, V]; cap = (cap, offset,
-    divisor); mtp = (weights summing to 1, period, prefix_tokens or None) as multi_token_targets takes it, or None
-    for next-token losses."""
+    divisor); mtp = (weights [K] summing to 1, period), or None for next-token losses."""
     rows, vocab = logits.shape
-    weights, period, prefix = mtp if mtp is not None else (torch.ones(1, device=logits.device), rows, None)
-    _softcapped_ce_fp8_kernel[(rows,)](logits, targets, weights, targets if prefix is None else prefix, losses, grad,
-                                       vocab, logits.stride(0), period, *cap, K=weights.numel() - (prefix is not None),
-                                       PREFIX=prefix is not None, GRAD_EXP=GRAD_E5M2_EXP, BLOCK=CE_FP8_BLOCK,
+    weights, period = mtp if mtp is not None else (torch.ones(1, device=logits.device), rows)
+    _softcapped_ce_fp8_kernel[(rows,)](logits, targets, weights, losses, grad, vocab, logits.stride(0), period, *cap,
+                                       K=weights.numel(), GRAD_EXP=GRAD_E5M2_EXP, BLOCK=CE_FP8_BLOCK,
                                        TAIL=min(CE_FP8_TAIL, CE_FP8_BLOCK), PTX=logits.is_cuda, num_warps=CE_FP8_WARPS)
 
 
@@ -4302,8 +4222,8 @@ class _Fp8SoftcappedHead(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, targets: Tensor, cap: tuple, fast: bool, mtp_weights: Tensor | None,
-                period: int, prefix_tokens: Tensor | None) -> Tensor:
-        mtp = (mtp_weights, period, prefix_tokens) if mtp_weights is not None else None
+                period: int) -> Tensor:
+        mtp = (mtp_weights, period) if mtp_weights is not None else None
         x_scale = x.new_full((), x.size(1) ** 0.5 / E4M3_MAX, dtype=torch.float32)
         w_scale = (weight.detach().abs().amax().float() / E4M3_MAX).clamp(min=1e-30)
         x_q = (x.float() / x_scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
@@ -4342,7 +4262,7 @@ class _Fp8SoftcappedHead(torch.autograd.Function):
             grad = grad_q.float() * grad_scale
             grad_x = (grad @ (w_q.float() * w_scale)).to(ctx.x_dtype)
             grad_w = grad.t() @ (x_q.float() * x_scale)
-        return grad_x, grad_w.to(ctx.w_dtype), None, None, None, None, None, None
+        return grad_x, grad_w.to(ctx.w_dtype), None, None, None, None, None
 
 
 def multi_token_grad(z: Tensor, targets: Tensor, mtp: tuple | None) -> Tensor:
@@ -4361,8 +4281,8 @@ def fp8_softcapped_head(x: Tensor, weight: Tensor, targets: Tensor, cap: tuple, 
     """Mean softcapped cross-entropy of x @ weight.T (x: [rows, dim] rms-normed, weight: [vocab, dim]) with
     FP8 matmuls, next-token or multi-token (mtp): _Fp8SoftcappedHead. With use_triton (Kernels.loss; CUDA) the
     fast kernels, otherwise plain torch."""
-    weights, period, prefix_tokens = mtp if mtp is not None else (None, 0, None)
-    return _Fp8SoftcappedHead.apply(x, weight, targets, cap, use_triton, weights, period, prefix_tokens)
+    weights, period = mtp if mtp is not None else (None, 0)
+    return _Fp8SoftcappedHead.apply(x, weight, targets, cap, use_triton, weights, period)
 
 
 if triton is not None:

@@ -136,9 +136,7 @@ def fp8_head_reference(x, weight, targets, cap: float, grad_loss, offset=0.0, di
     """The FP8 lm_head's arithmetic (train_gpt._Fp8SoftcappedHead) in float64 on the CPU, with autograd for
     the softcapped cross-entropy, z = cap * sigmoid((logit + offset) / divisor) (divisor: cap / 4 unless given):
     (per-row losses, grad_x, grad_w) for the upstream gradient grad_loss. mtp = (weights, period): each row's loss is
-    the weighted sum of its cross-entropies to the tokens 1, 2, ... ahead that lie in its micro-batch of period rows;
-    mtp = (weights, period, prefix_tokens): the last weight is that of the cross-entropy to the next token's prefix
-    token, where it is not -1."""
+    the weighted sum of its cross-entropies to the tokens 1, 2, ... ahead that lie in its micro-batch of period rows."""
     import torch
     e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
     x, weight, targets, grad_loss = (t.detach().cpu() for t in (x, weight, targets, grad_loss))
@@ -151,15 +149,12 @@ def fp8_head_reference(x, weight, targets, cap: float, grad_loss, offset=0.0, di
     if mtp is None:
         losses = torch.logsumexp(z, dim=1) - z.gather(1, targets[:, None].long())[:, 0]
     else:
-        weights, period, *prefix = mtp
-        offsets = weights.tolist()[: len(weights) - len(prefix)]
+        weights, period = mtp
         losses = torch.zeros(len(targets), dtype=torch.float64)
         for i in range(len(targets)):
-            for k, w in enumerate(offsets):
+            for k, w in enumerate(weights.tolist()):
                 if i % period + k < period:
                     losses[i] = losses[i] + w * (torch.logsumexp(z[i], 0) - z[i, targets[i + k]])
-            if prefix and prefix[0][targets[i]] >= 0:
-                losses[i] = losses[i] + weights[-1].item() * (torch.logsumexp(z[i], 0) - z[i, prefix[0][targets[i]]])
     losses.backward(grad_loss.double())
     grad_scale = (grad_loss.float().abs().max() / 2 ** 15).clamp(min=1e-30)
     grad = (logits.grad / grad_scale.double()).to(e5m2).double() * grad_scale.double()

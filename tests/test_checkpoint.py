@@ -201,6 +201,16 @@ def test_sample_continues_the_learned_rule_and_is_reproducible(whole_run, tmp_pa
     assert runs[0] == runs[1] and runs[0] != runs[2]
 
 
+def test_without_tiktoken_a_sample_is_refused_by_the_launch_checks(whole_run, tmp_path, monkeypatch):
+    """check_inputs (run before any log is opened or anything compiled) loads GPT-2's BPE for --sample."""
+    cfg, _ = whole_run
+    sample_cfg = dataclasses.replace(cfg, run_id="sample", init_from=cfg.save_checkpoint, save_checkpoint="",
+                                     checkpoint_every=0, log_dir=str(tmp_path), sample="hello")
+    monkeypatch.setitem(__import__("sys").modules, "tiktoken", None)  # `import tiktoken` fails
+    with pytest.raises(tg.UserError, match="^--sample needs tiktoken's gpt2 encoding, which did not load"):
+        tg.check_inputs(sample_cfg)
+
+
 def test_a_run_may_end_on_a_step_that_only_sums_gradients_and_still_save():
     cfg, _ = tg.parse_cli(["--preset=tiny", "--num_iterations=7", "--save_checkpoint=x.pt"])  # Adam every 2nd step
     assert tg.Schedule(cfg).total_steps % tg.resolved_adam_period(cfg) == 1
