@@ -83,6 +83,7 @@ def test_the_record_ideas_preset_builds_the_full_size_model():
     with torch.device("meta"):  # shapes only: the 12-layer model without its memory
         model = tg.GPT(cfg, tg.SdpaAttention(), torch.float32)
     assert [i for i, block in enumerate(model.blocks) if getattr(block.attn, "xsa_alpha", None) is not None] == [1, 3, 4, 7, 8, 10]
+    assert model.bigram_embed.weight.shape == (3 * 5 * 50304, 192) and model.bigram_signs.shape == (8192, 192)
 
 
 def test_preset_and_overrides():
