@@ -136,8 +136,7 @@ class Config:
     # Dynamic dense connections (MUDD, Xiao et al. 2025, arXiv:2502.12170; the speedrun's 2026-04-22 record): two
     # small per-token MLPs of the residual stream mix earlier streams into the last layer (its values, its residual
     # and per-token versions of its sublayer scales) and into the residual before the head (in place of the backout).
-    mudd: bool = _model(False, "dynamic dense connections into the last layer and before the head; needs "
-                               "sublayer_scales and backout_from")
+    mudd: bool = _model(False, "dynamic dense connections into the last layer and the head; needs sublayer_scales")
     skip_from: int = _model(3, "layer whose output is added, gated, to the input of layer skip_to")
     skip_to: int = _model(6, "layer whose input takes skip_from's output")
     # The head's logits x become cap * sigmoid((x + offset) / divisor) (speedrun 2024-11; 2025-12-26: 23, 5, 7.5).
