@@ -137,6 +137,10 @@ class Config:
     # small per-token MLPs of the residual stream mix earlier streams into the last layer (its values, its residual
     # and per-token versions of its sublayer scales) and into the residual before the head (in place of the backout).
     mudd: bool = _model(False, "dynamic dense connections into the last layer and the head; needs sublayer_scales")
+    # Lightweight dynamically composable attention (Xiao et al. 2024, DCFormer; the speedrun's 2026-05-27 record: 112
+    # keys): on the last layer, per token, a mix of its heads' attention over the last keys (weights w1) is read out
+    # again into each head's output (weights w2, zero at the start), both from a small MLP of the layer's input.
+    dc_window: int = _model(0, "last keys of the last layer's composed attention (dynamically composable); 0: off")
     skip_from: int = _model(3, "layer whose output is added, gated, to the input of layer skip_to")
     skip_to: int = _model(6, "layer whose input takes skip_from's output")
     # The head's logits x become cap * sigmoid((x + offset) / divisor) (speedrun 2024-11; 2025-12-26: 23, 5, 7.5).
@@ -486,6 +490,10 @@ def validate_config(cfg: Config) -> None:
          f"--attn_input_from={cfg.attn_input_from}: use a layer 0 .. num_layers-2 ({cfg.num_layers - 2}), or -1")
     need(-1 <= cfg.backout_from < cfg.num_layers,
          f"--backout_from={cfg.backout_from}: use a layer 0 .. num_layers-1 ({cfg.num_layers - 1}), or -1 for none")
+    need(cfg.dc_window >= 0 and (not cfg.dc_window or (cfg.attn_layout[-1] != "-"
+                                                        and cfg.num_layers - 1 not in cfg.paired_layers)),
+         f"--dc_window={cfg.dc_window}: use 0 (off) or a number of keys, on a last layer with attention (--attn_layout "
+         f"{cfg.attn_layout!r}) whose heads do not attend in pairs (--paired_head_layers={cfg.paired_head_layers!r})")
     need(not cfg.mudd or (cfg.sublayer_scales and 0 <= cfg.backout_from < cfg.num_layers - 1 and cfg.num_layers >= 3
                           and cfg.num_heads % 2 == 0 and cfg.attn_layout[-1] != "-"
                           and any(c != "." for c in cfg.value_embed_layout)),
@@ -897,10 +905,14 @@ class CausalSelfAttention(nn.Module):
     With `xsa` (exclusive self-attention, Zhai 2025; learnable as in the speedrun's 2026-04-29 record) each head's
     output loses tanh(alpha) of its component along the token's own value, alpha learned per head from 0.
     With `value_gate_reads_embed` the value-embedding gate reads half its channels from the value embedding
-    (speedrun 2026-02-03)."""
+    (speedrun 2026-02-03). With `dc_window` each head's output also gains w2[t, h] times the values read by one
+    composed attention, sum over heads g of w1[t, g] times head g's attention over the last dc_window keys
+    (composed_window_attention); w1 (RMS-normed over the heads, 1 at the start) and w2 (0 at the start) come from a
+    DenseMix of the layer's input."""
 
     def __init__(self, dim: int, num_heads: int, head_dim: int, gate_dims: int = 0, shift_keys: bool = False,
-                 out_scale: bool = False, paired: bool = False, xsa: bool = False, value_gate_reads_embed: bool = False):
+                 out_scale: bool = False, paired: bool = False, xsa: bool = False, value_gate_reads_embed: bool = False,
+                 dc_window: int = 0):
         super().__init__()
         self.num_heads, self.head_dim, self.gate_dims, self.shift_keys = num_heads, head_dim, gate_dims, shift_keys
         self.paired, self.value_gate_reads_embed = paired, value_gate_reads_embed
@@ -911,6 +923,8 @@ class CausalSelfAttention(nn.Module):
         self.gate_w = nn.Parameter(torch.zeros(2, num_heads, gate_dims)) if gate_dims else None
         self.out_scale = nn.Parameter(torch.ones(1)) if out_scale else None
         self.xsa_alpha = nn.Parameter(torch.zeros(num_heads)) if xsa else None
+        self.dc_window = dc_window
+        self.dc_mix = DenseMix(dim, [1.0] * num_heads + [0.0] * num_heads) if dc_window else None
 
     def forward(self, x: Tensor, value_embed: Tensor, value_mix: Tensor, rope, mask, attend, starts: Tensor,
                 mix: "LayerMix | None" = None) -> Tensor:
@@ -951,7 +965,11 @@ class CausalSelfAttention(nn.Module):
         own_value = v
         if self.paired:
             v = v.reshape(k.shape)
-        y = attend((q * scale).type_as(k), k, v, mask).reshape(T, self.num_heads, self.head_dim)
+        q = (q * scale).type_as(k)
+        y = attend(q, k, v, mask).reshape(T, self.num_heads, self.head_dim)
+        if self.dc_mix is not None:
+            w1, w2 = self.dc_mix(x).split(self.num_heads, dim=1)
+            y = y + composed_window_attention(q, k, v, starts, rms_norm(w1), w2, self.dc_window).type_as(y)
         if self.xsa_alpha is not None:
             unit = F.normalize(own_value.float(), dim=-1).type_as(y)
             y = y - torch.tanh(self.xsa_alpha.to(y.dtype))[:, None] * (y * unit).sum(-1, keepdim=True) * unit
@@ -967,6 +985,34 @@ class CausalSelfAttention(nn.Module):
         still = halves[..., self.head_dim // 4:]
         still = torch.where(starts[:, None, None, None], still, torch.cat([still[:1], still[:-1]]))
         return torch.cat([halves[..., : self.head_dim // 4], still], dim=-1).view_as(k)
+
+
+def composed_window_attention(q: Tensor, k: Tensor, v: Tensor, starts: Tensor, w1: Tensor, w2: Tensor, window: int,
+                              block: int = 128) -> Tensor:
+    """Lightweight dynamically composable attention's extra output, [T, heads, head_dim] in float32: with P_g[t, j]
+    head g's softmax of q[t] . k[j] over the keys j of t's document among its last `window` (itself included),
+    row t of head h is w2[t, h] * sum_j (sum_g w1[t, g] P_g[t, j]) v[j, h]. q (already scaled), k, v: [T, heads,
+    head_dim]; starts: [T], True where a document or micro-batch begins; w1, w2: [T, heads]. Queries go in blocks
+    of `block` against their block's keys and the window - 1 before it, so memory grows with T * (block + window)."""
+    T, heads, head_dim = q.shape
+    block = min(block, T)
+    pad = -T % block
+    blocks, span = (T + pad) // block, block + window - 1
+    position = torch.arange(T + pad, device=q.device)
+    first = torch.cummax(torch.where(F.pad(starts, (0, pad), value=True), position, 0), 0).values  # document starts
+    # each block's keys: positions block * b - (window - 1) ... block * b + block - 1 (zeros before position 0)
+    keys = F.pad(k.float(), (0, 0, 0, 0, window - 1, pad)).unfold(0, span, block)  # [blocks, heads, head_dim, span]
+    values = F.pad(v.float(), (0, 0, 0, 0, window - 1, pad)).unfold(0, span, block)
+    queries = F.pad(q.float(), (0, 0, 0, 0, 0, pad)).view(blocks, block, heads, head_dim)
+    scores = torch.einsum("nqhd,nhdk->nhqk", queries, keys)
+    key_position = (position[::block, None] - (window - 1) + torch.arange(span, device=q.device))[:, None, :]
+    query_position, query_first = position.view(blocks, block, 1), first.view(blocks, block, 1)
+    seen = ((key_position <= query_position) & (key_position > query_position - window)
+            & (key_position >= query_first))  # [blocks, block, span]; a query always sees itself
+    probs = torch.softmax(scores.masked_fill(~seen[:, None], float("-inf")), dim=-1)
+    composed = torch.einsum("nhqk,nqh->nqk", probs, F.pad(w1.float(), (0, 0, 0, pad)).view(blocks, block, heads))
+    read = torch.einsum("nqk,nhdk->nqhd", composed, values)
+    return (F.pad(w2.float(), (0, 0, 0, pad)).view(blocks, block, heads, 1) * read).reshape(-1, heads, head_dim)[:T]
 
 
 class MLP(nn.Module):
@@ -994,11 +1040,11 @@ class Block(nn.Module):
     `mixed` (MUDD's last layer) the sublayer scales are per token, from a LayerMix, and the block has none of its own."""
 
     def __init__(self, cfg: Config, has_attention: bool, shift_keys: bool = False, paired: bool = False,
-                 xsa: bool = False, fused_mlp: bool = False, mixed: bool = False):
+                 xsa: bool = False, fused_mlp: bool = False, mixed: bool = False, dc_window: int = 0):
         super().__init__()
         self.attn = (CausalSelfAttention(cfg.model_dim, cfg.num_heads, cfg.head_dim, cfg.gate_dims if cfg.gates else 0,
-                                         shift_keys, cfg.attn_out_scale, paired, xsa, cfg.value_gate_reads_embed)
-                     if has_attention else None)
+                                         shift_keys, cfg.attn_out_scale, paired, xsa, cfg.value_gate_reads_embed,
+                                         dc_window) if has_attention else None)
         self.paired = paired
         self.mlp = MLP(cfg.model_dim, cfg.mlp_ratio * cfg.model_dim, fused_mlp)
         self.value_scales = nn.Parameter(torch.tensor([0.5, cfg.value_embed_scale_init]))
@@ -1120,7 +1166,8 @@ class GPT(nn.Module):
         paired = cfg.paired_layers
         last = cfg.num_layers - 1
         self.blocks = nn.ModuleList(Block(cfg, kind != "-", cfg.key_offset and kind == "L", i in paired,
-                                          i in cfg.xsa_layer_list, kernels.fused_mlp, mixed=cfg.mudd and i == last)
+                                          i in cfg.xsa_layer_list, kernels.fused_mlp, mixed=cfg.mudd and i == last,
+                                          dc_window=cfg.dc_window if i == last else 0)
                                     for i, kind in enumerate(cfg.attn_layout))
         self.attend_paired = attend.for_paired_heads() if paired else None
         for block in self.blocks:
@@ -1178,9 +1225,12 @@ class GPT(nn.Module):
             self.bigram_embed.weight.zero_()
         for table in self.value_embeds:
             table.weight.normal_(std=self.cfg.value_embed_init_std)
-        for mix in (self.mudd_layer, self.mudd_head):
+        for mix in (self.mudd_layer, self.mudd_head, *self.dc_mixes()):
             if mix is not None:
                 mix.reset_parameters()
+
+    def dc_mixes(self) -> list["DenseMix"]:
+        return [b.attn.dc_mix for b in self.blocks if b.attn is not None and b.attn.dc_mix is not None]
 
     def matrix_params(self) -> dict[str, list[nn.Parameter]]:
         """The hidden matrices (for Muon), by kind."""
@@ -2867,6 +2917,7 @@ def build_optimizers(model: GPT, cfg: Config) -> list[torch.optim.Optimizer]:
     gates = [block.attn.gate_w for block in model.blocks if block.attn is not None and block.attn.gate_w is not None]
     xsa = [b.attn.xsa_alpha for b in model.blocks if b.attn is not None and b.attn.xsa_alpha is not None]
     mixes = [mix for mix in (model.mudd_layer, model.mudd_head) if mix is not None]
+    dc_mixes = model.dc_mixes()
     wd = cfg.adam_weight_decay
     adam = DistAdam([dict(params=tables, lr=cfg.adam_lr * cfg.embed_lr_mul, betas=cfg.table_betas,
                           weight_decay=wd * cfg.table_wd_mul),
@@ -2889,6 +2940,13 @@ def build_optimizers(model: GPT, cfg: Config) -> list[torch.optim.Optimizer]:
                              weight_decay=wd),
                         dict(params=[mix.bias for mix in mixes], lr=cfg.adam_lr * 0.25, weight_decay=0.0)]
                        if mixes else [])
+                    # the composed attention's MLP as the 2026-05-27 record's gates: a tenth of the base lr, betas
+                    # 0.9 / 0.99, its bias without decay
+                    + ([dict(params=[p for mix in dc_mixes for p in (mix.w1, mix.w2)], lr=cfg.adam_lr * 0.1,
+                             betas=(0.9, 0.99), weight_decay=wd),
+                        dict(params=[mix.bias for mix in dc_mixes], lr=cfg.adam_lr * 0.1, betas=(0.9, 0.99),
+                             weight_decay=0.0)]
+                       if dc_mixes else [])
                     # the smear and skip gates learn slowly (speedrun 2025-12-21: lr x0.01 and x0.05)
                     + ([dict(params=[model.smear_gate_w], lr=cfg.adam_lr * 0.01, weight_decay=0.0)]
                        if model.smear_gate_w is not None else [])
