@@ -15,9 +15,10 @@ python3 bench/unpack_bench.py .bench2 /tmp/bench2
 restore_inductor_cache
 schedule=(--train_files='/tmp/bench2/docs_train_*.bin' --val_files=/tmp/bench2/docs_val_000000.bin
           --val_tokens=2097152 --train_repeat=1 --num_iterations=480 --extension_steps=40 --val_loss_every=160)
-# PARALLEL=1 runs the sets at the same time on the one GPU, each packing 4 micro-batches per forward (two warm-ups
-# at 8 ran out of an H200's memory): the losses are those of separate runs, the step times are not.
-[ "${PARALLEL:-0}" = 1 ] && schedule+=(--forward_micro_batches=4)
+# PARALLEL=1 runs the sets at the same time on the one GPU, each packing 2 micro-batches per forward (two warm-ups
+# at 8 ran out of an H200's memory, three runs at 4 out of an H100's): the losses are those of separate runs, the
+# step times are not.
+[ "${PARALLEL:-0}" = 1 ] && schedule+=(--forward_micro_batches=2)
 # FRESH=1 cuts micro-batches to 4,096 tokens: the same 520 steps read 35.4M tokens, within the stream's 51.3M, so
 # no token repeats and the late losses measure learning, not memorisation (four runs side by side take about 400 s on
 # an H200, compile included).
