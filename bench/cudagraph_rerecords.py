@@ -13,6 +13,7 @@ import runpy
 import signal
 import sys
 
+import torch
 from torch._inductor import cudagraph_trees as trees
 
 recordings: collections.Counter = collections.Counter()
@@ -20,18 +21,27 @@ failed_checks: collections.Counter = collections.Counter()
 
 
 def _moved_static_inputs(node, inputs) -> str:
-    moved = [i for i in node.static_input_idxs
-             if inputs[i] is not None and inputs[i].data_ptr() != node.static_input_data_ptrs[i]]
+    idxs, ptrs = getattr(node, "static_input_idxs", None), getattr(node, "static_input_data_ptrs", None)
+    if idxs is None or ptrs is None:  # another torch's internals: the reason alone
+        return ""
+    moved = [i for i in idxs if isinstance(inputs[i], torch.Tensor) and inputs[i].data_ptr() != ptrs[i]]
     return ", ".join(f"input {i} {tuple(inputs[i].shape)}" for i in moved[:6]) + (" ..." if len(moved) > 6 else "")
+
+
+SUCCESS = getattr(getattr(trees, "CheckInvariantStatus", None), "SUCCESS", True)  # older torch returns a bool
 
 
 def _wrap_check(original):
     def check_invariants(node, inputs):
         result = original(node, inputs)
         status = result[0] if isinstance(result, tuple) else result
-        if status != trees.CheckInvariantStatus.SUCCESS:
-            moved = _moved_static_inputs(node, inputs) if status == trees.CheckInvariantStatus.StaticInputIdxMismatch else ""
-            failed_checks[(status.name, moved)] += 1
+        if status is not SUCCESS and status is not True:
+            name = getattr(status, "name", str(status))
+            try:
+                moved = _moved_static_inputs(node, inputs) if name == "StaticInputIdxMismatch" else ""
+            except Exception as e:  # the count matters more than the detail
+                moved = f"(inputs not read: {type(e).__name__})"
+            failed_checks[(name, moved)] += 1
         return result
     return check_invariants
 
