@@ -141,6 +141,9 @@ class Config:
     # keys): on the last layer, per token, a mix of its heads' attention over the last keys (weights w1) is read out
     # again into each head's output (weights w2, zero at the start), both from a small MLP of the layer's input.
     dc_window: int = _model(0, "last keys of the last layer's composed attention (dynamically composable); 0: off")
+    # The same record's per-token gates (TokenGates): two small MLPs, of x0 and of the stream after layer skip_from,
+    # give each layer's x0 and bigram scales, XSA strengths, the output gates of two layers and the skip's gate.
+    token_gates: bool = _model(False, "per-token x0/bigram scales, XSA strengths, output and skip gates from two MLPs")
     skip_from: int = _model(3, "layer whose output is added, gated, to the input of layer skip_to")
     skip_to: int = _model(6, "layer whose input takes skip_from's output")
     # The head's logits x become cap * sigmoid((x + offset) / divisor) (speedrun 2024-11; 2025-12-26: 23, 5, 7.5).
@@ -494,6 +497,9 @@ def validate_config(cfg: Config) -> None:
                                                         and cfg.num_layers - 1 not in cfg.paired_layers)),
          f"--dc_window={cfg.dc_window}: use 0 (off) or a number of keys, on a last layer with attention (--attn_layout "
          f"{cfg.attn_layout!r}) whose heads do not attend in pairs (--paired_head_layers={cfg.paired_head_layers!r})")
+    need(not cfg.token_gates or (cfg.sublayer_scales and 0 <= cfg.skip_from < cfg.num_layers - 1),
+         "--token_gates=1 needs --sublayer_scales=1 and --skip_from below the last layer (the second MLP reads the "
+         "stream after it)")
     need(not cfg.mudd or (cfg.sublayer_scales and 0 <= cfg.backout_from < cfg.num_layers - 1 and cfg.num_layers >= 3
                           and cfg.num_heads % 2 == 0 and cfg.attn_layout[-1] != "-"
                           and any(c != "." for c in cfg.value_embed_layout)),
@@ -908,28 +914,30 @@ class CausalSelfAttention(nn.Module):
     (speedrun 2026-02-03). With `dc_window` each head's output also gains w2[t, h] times the values read by one
     composed attention, sum over heads g of w1[t, g] times head g's attention over the last dc_window keys
     (composed_window_attention); w1 (RMS-normed over the heads, 1 at the start) and w2 (0 at the start) come from a
-    DenseMix of the layer's input."""
+    DenseMix of the layer's input. With `token_gated` (TokenGates) the XSA strength and the output gate come per token
+    with each forward's LayerGates: this layer has no output gate of its own, only the value-embedding gate."""
 
     def __init__(self, dim: int, num_heads: int, head_dim: int, gate_dims: int = 0, shift_keys: bool = False,
                  out_scale: bool = False, paired: bool = False, xsa: bool = False, value_gate_reads_embed: bool = False,
-                 dc_window: int = 0):
+                 dc_window: int = 0, token_gated: bool = False):
         super().__init__()
         self.num_heads, self.head_dim, self.gate_dims, self.shift_keys = num_heads, head_dim, gate_dims, shift_keys
         self.paired, self.value_gate_reads_embed = paired, value_gate_reads_embed
         # Q, K, V and O stacked as one [4*dim, dim] matrix (each block out x in): the same shape as the
         # MLP weights, so the optimizer can treat all matrices of the model as one stack.
         self.qkvo_w = nn.Parameter(torch.empty(4 * dim, dim))
-        # gate weights per head: row 0 the output gate, row 1 the value-embedding gate
-        self.gate_w = nn.Parameter(torch.zeros(2, num_heads, gate_dims)) if gate_dims else None
+        # gate weights per head: the output gate (not with token_gated), then the value-embedding gate
+        rows = 1 if token_gated else 2
+        self.gate_w = nn.Parameter(torch.zeros(rows, num_heads, gate_dims)) if gate_dims else None
         self.out_scale = nn.Parameter(torch.ones(1)) if out_scale else None
-        self.xsa_alpha = nn.Parameter(torch.zeros(num_heads)) if xsa else None
+        self.xsa_alpha = nn.Parameter(torch.zeros(num_heads)) if xsa and not token_gated else None
         self.dc_window = dc_window
         self.dc_mix = DenseMix(dim, [1.0] * num_heads + [0.0] * num_heads) if dc_window else None
 
     def forward(self, x: Tensor, value_embed: Tensor, value_mix: Tensor, rope, mask, attend, starts: Tensor,
-                mix: "LayerMix | None" = None) -> Tensor:
+                mix: "LayerMix | None" = None, token: "LayerGates | None" = None) -> Tensor:
         """`mix` (MUDD's last layer): a value added to v and a per-token value-embedding gate in place of this
-        layer's own."""
+        layer's own. `token`: this layer's per-token XSA strength and output gate, where TokenGates gives them."""
         T, dim = x.shape
         cos, sin, scale = rope
         w = self.qkvo_w.to(x.dtype)
@@ -944,16 +952,20 @@ class CausalSelfAttention(nn.Module):
             k = self.offset_keys(k, starts) if self.shift_keys else k
         # Value embeddings (speedrun 2024-12, after Zhou et al. 2024); layers without one get zeros, which
         # leaves the learned scale of v and lets every attention block share one compiled graph.
+        out_gate = None
         if self.gate_w is not None:
             gate_w = self.gate_w.to(x.dtype)
+            own_out_gate = gate_w.size(0) == 2
             if self.value_gate_reads_embed:
                 half = self.gate_dims // 2
-                out_gate = torch.sigmoid(x[:, : self.gate_dims] @ gate_w[0].T)[..., None]  # [T, heads, 1]
+                if own_out_gate:
+                    out_gate = torch.sigmoid(x[:, : self.gate_dims] @ gate_w[0].T)[..., None]  # [T, heads, 1]
                 value_gate = torch.sigmoid(torch.cat([x[:, :half], value_embed[:, : self.gate_dims - half]], dim=-1)
-                                           @ gate_w[1].T)[..., None]
-            else:  # both gates from one product
+                                           @ gate_w[-1].T)[..., None]
+            else:  # the gates from one product
                 gates = torch.sigmoid(x[:, : self.gate_dims] @ gate_w.view(-1, self.gate_dims).T)
-                out_gate, value_gate = gates.view(T, 2, self.num_heads, 1).unbind(1)  # [T, heads, 1] each
+                gates = gates.view(T, gate_w.size(0), self.num_heads, 1).unbind(1)  # [T, heads, 1] each
+                out_gate, value_gate = gates if own_out_gate else (None, gates[0])
         value_embed = value_mix[1] * value_embed.view_as(v)
         if mix is not None:
             value_embed = mix.value_gate * value_embed
@@ -970,11 +982,18 @@ class CausalSelfAttention(nn.Module):
         if self.dc_mix is not None:
             w1, w2 = self.dc_mix(x).split(self.num_heads, dim=1)
             y = y + composed_window_attention(q, k, v, starts, rms_norm(w1), w2, self.dc_window).type_as(y)
+        strength = None
         if self.xsa_alpha is not None:
+            strength = torch.tanh(self.xsa_alpha.to(y.dtype))[:, None]  # [heads, 1]
+        elif token is not None and token.xsa is not None:
+            strength = torch.tanh(token.xsa)[..., None]  # [T, heads, 1]
+        if strength is not None:
             unit = F.normalize(own_value.float(), dim=-1).type_as(y)
-            y = y - torch.tanh(self.xsa_alpha.to(y.dtype))[:, None] * (y * unit).sum(-1, keepdim=True) * unit
-        if self.gate_w is not None:
+            y = y - strength * (y * unit).sum(-1, keepdim=True) * unit
+        if out_gate is not None:
             y = out_gate * y
+        if token is not None and token.out is not None:
+            y = token.out[..., None] * y
         y = y.reshape(T, dim) @ w[3 * dim:].T
         return y if self.out_scale is None else self.out_scale.to(y.dtype) * y
 
@@ -1037,14 +1056,15 @@ class Block(nn.Module):
       x0_scale * x0 + bigram_scale * bigram, then r_m * x + o_m * MLP(norm x), with a the layer's input or (past
       --attn_input_from) that layer's output; a layer without attention only runs its MLP.
     value_scales: [value scale, value-embedding scale] of the attention's v. fused_mlp: Kernels.fused_mlp. With
-    `mixed` (MUDD's last layer) the sublayer scales are per token, from a LayerMix, and the block has none of its own."""
+    `mixed` (MUDD's last layer) the sublayer scales are per token, from a LayerMix, and the block has none of its own;
+    with --token_gates the x0 and bigram scales are per token, from the forward's LayerGates."""
 
     def __init__(self, cfg: Config, has_attention: bool, shift_keys: bool = False, paired: bool = False,
                  xsa: bool = False, fused_mlp: bool = False, mixed: bool = False, dc_window: int = 0):
         super().__init__()
         self.attn = (CausalSelfAttention(cfg.model_dim, cfg.num_heads, cfg.head_dim, cfg.gate_dims if cfg.gates else 0,
                                          shift_keys, cfg.attn_out_scale, paired, xsa, cfg.value_gate_reads_embed,
-                                         dc_window) if has_attention else None)
+                                         dc_window, cfg.token_gates) if has_attention else None)
         self.paired = paired
         self.mlp = MLP(cfg.model_dim, cfg.mlp_ratio * cfg.model_dim, fused_mlp)
         self.value_scales = nn.Parameter(torch.tensor([0.5, cfg.value_embed_scale_init]))
@@ -1053,7 +1073,7 @@ class Block(nn.Module):
         elif cfg.sublayer_scales:  # sqrt(1.1) per sublayer: 1.1 per layer, as the single scale
             self.residual_scales = nn.Parameter(torch.full((2,), cfg.residual_init ** 0.5))  # attention, MLP
             self.output_scales = nn.Parameter(torch.ones(2))  # attention, MLP
-            self.injection = nn.Parameter(torch.tensor([0.0, 0.05]))  # x0, bigram
+            self.injection = None if cfg.token_gates else nn.Parameter(torch.tensor([0.0, 0.05]))  # x0, bigram
             self.lambdas = None
         else:
             self.residual_scales = self.output_scales = self.injection = None
@@ -1061,7 +1081,8 @@ class Block(nn.Module):
         self.attend = None  # the attention backend, set by GPT
 
     def forward(self, x: Tensor, x0: Tensor, value_embed: Tensor, rope, mask, bigram: Tensor | None,
-                starts: Tensor, attn_input: Tensor | None = None, mix: "LayerMix | None" = None) -> Tensor:
+                starts: Tensor, attn_input: Tensor | None = None, mix: "LayerMix | None" = None,
+                token: "LayerGates | None" = None) -> Tensor:
         value_scales = self.value_scales.to(x.dtype)
         if self.lambdas is not None:
             lambdas = self.lambdas.to(x.dtype)
@@ -1072,15 +1093,20 @@ class Block(nn.Module):
                 source = x if attn_input is None else attn_input
                 x = x + self.attn(rms_norm(source), value_embed, value_scales, rope, mask, self.attend, starts)
             return x + self.mlp(rms_norm(x))
-        if mix is None:
-            residual, output, injection = (p.to(x.dtype) for p in (self.residual_scales, self.output_scales, self.injection))
-            scales = (residual[0], output[0], injection[0], injection[1], residual[1], output[1])
-        else:
+        if mix is not None:
             scales = mix.scales
+        else:
+            residual, output = (p.to(x.dtype) for p in (self.residual_scales, self.output_scales))
+            if self.injection is not None:
+                injection = self.injection.to(x.dtype)
+                x0_scale, bigram_scale = injection[0], injection[1]
+            else:  # per token; a layer without attention adds neither
+                x0_scale, bigram_scale = token.inject if token is not None and token.inject is not None else (None, None)
+            scales = (residual[0], output[0], x0_scale, bigram_scale, residual[1], output[1])
         residual_attn, output_attn, x0_scale, bigram_scale, residual_mlp, output_mlp = scales
         if self.attn is not None:
             source = x if attn_input is None else attn_input
-            y = self.attn(rms_norm(source), value_embed, value_scales, rope, mask, self.attend, starts, mix)
+            y = self.attn(rms_norm(source), value_embed, value_scales, rope, mask, self.attend, starts, mix, token)
             x = residual_attn * x + output_attn * y + x0_scale * x0
             if bigram is not None:
                 x = x + bigram_scale * bigram
@@ -1122,6 +1148,53 @@ class LayerMix(typing.NamedTuple):
     value: Tensor
     value_gate: Tensor
     scales: tuple
+
+
+class LayerGates(typing.NamedTuple):
+    """What TokenGates hands one layer, each per token or None where the layer has none: its (x0 scale, bigram
+    scale) ([T, 1] each), its XSA strengths before the tanh and its output gates ([T, heads] each)."""
+    inject: tuple | None
+    xsa: Tensor | None
+    out: Tensor | None
+
+
+class TokenGates(nn.Module):
+    """The speedrun 2026-05-27 record's per-token gates: two DenseMix MLPs, `pre` of x0 for the layers up to
+    skip_from and `post` of the stream entering the layer after it (skip_from's output) for the rest. Their lanes
+    give, per layer with attention, the x0 and bigram scales (0 and 0.05 at the start; not for MUDD's last layer,
+    whose scales MUDD gives), the XSA strength of each head on the XSA layers (tanh of it; 0), and on layers
+    skip_from and the last an output gate per head (0.25; the other layers have none); and the skip's gate, times
+    sigmoid(skip_gate) (0.5)."""
+
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.split = cfg.skip_from + 1
+        last, heads = cfg.num_layers - 1, cfg.num_heads
+        initial = ([], [])
+        self.lanes = []  # per layer: {name: (post?, first lane, lanes)}
+        for i, kind in enumerate(cfg.attn_layout):
+            lanes, side = {}, initial[i >= self.split]
+            wanted = [("skip", [0.5])] if i == cfg.skip_to else []
+            if kind != "-":
+                wanted += [("inject", [0.0, 0.05])] if not (cfg.mudd and i == last) else []
+                wanted += [("xsa", [0.0] * heads)] if i in cfg.xsa_layer_list else []
+                wanted += [("out", [0.25] * heads)] if i in (cfg.skip_from, last) else []
+            for name, values in wanted:
+                lanes[name] = (i >= self.split, len(side), len(values))
+                side.extend(values)
+            self.lanes.append(lanes)
+        self.pre, self.post = DenseMix(cfg.model_dim, initial[0]), DenseMix(cfg.model_dim, initial[1])
+
+    def lane(self, i: int, name: str, pre: Tensor, post: Tensor | None) -> Tensor | None:
+        if name not in self.lanes[i]:
+            return None
+        after, first, count = self.lanes[i][name]
+        return (post if after else pre)[:, first: first + count]
+
+    def layer(self, i: int, pre: Tensor, post: Tensor | None) -> LayerGates:
+        inject = self.lane(i, "inject", pre, post)
+        return LayerGates(None if inject is None else tuple(inject.split(1, dim=1)),
+                          self.lane(i, "xsa", pre, post), self.lane(i, "out", pre, post))
 
 
 class _RowLookup(torch.autograd.Function):
@@ -1175,7 +1248,8 @@ class GPT(nn.Module):
         # sigmoid(-1.5) ~ 0.18 (speedrun 2025-09). Shape [1], not a 0-d scalar: torchft's DiLoCo cannot
         # back up 0-d parameters.
         self.skip_gate = nn.Parameter(torch.tensor([-1.5]))
-        self.skip_gate_w = nn.Parameter(torch.zeros(cfg.gate_dims)) if cfg.gates else None
+        self.skip_gate_w = nn.Parameter(torch.zeros(cfg.gate_dims)) if cfg.gates and not cfg.token_gates else None
+        self.token_gates = TokenGates(cfg) if cfg.token_gates else None
         self.smear_gate_w = nn.Parameter(torch.zeros(cfg.gate_dims)) if cfg.smear else None
         self.smear_scale = nn.Parameter(torch.zeros(1)) if cfg.smear else None
         self.backout = nn.Parameter(torch.tensor([0.5])) if cfg.backout_from >= 0 and not cfg.mudd else None
@@ -1225,7 +1299,8 @@ class GPT(nn.Module):
             self.bigram_embed.weight.zero_()
         for table in self.value_embeds:
             table.weight.normal_(std=self.cfg.value_embed_init_std)
-        for mix in (self.mudd_layer, self.mudd_head, *self.dc_mixes()):
+        gates = (self.token_gates.pre, self.token_gates.post) if self.token_gates is not None else ()
+        for mix in (self.mudd_layer, self.mudd_head, *self.dc_mixes(), *gates):
             if mix is not None:
                 mix.reset_parameters()
 
@@ -1320,16 +1395,24 @@ class GPT(nn.Module):
         bigram = self.bigram_input(tokens, starts, bigram_rows) if bigram_rows is not None else None
         rope, paired_rope = self.rotary.tables(), self.rotary.paired_tables()
         first_bigram = bigram
+        gates = self.token_gates
+        pre, post = (gates.pre(x0), None) if gates is not None else (None, None)
         if bigram is not None and self.blocks[0].injection is not None:  # the bigram enters before layer 0 there
             x, first_bigram = x0 + self.blocks[0].injection[1].to(x0.dtype) * bigram, None
+        elif bigram is not None and gates is not None and "inject" in gates.lanes[0]:
+            x, first_bigram = x0 + gates.lane(0, "inject", pre, None)[:, 1:] * bigram, None
         x_in = x
         skip = attn_input = backout = None
         last = len(self.blocks) - 1
         for i, block in enumerate(self.blocks):
+            if gates is not None and i == gates.split:
+                post = gates.post(x)
             if i == cfg.skip_to:
                 gate = torch.sigmoid(self.skip_gate).to(x.dtype)
                 if self.skip_gate_w is not None:
                     gate = gate * 2 * torch.sigmoid(x0[:, : cfg.gate_dims] @ self.skip_gate_w.to(x.dtype))[:, None]
+                elif gates is not None:
+                    gate = gate * gates.lane(i, "skip", pre, post)
                 x = x + gate * skip
             ve_index = cfg.value_embed_layout[i]
             value_embed = no_value_embed if ve_index == "." else value_embeds[int(ve_index)]
@@ -1339,7 +1422,9 @@ class GPT(nn.Module):
             if self.mudd_layer is not None and i == last:
                 previous = x
                 x, mix = self.mix_into_last_layer(x, x_in, backout)
-            x = block(x, x0, value_embed, layer_rope, mask, first_bigram if i == 0 else bigram, starts, attn_input, mix)
+            token = gates.layer(i, pre, post) if gates is not None else None
+            x = block(x, x0, value_embed, layer_rope, mask, first_bigram if i == 0 else bigram, starts, attn_input, mix,
+                      token)
             if i == cfg.attn_input_from:  # the layers after it attend to this output (speedrun 2026-03-06)
                 attn_input = x
             if i == cfg.skip_from:
@@ -2911,13 +2996,15 @@ def build_optimizers(model: GPT, cfg: Config) -> list[torch.optim.Optimizer]:
     residual_scales = [block.residual_scales for block in model.blocks if block.residual_scales is not None]
     # the speedrun's 2026-03-06 record: betas 0.9 / 0.95; the residual scales at the scalars' lr, the others at the base
     mixing = [p for block in model.blocks if block.output_scales is not None
-              for p in (block.output_scales, block.injection)]
+              for p in (block.output_scales, block.injection) if p is not None]
     scalars += [p for p in (model.backout, model.smear_scale) if p is not None]
     scalars += [b.attn.out_scale for b in model.blocks if b.attn is not None and b.attn.out_scale is not None]
     gates = [block.attn.gate_w for block in model.blocks if block.attn is not None and block.attn.gate_w is not None]
     xsa = [b.attn.xsa_alpha for b in model.blocks if b.attn is not None and b.attn.xsa_alpha is not None]
     mixes = [mix for mix in (model.mudd_layer, model.mudd_head) if mix is not None]
-    dc_mixes = model.dc_mixes()
+    record_gates = model.dc_mixes()
+    if model.token_gates is not None:
+        record_gates += [model.token_gates.pre, model.token_gates.post]
     wd = cfg.adam_weight_decay
     adam = DistAdam([dict(params=tables, lr=cfg.adam_lr * cfg.embed_lr_mul, betas=cfg.table_betas,
                           weight_decay=wd * cfg.table_wd_mul),
@@ -2940,13 +3027,13 @@ def build_optimizers(model: GPT, cfg: Config) -> list[torch.optim.Optimizer]:
                              weight_decay=wd),
                         dict(params=[mix.bias for mix in mixes], lr=cfg.adam_lr * 0.25, weight_decay=0.0)]
                        if mixes else [])
-                    # the composed attention's MLP as the 2026-05-27 record's gates: a tenth of the base lr, betas
-                    # 0.9 / 0.99, its bias without decay
-                    + ([dict(params=[p for mix in dc_mixes for p in (mix.w1, mix.w2)], lr=cfg.adam_lr * 0.1,
+                    # the 2026-05-27 record's gate MLPs and the composed attention's: a tenth of the base lr, betas
+                    # 0.9 / 0.99, their biases without decay
+                    + ([dict(params=[p for mix in record_gates for p in (mix.w1, mix.w2)], lr=cfg.adam_lr * 0.1,
                              betas=(0.9, 0.99), weight_decay=wd),
-                        dict(params=[mix.bias for mix in dc_mixes], lr=cfg.adam_lr * 0.1, betas=(0.9, 0.99),
+                        dict(params=[mix.bias for mix in record_gates], lr=cfg.adam_lr * 0.1, betas=(0.9, 0.99),
                              weight_decay=0.0)]
-                       if dc_mixes else [])
+                       if record_gates else [])
                     # the smear and skip gates learn slowly (speedrun 2025-12-21: lr x0.01 and x0.05)
                     + ([dict(params=[model.smear_gate_w], lr=cfg.adam_lr * 0.01, weight_decay=0.0)]
                        if model.smear_gate_w is not None else [])
@@ -3605,7 +3692,7 @@ def diloco_fragments(model: GPT, count: int) -> list[nn.Module]:
     if model.bigram_embed is not None:
         fragments[0].bigram_embed = model.bigram_embed
     fragments[-1].lm_head = model.lm_head
-    for name in ("mudd_layer", "mudd_head"):
+    for name in ("mudd_layer", "mudd_head", "token_gates"):
         if getattr(model, name) is not None:
             fragments[-1].add_module(name, getattr(model, name))
     for name in ("skip_gate", "skip_gate_w", "backout"):

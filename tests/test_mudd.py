@@ -90,7 +90,7 @@ def test_mudd_mixes_its_sources_into_the_last_layer_and_before_the_head():
     x_in, mid, previous, skip = seen["x_in"], seen[cfg.backout_from], seen[last - 1], seen[cfg.skip_from]
     assert len({mid.data_ptr(), previous.data_ptr(), skip.data_ptr()}) == 3
     w = model.mudd_layer(previous)
-    x, mix = seen["last"][0], seen["last"][-1]
+    x, mix = seen["last"][0], seen["last"][8]  # Block.forward(x, ..., attn_input, mix, token)
     torch.testing.assert_close(x, (1 + w[:, 5:6]) * previous + w[:, 3:4] * x_in + w[:, 4:5] * mid)
     torch.testing.assert_close(mix.value, w[:, 0:1] * x_in + w[:, 1:2] * mid + w[:, 2:3] * previous)
     half = cfg.num_heads // 2
