@@ -132,3 +132,9 @@ def test_the_gates_train_with_adam_at_the_records_settings():
 def test_token_gates_launch_check():
     with pytest.raises(tg.UserError, match="--token_gates=1 needs --sublayer_scales=1"):
         tg.validate_config(tg.parse_cli(["--device=cpu", *TINY, "--token_gates=1"])[0])
+
+
+def test_diloco_fragments_hold_the_gates_once():
+    model = tg.GPT(gated_config(dc_window=6), tg.SdpaAttention(), torch.float32)
+    fragments = tg.diloco_fragments(model, 2)  # raises unless every parameter is in exactly one fragment
+    assert any(p is model.token_gates.pre.w1 for p in fragments[-1].parameters())
