@@ -1,11 +1,17 @@
 """Diagnostic (device, not a test): run train_gpt.py's main with CUDA graph trees reporting, for every failed
-replay check, which static inputs moved (index, placeholder name, shape, dtype), then a count of each kind.
+replay check, which static inputs moved (index, placeholder name, shape, dtype), then a count of each kind, and a
+count of the CUDA-graph recordings by compiled function and place in the tree (a new root: a forward after
+cudagraph_mark_step_begin; a child: a graph run after another without one, e.g. a backward). A recording with no
+failed check beside it is a new path through the tree, not a moved input.
 A graph's inputs named primals_* are its forward's inputs (parameters, buffers, or tensors such as the
 attention block masks); torch expects those kept for the backward at fixed addresses.
 
     python bench/why_rerecord.py [train_gpt.py flags...]
+
+The counts print when the run ends, also when `timeout` stops it.
 """
 import collections
+import signal
 import sys
 from pathlib import Path
 
@@ -16,7 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train_gpt as tg  # noqa: E402
 
 seen = collections.Counter()
+recordings = collections.Counter()
 original = cudagraph_trees.CUDAGraphNode.check_invariants
+original_record = cudagraph_trees.CUDAGraphTreeManager.record_function
 
 
 def check_invariants(self, inputs):
@@ -36,10 +44,22 @@ def check_invariants(self, inputs):
     return status, logger
 
 
+def record_function(self, new_inputs, function_id):
+    recordings[(function_id.id, "a new root" if self.current_node is None else "a child")] += 1
+    return original_record(self, new_inputs, function_id)
+
+
 cudagraph_trees.CUDAGraphNode.check_invariants = check_invariants
+cudagraph_trees.CUDAGraphTreeManager.record_function = record_function
 
 if __name__ == "__main__":
-    code = tg.main(sys.argv[1:])
-    for (status, moved), count in seen.most_common():
-        print(f"{count:4d} x {status}: {list(moved)}")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout` stops the run: count on the way out
+    code = 143
+    try:
+        code = tg.main(sys.argv[1:])
+    finally:
+        for (status, moved), count in seen.most_common():
+            print(f"{count:4d} x {status}: {list(moved)}")
+        for (function, place), count in recordings.most_common():
+            print(f"{count:4d} recordings of function {function} as {place}")
     sys.exit(code)
