@@ -3006,6 +3006,12 @@ def build_optimizers(model: GPT, cfg: Config) -> list[torch.optim.Optimizer]:
     if model.token_gates is not None:
         record_gates += [model.token_gates.pre, model.token_gates.post]
     wd = cfg.adam_weight_decay
+
+    def mix_groups(mixes: list[DenseMix], lr: float, **betas) -> list[dict]:
+        """Adam groups of DenseMix MLPs: their weights with weight decay, their biases without."""
+        return [dict(params=[p for mix in mixes for p in (mix.w1, mix.w2)], lr=lr, weight_decay=wd, **betas),
+                dict(params=[mix.bias for mix in mixes], lr=lr, weight_decay=0.0, **betas)] if mixes else []
+
     adam = DistAdam([dict(params=tables, lr=cfg.adam_lr * cfg.embed_lr_mul, betas=cfg.table_betas,
                           weight_decay=wd * cfg.table_wd_mul),
                      # tied to the head, the token embedding takes the head's settings, also once untied
@@ -3022,18 +3028,9 @@ def build_optimizers(model: GPT, cfg: Config) -> list[torch.optim.Optimizer]:
                        if residual_scales else [])
                     # as the speedrun's 2026-04-29 record: betas 0.9 / 0.95, the base lr
                     + ([dict(params=xsa, lr=cfg.adam_lr, betas=(0.9, 0.95), weight_decay=0.0)] if xsa else [])
-                    # MUDD's mixing MLPs at a quarter of the base lr, their biases without decay (speedrun 2026-04-22)
-                    + ([dict(params=[p for mix in mixes for p in (mix.w1, mix.w2)], lr=cfg.adam_lr * 0.25,
-                             weight_decay=wd),
-                        dict(params=[mix.bias for mix in mixes], lr=cfg.adam_lr * 0.25, weight_decay=0.0)]
-                       if mixes else [])
-                    # the 2026-05-27 record's gate MLPs and the composed attention's: a tenth of the base lr, betas
-                    # 0.9 / 0.99, their biases without decay
-                    + ([dict(params=[p for mix in record_gates for p in (mix.w1, mix.w2)], lr=cfg.adam_lr * 0.1,
-                             betas=(0.9, 0.99), weight_decay=wd),
-                        dict(params=[mix.bias for mix in record_gates], lr=cfg.adam_lr * 0.1, betas=(0.9, 0.99),
-                             weight_decay=0.0)]
-                       if record_gates else [])
+                    # MUDD's mixing MLPs at a quarter of the base lr (speedrun 2026-04-22); the 2026-05-27 record's
+                    # gate MLPs and the composed attention's at a tenth, betas 0.9 / 0.99
+                    + mix_groups(mixes, cfg.adam_lr * 0.25) + mix_groups(record_gates, cfg.adam_lr * 0.1, betas=(0.9, 0.99))
                     # the smear and skip gates learn slowly (speedrun 2025-12-21: lr x0.01 and x0.05)
                     + ([dict(params=[model.smear_gate_w], lr=cfg.adam_lr * 0.01, weight_decay=0.0)]
                        if model.smear_gate_w is not None else [])
