@@ -8,7 +8,7 @@ attention block masks); torch expects those kept for the backward at fixed addre
 
     python bench/why_rerecord.py [train_gpt.py flags...]
 
-The counts print when the run ends, also when `timeout` stops it.
+The counts print when the run ends, and as each count reaches a power of two.
 """
 import collections
 import signal
@@ -45,7 +45,10 @@ def check_invariants(self, inputs):
 
 
 def record_function(self, new_inputs, function_id):
-    recordings[(function_id.id, "a new root" if self.current_node is None else "a child")] += 1
+    key = (function_id.id, "a new root" if self.current_node is None else "a child")
+    recordings[key] += 1
+    if recordings[key] & (recordings[key] - 1) == 0:  # 1, 2, 4, 8...: the counts so far, in case the run never ends
+        print(f"recording {recordings[key]} of function {key[0]} as {key[1]}", flush=True)
     return original_record(self, new_inputs, function_id)
 
 
