@@ -137,11 +137,7 @@ class Config:
     # small per-token MLPs of the residual stream mix earlier streams into the last layer (its values, its residual
     # and per-token versions of its sublayer scales) and into the residual before the head (in place of the backout).
     mudd: bool = _model(False, "dynamic dense connections into the last layer and the head; needs sublayer_scales")
-    # Lightweight dynamically composable attention (Xiao et al. 2024, DCFormer; the speedrun's 2026-05-27 record: 112
-    # keys): on the last layer, per token, a mix of its heads' attention over the last keys (weights w1) is read out
-    # again into each head's output (weights w2, zero at the start), both from a small MLP of the layer's input.
-    dc_window: int = _model(0, "last keys of the last layer's composed attention (dynamically composable); 0: off")
-    # The same record's per-token gates (TokenGates): two small MLPs, of x0 and of the stream after layer skip_from,
+    # The speedrun 2026-05-27 record's per-token gates (TokenGates): two small MLPs, of x0 and of the stream after layer skip_from,
     # give each layer's x0 and bigram scales, XSA strengths, the output gates of two layers and the skip's gate.
     token_gates: bool = _model(False, "per-token x0/bigram scales, XSA strengths, output and skip gates from two MLPs")
     skip_from: int = _model(3, "layer whose output is added, gated, to the input of layer skip_to")
@@ -493,10 +489,6 @@ def validate_config(cfg: Config) -> None:
          f"--attn_input_from={cfg.attn_input_from}: use a layer 0 .. num_layers-2 ({cfg.num_layers - 2}), or -1")
     need(-1 <= cfg.backout_from < cfg.num_layers,
          f"--backout_from={cfg.backout_from}: use a layer 0 .. num_layers-1 ({cfg.num_layers - 1}), or -1 for none")
-    need(cfg.dc_window >= 0 and (not cfg.dc_window or (cfg.attn_layout[-1] != "-"
-                                                        and cfg.num_layers - 1 not in cfg.paired_layers)),
-         f"--dc_window={cfg.dc_window}: use 0 (off) or a number of keys, on a last layer with attention (--attn_layout "
-         f"{cfg.attn_layout!r}) whose heads do not attend in pairs (--paired_head_layers={cfg.paired_head_layers!r})")
     need(not cfg.token_gates or (cfg.sublayer_scales and 0 <= cfg.skip_from < cfg.num_layers - 1),
          "--token_gates=1 needs --sublayer_scales=1 and --skip_from below the last layer (the second MLP reads the "
          "stream after it)")
@@ -911,15 +903,12 @@ class CausalSelfAttention(nn.Module):
     With `xsa` (exclusive self-attention, Zhai 2025; learnable as in the speedrun's 2026-04-29 record) each head's
     output loses tanh(alpha) of its component along the token's own value, alpha learned per head from 0.
     With `value_gate_reads_embed` the value-embedding gate reads half its channels from the value embedding
-    (speedrun 2026-02-03). With `dc_window` each head's output also gains w2[t, h] times the values read by one
-    composed attention, sum over heads g of w1[t, g] times head g's attention over the last dc_window keys
-    (composed_window_attention); w1 (RMS-normed over the heads, 1 at the start) and w2 (0 at the start) come from a
-    DenseMix of the layer's input. With `token_gated` (TokenGates) the XSA strength and the output gate come per token
+    (speedrun 2026-02-03). With `token_gated` (TokenGates) the XSA strength and the output gate come per token
     with each forward's LayerGates: this layer has no output gate of its own, only the value-embedding gate."""
 
     def __init__(self, dim: int, num_heads: int, head_dim: int, gate_dims: int = 0, shift_keys: bool = False,
                  out_scale: bool = False, paired: bool = False, xsa: bool = False, value_gate_reads_embed: bool = False,
-                 dc_window: int = 0, token_gated: bool = False):
+                 token_gated: bool = False):
         super().__init__()
         self.num_heads, self.head_dim, self.gate_dims, self.shift_keys = num_heads, head_dim, gate_dims, shift_keys
         self.paired, self.value_gate_reads_embed = paired, value_gate_reads_embed
@@ -931,8 +920,6 @@ class CausalSelfAttention(nn.Module):
         self.gate_w = nn.Parameter(torch.zeros(rows, num_heads, gate_dims)) if gate_dims else None
         self.out_scale = nn.Parameter(torch.ones(1)) if out_scale else None
         self.xsa_alpha = nn.Parameter(torch.zeros(num_heads)) if xsa and not token_gated else None
-        self.dc_window = dc_window
-        self.dc_mix = DenseMix(dim, [1.0] * num_heads + [0.0] * num_heads) if dc_window else None
 
     def forward(self, x: Tensor, value_embed: Tensor, value_mix: Tensor, rope, mask, attend, starts: Tensor,
                 mix: "LayerMix | None" = None, token: "LayerGates | None" = None) -> Tensor:
@@ -979,9 +966,6 @@ class CausalSelfAttention(nn.Module):
             v = v.reshape(k.shape)
         q = (q * scale).type_as(k)
         y = attend(q, k, v, mask).reshape(T, self.num_heads, self.head_dim)
-        if self.dc_mix is not None:
-            w1, w2 = self.dc_mix(x).split(self.num_heads, dim=1)
-            y = y + composed_window_attention(q, k, v, starts, rms_norm(w1), w2, self.dc_window).type_as(y)
         strength = None
         if self.xsa_alpha is not None:
             strength = torch.tanh(self.xsa_alpha.to(y.dtype))[:, None]  # [heads, 1]
@@ -1004,34 +988,6 @@ class CausalSelfAttention(nn.Module):
         still = halves[..., self.head_dim // 4:]
         still = torch.where(starts[:, None, None, None], still, torch.cat([still[:1], still[:-1]]))
         return torch.cat([halves[..., : self.head_dim // 4], still], dim=-1).view_as(k)
-
-
-def composed_window_attention(q: Tensor, k: Tensor, v: Tensor, starts: Tensor, w1: Tensor, w2: Tensor, window: int,
-                              block: int = 128) -> Tensor:
-    """Lightweight dynamically composable attention's extra output, [T, heads, head_dim] in float32: with P_g[t, j]
-    head g's softmax of q[t] . k[j] over the keys j of t's document among its last `window` (itself included),
-    row t of head h is w2[t, h] * sum_j (sum_g w1[t, g] P_g[t, j]) v[j, h]. q (already scaled), k, v: [T, heads,
-    head_dim]; starts: [T], True where a document or micro-batch begins; w1, w2: [T, heads]. Queries go in blocks
-    of `block` against their block's keys and the window - 1 before it, so memory grows with T * (block + window)."""
-    T, heads, head_dim = q.shape
-    block = min(block, T)
-    pad = -T % block
-    blocks, span = (T + pad) // block, block + window - 1
-    position = torch.arange(T + pad, device=q.device)
-    first = torch.cummax(torch.where(F.pad(starts, (0, pad), value=True), position, 0), 0).values  # document starts
-    # each block's keys: positions block * b - (window - 1) ... block * b + block - 1 (zeros before position 0)
-    keys = F.pad(k.float(), (0, 0, 0, 0, window - 1, pad)).unfold(0, span, block)  # [blocks, heads, head_dim, span]
-    values = F.pad(v.float(), (0, 0, 0, 0, window - 1, pad)).unfold(0, span, block)
-    queries = F.pad(q.float(), (0, 0, 0, 0, 0, pad)).view(blocks, block, heads, head_dim)
-    scores = torch.einsum("nqhd,nhdk->nhqk", queries, keys)
-    key_position = (position[::block, None] - (window - 1) + torch.arange(span, device=q.device))[:, None, :]
-    query_position, query_first = position.view(blocks, block, 1), first.view(blocks, block, 1)
-    seen = ((key_position <= query_position) & (key_position > query_position - window)
-            & (key_position >= query_first))  # [blocks, block, span]; a query always sees itself
-    probs = torch.softmax(scores.masked_fill(~seen[:, None], float("-inf")), dim=-1)
-    composed = torch.einsum("nhqk,nqh->nqk", probs, F.pad(w1.float(), (0, 0, 0, pad)).view(blocks, block, heads))
-    read = torch.einsum("nqk,nhdk->nqhd", composed, values)
-    return (F.pad(w2.float(), (0, 0, 0, pad)).view(blocks, block, heads, 1) * read).reshape(-1, heads, head_dim)[:T]
 
 
 class MLP(nn.Module):
@@ -1060,11 +1016,11 @@ class Block(nn.Module):
     with --token_gates the x0 and bigram scales are per token, from the forward's LayerGates."""
 
     def __init__(self, cfg: Config, has_attention: bool, shift_keys: bool = False, paired: bool = False,
-                 xsa: bool = False, fused_mlp: bool = False, mixed: bool = False, dc_window: int = 0):
+                 xsa: bool = False, fused_mlp: bool = False, mixed: bool = False):
         super().__init__()
         self.attn = (CausalSelfAttention(cfg.model_dim, cfg.num_heads, cfg.head_dim, cfg.gate_dims if cfg.gates else 0,
                                          shift_keys, cfg.attn_out_scale, paired, xsa, cfg.value_gate_reads_embed,
-                                         dc_window, cfg.token_gates) if has_attention else None)
+                                         cfg.token_gates) if has_attention else None)
         self.paired = paired
         self.mlp = MLP(cfg.model_dim, cfg.mlp_ratio * cfg.model_dim, fused_mlp)
         self.value_scales = nn.Parameter(torch.tensor([0.5, cfg.value_embed_scale_init]))
@@ -1239,8 +1195,7 @@ class GPT(nn.Module):
         paired = cfg.paired_layers
         last = cfg.num_layers - 1
         self.blocks = nn.ModuleList(Block(cfg, kind != "-", cfg.key_offset and kind == "L", i in paired,
-                                          i in cfg.xsa_layer_list, kernels.fused_mlp, mixed=cfg.mudd and i == last,
-                                          dc_window=cfg.dc_window if i == last else 0)
+                                          i in cfg.xsa_layer_list, kernels.fused_mlp, mixed=cfg.mudd and i == last)
                                     for i, kind in enumerate(cfg.attn_layout))
         self.attend_paired = attend.for_paired_heads() if paired else None
         for block in self.blocks:
@@ -1300,12 +1255,9 @@ class GPT(nn.Module):
         for table in self.value_embeds:
             table.weight.normal_(std=self.cfg.value_embed_init_std)
         gates = (self.token_gates.pre, self.token_gates.post) if self.token_gates is not None else ()
-        for mix in (self.mudd_layer, self.mudd_head, *self.dc_mixes(), *gates):
+        for mix in (self.mudd_layer, self.mudd_head, *gates):
             if mix is not None:
                 mix.reset_parameters()
-
-    def dc_mixes(self) -> list["DenseMix"]:
-        return [b.attn.dc_mix for b in self.blocks if b.attn is not None and b.attn.dc_mix is not None]
 
     def matrix_params(self) -> dict[str, list[nn.Parameter]]:
         """The hidden matrices (for Muon), by kind."""
@@ -3002,9 +2954,7 @@ def build_optimizers(model: GPT, cfg: Config) -> list[torch.optim.Optimizer]:
     gates = [block.attn.gate_w for block in model.blocks if block.attn is not None and block.attn.gate_w is not None]
     xsa = [b.attn.xsa_alpha for b in model.blocks if b.attn is not None and b.attn.xsa_alpha is not None]
     mixes = [mix for mix in (model.mudd_layer, model.mudd_head) if mix is not None]
-    record_gates = model.dc_mixes()
-    if model.token_gates is not None:
-        record_gates += [model.token_gates.pre, model.token_gates.post]
+    record_gates = [model.token_gates.pre, model.token_gates.post] if model.token_gates is not None else []
     wd = cfg.adam_weight_decay
 
     def mix_groups(mixes: list[DenseMix], lr: float, **betas) -> list[dict]:
@@ -3029,7 +2979,7 @@ def build_optimizers(model: GPT, cfg: Config) -> list[torch.optim.Optimizer]:
                     # as the speedrun's 2026-04-29 record: betas 0.9 / 0.95, the base lr
                     + ([dict(params=xsa, lr=cfg.adam_lr, betas=(0.9, 0.95), weight_decay=0.0)] if xsa else [])
                     # MUDD's mixing MLPs at a quarter of the base lr (speedrun 2026-04-22); the 2026-05-27 record's
-                    # gate MLPs and the composed attention's at a tenth, betas 0.9 / 0.99
+                    # gate MLPs at a tenth, betas 0.9 / 0.99
                     + mix_groups(mixes, cfg.adam_lr * 0.25) + mix_groups(record_gates, cfg.adam_lr * 0.1, betas=(0.9, 0.99))
                     # the smear and skip gates learn slowly (speedrun 2025-12-21: lr x0.01 and x0.05)
                     + ([dict(params=[model.smear_gate_w], lr=cfg.adam_lr * 0.01, weight_decay=0.0)]

@@ -135,6 +135,6 @@ def test_token_gates_launch_check():
 
 
 def test_diloco_fragments_hold_the_gates_once():
-    model = tg.GPT(gated_config(dc_window=6), tg.SdpaAttention(), torch.float32)
+    model = tg.GPT(gated_config(), tg.SdpaAttention(), torch.float32)
     fragments = tg.diloco_fragments(model, 2)  # raises unless every parameter is in exactly one fragment
     assert any(p is model.token_gates.pre.w1 for p in fragments[-1].parameters())

@@ -14,7 +14,7 @@ FLAG_SETS = {
     "record_ideas_mudd_bigram_signs": ["--sublayer_scales=1", "--attn_input_from=1", "--xsa_layers=1,3",
                                        "--value_gate_reads_embed=1", "--doc_len_schedule=64,128,128",
                                        "--muon_qk_blocks=2", "--mudd=1", "--bigram_dims=24", "--bigram_signs=16"],
-    "composed_attention_token_gates": ["--dc_window=16", "--sublayer_scales=1", "--token_gates=1", "--xsa_layers=1,3"],
+    "token_gates": ["--sublayer_scales=1", "--token_gates=1", "--xsa_layers=1,3"],
 }
 
 
