@@ -82,7 +82,9 @@ def test_the_record_ideas_preset_builds_the_full_size_model():
     assert cfg.stage_doc_lens == [896, 2048, 2048] and cfg.muon_qk_blocks == 3
     with torch.device("meta"):  # shapes only: the 12-layer model without its memory
         model = tg.GPT(cfg, tg.SdpaAttention(), torch.float32)
-    assert [i for i, block in enumerate(model.blocks) if getattr(block.attn, "xsa_alpha", None) is not None] == [1, 3, 4, 7, 8, 10]
+    # XSA on the record's layers, its strengths per token from the gates; MUDD into the last layer and the head
+    assert [i for i, lanes in enumerate(model.token_gates.lanes) if "xsa" in lanes] == [1, 3, 4, 7]
+    assert model.mudd_layer is not None and model.mudd_head is not None
     assert model.bigram_embed.weight.shape == (3 * 5 * 50304, 192) and model.bigram_signs.shape == (8192, 192)
 
 

@@ -11,10 +11,10 @@ from helpers import TINY
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 FLAG_SETS = {
-    "record_ideas_mudd_bigram_signs": ["--sublayer_scales=1", "--attn_input_from=1", "--xsa_layers=1,3",
-                                       "--value_gate_reads_embed=1", "--doc_len_schedule=64,128,128",
-                                       "--muon_qk_blocks=2", "--mudd=1", "--bigram_dims=24", "--bigram_signs=16"],
-    "token_gates": ["--sublayer_scales=1", "--token_gates=1", "--xsa_layers=1,3"],
+    "record_ideas": ["--sublayer_scales=1", "--attn_input_from=1", "--xsa_layers=1,3", "--value_gate_reads_embed=1",
+                     "--doc_len_schedule=64,128,128", "--muon_qk_blocks=2", "--mudd=1", "--bigram_dims=24",
+                     "--bigram_signs=16", "--token_gates=1"],
+    "token_gates_without_mudd": ["--sublayer_scales=1", "--token_gates=1", "--xsa_layers=1,3"],
 }
 
 
