@@ -6,9 +6,14 @@
    cuBLAS plus inductor's elementwise kernel (what the trainer runs with --fused_mlp=0), with the error against
    float64 on the first 4,096 rows;
 2. the MLP forward + backward, compiled, fused (each tile config given) against --fused_mlp=0, and the
-   gradients' error against float64.
+   gradients' error against float64;
+3. (fp8, asked for by name) the same forward + backward with the forward's two matmuls in FP8 (the speedrun's
+   FP8 MLP idea: torch._scaled_mm, per-tensor scales of x and of relu(h)^2, per-matrix weight scales, the backward
+   in bf16), with the activation's scale measured in the forward (dynamic) or given (delayed: the amax pass left
+   out), against the bf16 variants: does it pay at our size? Its output against float64 of the same quantized
+   operands (the matmuls themselves) and against the unquantized MLP (what FP8 costs in precision).
 
-    python bench/bench_mlp.py [sweep|mlp]      # both by default
+    python bench/bench_mlp.py [sweep|mlp|fp8]      # sweep and mlp by default
 Prints median ms (CUDA events, warm-up excluded) and TFLOP/s.
 """
 import sys
@@ -121,8 +126,92 @@ def mlp(configs):
               + " ".join(f"{e:.1e}" for e in errors), flush=True)
 
 
+E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
+
+
+def to_e4m3(t, scale):
+    return (t.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def amax_scale(t):
+    return (t.detach().abs().amax().float() / E4M3_MAX).clamp(min=1e-12)
+
+
+class FP8ForwardMLP(torch.autograd.Function):
+    """relu(x @ fc_w^T)^2 @ proj_w, both forward matmuls FP8 e4m3 with bf16 outputs; the backward in bf16 from x
+    and the bf16 pre-activation."""
+
+    @staticmethod
+    def forward(ctx, x, fc_w, proj_w, h_scale):
+        x_scale, fc_scale, proj_scale = amax_scale(x), amax_scale(fc_w), amax_scale(proj_w)
+        pre = torch._scaled_mm(to_e4m3(x, x_scale), to_e4m3(fc_w, fc_scale).t(), scale_a=x_scale, scale_b=fc_scale,
+                               out_dtype=torch.bfloat16)
+        post = F.relu(pre).square()
+        h_scale = amax_scale(post) if h_scale is None else h_scale
+        # _scaled_mm's second operand column-major: proj_w^T made contiguous, then viewed transposed
+        y = torch._scaled_mm(to_e4m3(post, h_scale), to_e4m3(proj_w, proj_scale).t().contiguous().t(),
+                             scale_a=h_scale, scale_b=proj_scale, out_dtype=torch.bfloat16)
+        ctx.save_for_backward(x, fc_w, proj_w, pre)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, fc_w, proj_w, pre = ctx.saved_tensors
+        fc_w, proj_w = fc_w.to(torch.bfloat16), proj_w.to(torch.bfloat16)
+        relu = F.relu(pre)
+        grad_pre = (grad_y @ proj_w.t()) * 2 * relu
+        return grad_pre @ fc_w, grad_pre.t() @ x, relu.square().t() @ grad_y, None
+
+
+def fp8():
+    g = torch.Generator(device="cuda").manual_seed(2)
+    x = torch.randn(T, DIM, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
+    grad_out = torch.randn(T, DIM, device="cuda", generator=g).to(torch.bfloat16)
+    fc_w = (torch.randn(HIDDEN, DIM, device="cuda", generator=g) * DIM ** -0.5).requires_grad_()
+    proj_w = (torch.randn(HIDDEN, DIM, device="cuda", generator=g) * HIDDEN ** -0.5).requires_grad_()
+    rows = slice(0, CHECK_ROWS)
+    flops = 3 * 2 * 2 * T * DIM * HIDDEN
+    with torch.no_grad():  # the float64 references: the quantized operands' exact products, and the plain MLP
+        xs, fs, ps = amax_scale(x), amax_scale(fc_w), amax_scale(proj_w)
+        xq = to_e4m3(x, xs).double() * xs.double()
+        pre = (xq[rows] @ (to_e4m3(fc_w, fs).double() * fs.double()).t()).to(torch.bfloat16)
+        post = F.relu(pre.double()).square()
+        hs = amax_scale(F.relu((xq @ (to_e4m3(fc_w, fs).double() * fs.double()).t()).to(torch.bfloat16)).square())
+        quantized_ref = (to_e4m3(post, hs).double() * hs.double()) @ (to_e4m3(proj_w, ps).double() * ps.double())
+        plain_ref = F.relu(x[rows].double() @ fc_w.double().t()).square() @ proj_w.double()
+        fixed_scale = hs.float()
+    print(f"MLP forward + backward, compiled, T={T}: bf16 against FP8 forward")
+    variants = [("bf16, --fused_mlp=0", "plain"), ("bf16, fused Triton", "fused"),
+                ("FP8 forward, dynamic activation scale", "dynamic"), ("FP8 forward, given activation scale", "given")]
+    for name, kind in variants:
+        torch._dynamo.reset()
+        if kind in ("plain", "fused"):
+            module = tg.MLP(DIM, HIDDEN, fused=kind == "fused").cuda()
+            with torch.no_grad():
+                module.fc_w.copy_(fc_w)
+                module.proj_w.copy_(proj_w)
+            run = torch.compile(module, dynamic=False, fullgraph=True)
+            params = (module.fc_w, module.proj_w)
+        else:
+            scale = fixed_scale if kind == "given" else None
+            run = torch.compile(lambda x: FP8ForwardMLP.apply(x, fc_w, proj_w, scale), dynamic=False)
+            params = (fc_w, proj_w)
+
+        def step():
+            x.grad = params[0].grad = params[1].grad = None
+            run(x).backward(grad_out)
+        ms = median_ms(step)
+        with torch.no_grad():  # FP8's scales are the whole batch's: its rows come from a full-batch forward
+            out = run(x.detach()[rows]) if kind in ("plain", "fused") else run(x.detach())[rows]
+        extra = "" if kind in ("plain", "fused") else f"  vs quantized float64 {relative_error(out, quantized_ref):.1e}"
+        print(f"  {name:44s} {ms:7.3f} ms  {flops / ms / 1e9:5.0f} TFLOP/s  output vs float64 MLP "
+              f"{relative_error(out, plain_ref):.1e}{extra}", flush=True)
+
+
 def main():
     parts = sys.argv[1:] or ["sweep", "mlp"]
+    if "fp8" in parts:
+        fp8()
     configs = [tg.RELU2_MM_CONFIG]
     if "sweep" in parts:
         winner = sweep()
