@@ -6,13 +6,13 @@
 # settings for that run), and prints each run's compile time and
 # per-stage line (median ms, slowest/median, tokens/s, MFU, phases) and profile summary. Example, the A/B of the
 # Triton kernels: bash bench/ab_step.sh "--triton_kernels=1" "--triton_kernels=0"
-# With .bench/ carried (copies of ../shared/bench) the steps read the bench stream, else random tokens. The
+# With .bench2/ carried (copies of ../shared/bench2) the steps read the bench stream, else random tokens. The
 # inductor cache comes from .cache/inductor.tar.xz.part* when carried and goes back under $OUT/cache.
 set -uo pipefail
 source bench/prelude.sh
 data=()
-if ls .bench/*.bin.xz >/dev/null 2>&1; then
-    python3 bench/unpack_bench.py && data=(--train_files='/tmp/bench/docs_train_*.bin')
+if ls .bench2/*.bin.xz >/dev/null 2>&1; then
+    python3 bench/unpack_bench.py && data=(--train_files='/tmp/bench2/docs_train_*.bin')
 fi
 restore_inductor_cache
 if [ "${TESTS:-}" != skip ]; then

@@ -3,7 +3,7 @@
     python bench/bench_flex.py [OPTIONS_JSON ...]
 
 One micro-batch of the last training stage: q, k, v of [16384 tokens, 6 heads, 128], the short and the long
-window's block masks built by the trainer's FlexAttention from real document boundaries (/tmp/bench, as
+window's block masks built by the trainer's FlexAttention from real document boundaries (/tmp/bench2, as
 unpacked by bench/unpack_bench.py) or random ones. For each option set (a JSON dict of flex
 kernel_options; default: a built-in list) prints median ms of forward and of forward + backward for both
 windows, and the largest difference from the default options' output and gradients.
@@ -43,8 +43,8 @@ OPTION_SETS = [
 
 
 def micro_batch_tokens(cfg: tg.Config) -> torch.Tensor:
-    """The first training micro-batch the trainer would read from /tmp/bench, else its warm-up's random one."""
-    files = sorted(glob.glob("/tmp/bench/docs_train_*.bin"))
+    """The first training micro-batch the trainer would read from /tmp/bench2, else its warm-up's random one."""
+    files = sorted(glob.glob("/tmp/bench2/docs_train_*.bin"))
     if files:
         window = next(tg.train_batches_for_rank(files, cfg, tg.Comm()))
         print(f"documents from {files[0]}")

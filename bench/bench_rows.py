@@ -2,7 +2,7 @@
 65,536 positions added into the token table and the five value-embedding tables (shared token indices) and
 into the bigram table, with torch's index_add_ (what a sparse embedding gradient added into a dense .grad
 runs) against train_gpt.add_rows_ (sorted runs summed before one atomic add) over a sweep of its launch shape.
-Tokens from /tmp/bench (bench/unpack_bench.py) when present, else Zipf-like random ones. Prints median
+Tokens from /tmp/bench2 (bench/unpack_bench.py) when present, else Zipf-like random ones. Prints median
 ms per forward and the largest error against a float64 index_add; and the value tables' lookups in float32
 against bf16 (train_gpt.gather_rows).
 
@@ -21,7 +21,7 @@ from timing import kernel_median_ms as median_ms  # noqa: E402
 
 
 def tokens_of_one_forward(cfg: tg.Config, count: int) -> np.ndarray:
-    files = sorted(glob.glob("/tmp/bench/docs_train_*.bin"))
+    files = sorted(glob.glob("/tmp/bench2/docs_train_*.bin"))
     if files:
         print(f"tokens from {files[0]}")
         return tg.read_shard(files[0])[:count].astype(np.int64)

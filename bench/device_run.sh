@@ -3,7 +3,7 @@
 # cache carried between calls. Usage (repo root, on the GPU machine):
 #   OUT=/some/dir bash bench/device_run.sh RUN_ID TIMEOUT_S [train_gpt.py flags...]
 # NPROC=N runs the training under torchrun on N GPUs (a record run: NPROC=2 SKIP_GPU_TESTS=1 ... RUN_ID 560).
-# Expects .bench/*.bin.xz (copies of ../shared/bench) and, optionally, .cache/inductor.tar.xz.part*.
+# Expects .bench2/*.bin.xz (copies of ../shared/bench2) and, optionally, .cache/inductor.tar.xz.part*.
 set -uo pipefail
 run_id=$1; budget=$2; shift 2
 OUT=${OUT:-/tmp/device_out}; mkdir -p "$OUT"
@@ -27,8 +27,8 @@ fi
 start=$(date +%s)
 launcher=(python3)
 [ "${NPROC:-1}" -gt 1 ] && launcher=(torchrun --nproc_per_node="$NPROC")
-timeout "$budget" "${launcher[@]}" ${TRAINER:-train_gpt.py} --train_files='/tmp/bench/docs_train_*.bin' \
-    --val_files=/tmp/bench/docs_val_000000.bin --val_tokens=2097152 --train_repeat=1 \
+timeout "$budget" "${launcher[@]}" ${TRAINER:-train_gpt.py} --train_files='/tmp/bench2/docs_train_*.bin' \
+    --val_files=/tmp/bench2/docs_val_000000.bin --val_tokens=2097152 --train_repeat=1 \
     --run_id="$run_id" "$@" > "$OUT/train_stdout.txt" 2>&1
 echo "train exit code $? after $(( $(date +%s) - start ))s"
 grep -v "train_time" "$OUT/train_stdout.txt" | tail -20

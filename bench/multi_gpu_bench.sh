@@ -11,8 +11,9 @@
 #    DiLoCo with 2 replicas of one GPU each (8/16/24 each; a lighthouse on this machine, torchft from .whl/) and the
 #    default outer step: final validation loss of each, wall time, syncs, replica digests.
 # "bench" runs step 1 only; "diloco" step 2 only (its DiLoCo runs are skipped when torchft does not import).
-# Expects .bench/*.bin.xz (copies of ../shared/bench) for step 1, .bench2/*.bin.xz (copies of ../shared/bench2) for
-# step 2 and, for DiLoCo, .whl/ (torchft and its dependencies for py3.12).
+# Expects .bench2/*.bin.xz (copies of ../shared/bench2) and, for DiLoCo, .whl/ (torchft and its dependencies for
+# py3.12: pip download torchft==0.2.0 -d .whl --python-version 3.12 --only-binary=:all:
+#         --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64).
 set -uo pipefail
 steps=$1; what=${2:-all}
 OUT=${OUT:-/tmp/device_out}; mkdir -p "$OUT"
@@ -27,7 +28,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 bench() {  # bench NAME NPROC [flags...]
     local name=$1 nproc=$2; shift 2
     BENCH_SYNC_DEBUG=1 timeout 240 torchrun --nproc_per_node="$nproc" bench/bench_step.py --bench_steps=8 \
-        --train_files='/tmp/bench/docs_train_*.bin' "$@" \
+        --train_files='/tmp/bench2/docs_train_*.bin' "$@" \
         > "$OUT/$name.txt" 2>&1
     echo "== $name (exit $?)"
     grep -E "^compile_time|^ +[0-9]+ +[0-9]+ +\(|^graphs|^profile|synchroniz" "$OUT/$name.txt" | grep -v "prototype"
@@ -44,7 +45,6 @@ if [ "$what" = all ] || [ "$what" = bench ]; then
 fi
 
 [ "$what" = bench ] && exit 0
-python3 bench/unpack_bench.py .bench2 /tmp/bench2
 data=(--train_files='/tmp/bench2/docs_train_*.bin' --val_files=/tmp/bench2/docs_val_000000.bin --val_tokens=2097152
       --micro_batch_tokens=4096 --val_loss_every=0 --num_iterations="$steps" --extension_steps=0)
 start=$SECONDS

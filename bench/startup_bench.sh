@@ -20,8 +20,8 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 run() {  # run NAME TRAINER INDUCTOR_DIR TRITON_DIR [flags...]
     local name=$1 trainer=$2; export TORCHINDUCTOR_CACHE_DIR=$3 TRITON_CACHE_DIR=$4; shift 4
     local start=$SECONDS
-    timeout "$limit" python3 $trainer --train_files='/tmp/bench/docs_train_*.bin' \
-        --val_files=/tmp/bench/docs_val_000000.bin --val_tokens=2097152 --train_repeat=1 --val_loss_every=0 \
+    timeout "$limit" python3 $trainer --train_files='/tmp/bench2/docs_train_*.bin' \
+        --val_files=/tmp/bench2/docs_val_000000.bin --val_tokens=2097152 --train_repeat=1 --val_loss_every=0 \
         --num_iterations="$steps" --run_id="$name" "$@" > "$OUT/$name.stdout" 2>&1
     local rc=$?
     printf '%s: exit %s after %ss | ' "$name" "$rc" "$((SECONDS - start))"
