@@ -5,7 +5,8 @@
 # shape scaled down, 480 scheduled steps in three equal stages (8/16/24 micro-batches of 16K tokens), then 40
 # extension steps at the last stage's batch and the final lr, validation of 2,097,152 tokens at steps 0, 160, 320,
 # 480 and 520. Leading NAME=value words of a set are environment settings for that run (e.g. TRAINER=other.py).
-# Prints per run: the validation losses, training time, per-stage step medians and peak memory.
+# Prints per run: the validation losses, training time, per-stage step medians and peak memory; then one table of
+# the losses with each run's difference to the first run's.
 # Expects .bench2/*.bin.xz (copies of ../shared/bench2: `mkdir -p .bench2 && cp ../shared/bench2/*.xz .bench2/`),
 # carried to the device; the inductor cache comes from .cache/inductor.tar.xz.part* when carried (PACK_CACHE=1
 # packs it back under $OUT/cache).
@@ -42,6 +43,21 @@ for flags in "$@"; do
     echo "== [$n] $flags ($(tail -1 "$OUT/ml_$n.txt"))"
     grep -E "val_loss|^compile_time|step times|peak memory|graphs compiled|error|Error" "$OUT/ml_$n.txt" | cut -c1-200
 done
+# One table of the validation losses, each run's difference to the first run's at the same step after it.
+python3 - "$OUT" "$#" <<'TABLE'
+import re, sys
+out, runs = sys.argv[1], int(sys.argv[2])
+losses = [dict(re.findall(r"^step:(\d+)/\d+ val_loss:([\d.]+)", open(f"{out}/ml_{n}.txt").read(), re.M))
+          for n in range(1, runs + 1)]
+steps = sorted({int(s) for run in losses for s in run if int(s) > 0})
+print("run | " + " | ".join(str(s) for s in steps))
+for n, run in enumerate(losses, 1):
+    cells = []
+    for s in steps:
+        v, first = run.get(str(s)), losses[0].get(str(s))
+        cells.append("-" if v is None else v + ("" if n == 1 or first is None else f" ({float(v) - float(first):+.4f})"))
+    print(f"[{n}] | " + " | ".join(cells))
+TABLE
 if [ "${PACK_CACHE:-0}" = 1 ]; then
     pack_inductor_cache
 fi
