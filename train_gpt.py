@@ -1114,6 +1114,10 @@ class DenseMix(nn.Module):
         hidden = F.gelu(x @ self.w1.to(x.dtype).T)
         return (hidden @ self.w2.to(x.dtype).T + self.bias.to(x.dtype)) * self.SCALE
 
+    def mix_into(self, x: Tensor, sources) -> Tensor:
+        """x plus the sources ([T, dim] each, one per weight) weighted per token by this MLP of x."""
+        return x + sum(w * source for w, source in zip(self(x).split(1, dim=1), sources))
+
 
 class LayerMix(typing.NamedTuple):
     """What MUDD hands the last layer: a value added to its v ([T, dim]), the per-token value-embedding gate
@@ -1333,8 +1337,8 @@ class GPT(nn.Module):
 
     def forward(self, tokens: Tensor, targets: Tensor | None, masks: dict, bigrams: Tensor | None = None) -> Tensor:
         """Mean cross-entropy over one forward's tokens (one or several packed micro-batches): tokens, targets
-        and bigram rows are [T] (bigram rows [T, 2] with --trigram_rows: the bigram's, the trigram's); without targets the [T, padded vocab] soft-capped logits. Call prepare_grads()
-        before a step's first backward."""
+        and bigram rows are [T] (bigram rows [T, 2] with --trigram_rows: the bigram's, the trigram's); without
+        targets the [T, padded vocab] soft-capped logits. Call prepare_grads() before a step's first backward."""
         token_tables = [self.embed.weight] + [ve.weight for ve in self.value_embeds]
         if self.cfg.row_embedding_grads:
             use_triton = self.kernels.rows
@@ -1387,8 +1391,7 @@ class GPT(nn.Module):
             if gates is not None and i == gates.split:
                 post = gates.post(x)
             if block.dense_mix is not None:  # x is layer i-1's output; the mix adds the streams before it
-                sources = [x_in, *outputs[: i - 1]]
-                x = x + sum(w * source for w, source in zip(block.dense_mix(x).split(1, dim=1), sources))
+                x = block.dense_mix.mix_into(x, [x_in, *outputs[: i - 1]])
             if i == cfg.skip_to:
                 gate = torch.sigmoid(self.skip_gate).to(x.dtype)
                 if self.skip_gate_w is not None:
@@ -1415,8 +1418,7 @@ class GPT(nn.Module):
             if i == cfg.backout_from:
                 backout = x
         if self.mudd_head is not None:
-            sources = (x_in, backout, previous, value_embeds[0], skip)
-            x = x + sum(w * source for w, source in zip(self.mudd_head(x).split(1, dim=1), sources))
+            x = self.mudd_head.mix_into(x, (x_in, backout, previous, value_embeds[0], skip))
         elif self.backout is not None:
             x = x - self.backout.to(x.dtype) * backout
         return self.loss_head(x, targets)
