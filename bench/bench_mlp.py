@@ -90,12 +90,18 @@ def sweep():
     return winner
 
 
-def mlp(configs):
-    g = torch.Generator(device="cuda").manual_seed(1)
+def mlp_inputs(seed):
+    """x and the output's gradient (bf16, [T, DIM]) and the two weights (float32, [HIDDEN, DIM]), drawn from seed."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(T, DIM, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
     grad_out = torch.randn(T, DIM, device="cuda", generator=g).to(torch.bfloat16)
     fc_w = (torch.randn(HIDDEN, DIM, device="cuda", generator=g) * DIM ** -0.5).requires_grad_()
     proj_w = (torch.randn(HIDDEN, DIM, device="cuda", generator=g) * HIDDEN ** -0.5).requires_grad_()
+    return x, grad_out, fc_w, proj_w
+
+
+def mlp(configs):
+    x, grad_out, fc_w, proj_w = mlp_inputs(1)
     rows = slice(0, CHECK_ROWS)
     ref_in = [t.detach()[rows].double().requires_grad_() if i == 0 else t.detach().double().requires_grad_()
               for i, t in enumerate((x, fc_w, proj_w))]
@@ -164,11 +170,7 @@ class FP8ForwardMLP(torch.autograd.Function):
 
 
 def fp8():
-    g = torch.Generator(device="cuda").manual_seed(2)
-    x = torch.randn(T, DIM, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
-    grad_out = torch.randn(T, DIM, device="cuda", generator=g).to(torch.bfloat16)
-    fc_w = (torch.randn(HIDDEN, DIM, device="cuda", generator=g) * DIM ** -0.5).requires_grad_()
-    proj_w = (torch.randn(HIDDEN, DIM, device="cuda", generator=g) * HIDDEN ** -0.5).requires_grad_()
+    x, grad_out, fc_w, proj_w = mlp_inputs(2)
     rows = slice(0, CHECK_ROWS)
     flops = 3 * 2 * 2 * T * DIM * HIDDEN
     with torch.no_grad():  # the float64 references: the quantized operands' exact products, and the plain MLP

@@ -110,6 +110,21 @@ def test_bigram_rows_must_split_over_ranks():
         tg.parse_cli(["--bigram_rows=1001"])
 
 
+def layer_0_bigram_input(model, cfg, tokens, rows):
+    """One forward and backward of the model on tokens with these bigram rows: the bigram input layer 0 took, with
+    its gradient, in a list."""
+    seen = []
+
+    def keep(_, args):
+        args[5].retain_grad()
+        seen.append(args[5])
+    model.blocks[0].register_forward_pre_hook(keep)
+    masks = model.prepare_masks(tokens, cu_seqlens_of(tokens, cfg.bos_token), (16, 32))
+    model.prepare_grads()
+    model(tokens, tokens.long(), masks, rows).backward()
+    return seen
+
+
 def test_signed_narrow_bigram_rows_enter_the_first_channels_times_their_sign_vector():
     """--bigram_dims and --bigram_signs: what the residual stream takes of the bigram table at each position is the
     looked-up row times the sign vector (previous token XOR token) mod the count, vector 0 where a document or a
@@ -129,15 +144,7 @@ def test_signed_narrow_bigram_rows_enter_the_first_channels_times_their_sign_vec
     tokens = torch.randint(0, VOCAB, (256,), dtype=torch.int32, generator=torch.Generator().manual_seed(2))
     tokens[[0, 40, 41]] = BOS
     bigrams = torch.from_numpy(tg.bigram_hash(tokens.numpy(), cfg.bigram_rows, cfg.bos_token))
-    seen = []
-
-    def keep(_, args):  # the bigram input of layer 0, its gradient kept
-        args[5].retain_grad()
-        seen.append(args[5])
-    model.blocks[0].register_forward_pre_hook(keep)
-    masks = model.prepare_masks(tokens, cu_seqlens_of(tokens, cfg.bos_token), (16, 32))
-    model.prepare_grads()
-    model(tokens, tokens.long(), masks, bigrams).backward()
+    seen = layer_0_bigram_input(model, cfg, tokens, bigrams)
     index = [0 if i == 0 or t == BOS else (int(tokens[i - 1]) ^ int(t)) % signs for i, t in enumerate(tokens.tolist())]
     rows = model.bigram_embed.weight[bigrams.long()] * model.bigram_signs[index]
     torch.testing.assert_close(seen[0][:, :dims], rows)
@@ -203,15 +210,7 @@ def test_signed_trigram_rows_add_to_the_signed_bigram_rows():
     numpy_tokens = tokens.numpy()
     rows = torch.from_numpy(np.stack([tg.bigram_hash(numpy_tokens, cfg.bigram_rows, BOS),
                                       tg.trigram_hash(numpy_tokens, cfg.bigram_rows, trigram_rows, BOS)], axis=1))
-    seen = []
-
-    def keep(_, args):
-        args[5].retain_grad()
-        seen.append(args[5])
-    model.blocks[0].register_forward_pre_hook(keep)
-    masks = model.prepare_masks(tokens, cu_seqlens_of(tokens, cfg.bos_token), (16, 32))
-    model.prepare_grads()
-    model(tokens, tokens.long(), masks, rows).backward()
+    seen = layer_0_bigram_input(model, cfg, tokens, rows)
     t = tokens.tolist()
     first = [0 if i == 0 or t[i] == BOS else (t[i - 1] ^ t[i]) % signs for i in range(256)]
     second = [0 if i < 2 or BOS in (t[i], t[i - 1]) else (3 * t[i - 2] ^ t[i - 1] ^ t[i]) % signs for i in range(256)]
