@@ -137,11 +137,6 @@ class Config:
     # small per-token MLPs of the residual stream mix earlier streams into the last layer (its values, its residual
     # and per-token versions of its sublayer scales) and into the residual before the head (in place of the backout).
     mudd: bool = _model(False, "dynamic dense connections into the last layer and the head; needs sublayer_scales")
-    # MUDD's dense connections into every layer's input from dense_from on (as in the MUDD paper, where the record
-    # has them in the last layer only): the layer's input adds a per-token mix of the stream entering layer 0 and of
-    # every earlier layer's output except the one it already holds, its weights from a DenseMix of its input, 0 at
-    # the start.
-    dense_from: int = _model(-1, "first layer whose input adds a per-token mix of all earlier layers' outputs; -1: off")
     # The speedrun 2026-05-27 record's per-token gates (TokenGates): two small MLPs, of x0 and of the stream after layer skip_from,
     # give each layer's x0 and bigram scales, XSA strengths, the output gates of two layers and the skip's gate.
     token_gates: bool = _model(False, "per-token x0/bigram scales, XSA strengths, output and skip gates from two MLPs")
@@ -499,8 +494,6 @@ def validate_config(cfg: Config) -> None:
          f"--attn_input_from={cfg.attn_input_from}: use a layer 0 .. num_layers-2 ({cfg.num_layers - 2}), or -1")
     need(-1 <= cfg.backout_from < cfg.num_layers,
          f"--backout_from={cfg.backout_from}: use a layer 0 .. num_layers-1 ({cfg.num_layers - 1}), or -1 for none")
-    need(cfg.dense_from == -1 or 1 <= cfg.dense_from < cfg.num_layers,
-         f"--dense_from={cfg.dense_from}: use a layer 1 .. num_layers-1 ({cfg.num_layers - 1}), or -1 for none")
     need(not cfg.token_gates or (cfg.sublayer_scales and 0 <= cfg.skip_from < cfg.num_layers - 1),
          "--token_gates=1 needs --sublayer_scales=1 and --skip_from below the last layer (the second MLP reads the "
          "stream after it)")
@@ -1028,14 +1021,11 @@ class Block(nn.Module):
       --attn_input_from) that layer's output; a layer without attention only runs its MLP.
     value_scales: [value scale, value-embedding scale] of the attention's v. fused_mlp: Kernels.fused_mlp. With
     `mixed` (MUDD's last layer) the sublayer scales are per token, from a LayerMix, and the block has none of its own;
-    with --token_gates the x0 and bigram scales are per token, from the forward's LayerGates. `dense_sources` > 0
-    (--dense_from): the block holds the DenseMix whose weights mix that many earlier streams into its input (GPT.trunk
-    applies it)."""
+    with --token_gates the x0 and bigram scales are per token, from the forward's LayerGates."""
 
     def __init__(self, cfg: Config, has_attention: bool, shift_keys: bool = False, paired: bool = False,
-                 xsa: bool = False, fused_mlp: bool = False, mixed: bool = False, dense_sources: int = 0):
+                 xsa: bool = False, fused_mlp: bool = False, mixed: bool = False):
         super().__init__()
-        self.dense_mix = DenseMix(cfg.model_dim, [0.0] * dense_sources) if dense_sources else None
         self.attn = (CausalSelfAttention(cfg.model_dim, cfg.num_heads, cfg.head_dim, cfg.gate_dims if cfg.gates else 0,
                                          shift_keys, cfg.attn_out_scale, paired, xsa, cfg.value_gate_reads_embed,
                                          cfg.token_gates) if has_attention else None)
@@ -1216,10 +1206,8 @@ class GPT(nn.Module):
         self.value_embeds = nn.ModuleList(nn.Embedding(vocab, dim) for _ in range(num_value_embeds))
         paired = cfg.paired_layers
         last = cfg.num_layers - 1
-        # layer i's dense sources: the stream entering layer 0 and the outputs of layers 0 .. i-2
         self.blocks = nn.ModuleList(Block(cfg, kind != "-", cfg.key_offset and kind == "L", i in paired,
-                                          i in cfg.xsa_layer_list, kernels.fused_mlp, mixed=cfg.mudd and i == last,
-                                          dense_sources=i if 0 < cfg.dense_from <= i else 0)
+                                          i in cfg.xsa_layer_list, kernels.fused_mlp, mixed=cfg.mudd and i == last)
                                     for i, kind in enumerate(cfg.attn_layout))
         self.attend_paired = attend.for_paired_heads() if paired else None
         for block in self.blocks:
@@ -1280,12 +1268,9 @@ class GPT(nn.Module):
         for table in self.value_embeds:
             table.weight.normal_(std=self.cfg.value_embed_init_std)
         gates = (self.token_gates.pre, self.token_gates.post) if self.token_gates is not None else ()
-        for mix in (self.mudd_layer, self.mudd_head, *gates, *self.dense_mixes()):
+        for mix in (self.mudd_layer, self.mudd_head, *gates):
             if mix is not None:
                 mix.reset_parameters()
-
-    def dense_mixes(self) -> list["DenseMix"]:
-        return [block.dense_mix for block in self.blocks if block.dense_mix is not None]
 
     def matrix_params(self) -> dict[str, list[nn.Parameter]]:
         """The hidden matrices (for Muon), by kind."""
@@ -1386,12 +1371,9 @@ class GPT(nn.Module):
         x_in = x
         skip = attn_input = backout = None
         last = len(self.blocks) - 1
-        outputs = []  # each layer's output, for the dense connections
         for i, block in enumerate(self.blocks):
             if gates is not None and i == gates.split:
                 post = gates.post(x)
-            if block.dense_mix is not None:  # x is layer i-1's output; the mix adds the streams before it
-                x = block.dense_mix.mix_into(x, [x_in, *outputs[: i - 1]])
             if i == cfg.skip_to:
                 gate = torch.sigmoid(self.skip_gate).to(x.dtype)
                 if self.skip_gate_w is not None:
@@ -1410,7 +1392,6 @@ class GPT(nn.Module):
             token = gates.layer(i, pre, post) if gates is not None else None
             x = block(x, x0, value_embed, layer_rope, mask, first_bigram if i == 0 else bigram, starts, attn_input, mix,
                       token)
-            outputs.append(x)
             if i == cfg.attn_input_from:  # the layers after it attend to this output (speedrun 2026-03-06)
                 attn_input = x
             if i == cfg.skip_from:
@@ -3020,7 +3001,7 @@ def build_optimizers(model: GPT, cfg: Config) -> list[torch.optim.Optimizer]:
     scalars += [b.attn.out_scale for b in model.blocks if b.attn is not None and b.attn.out_scale is not None]
     gates = [block.attn.gate_w for block in model.blocks if block.attn is not None and block.attn.gate_w is not None]
     xsa = [b.attn.xsa_alpha for b in model.blocks if b.attn is not None and b.attn.xsa_alpha is not None]
-    mixes = [mix for mix in (model.mudd_layer, model.mudd_head) if mix is not None] + model.dense_mixes()
+    mixes = [mix for mix in (model.mudd_layer, model.mudd_head) if mix is not None]
     record_gates = [model.token_gates.pre, model.token_gates.post] if model.token_gates is not None else []
     wd = cfg.adam_weight_decay
 
@@ -3045,8 +3026,8 @@ def build_optimizers(model: GPT, cfg: Config) -> list[torch.optim.Optimizer]:
                        if residual_scales else [])
                     # as the speedrun's 2026-04-29 record: betas 0.9 / 0.95, the base lr
                     + ([dict(params=xsa, lr=cfg.adam_lr, betas=(0.9, 0.95), weight_decay=0.0)] if xsa else [])
-                    # MUDD's mixing MLPs and the dense connections' at a quarter of the base lr (speedrun
-                    # 2026-04-22); the 2026-05-27 record's gate MLPs at a tenth, betas 0.9 / 0.99
+                    # MUDD's mixing MLPs at a quarter of the base lr (speedrun 2026-04-22); the 2026-05-27 record's
+                    # gate MLPs at a tenth, betas 0.9 / 0.99
                     + mix_groups(mixes, cfg.adam_lr * 0.25) + mix_groups(record_gates, cfg.adam_lr * 0.1, betas=(0.9, 0.99))
                     # the smear and skip gates learn slowly (speedrun 2025-12-21: lr x0.01 and x0.05)
                     + ([dict(params=[model.smear_gate_w], lr=cfg.adam_lr * 0.01, weight_decay=0.0)]
