@@ -140,12 +140,6 @@ class Config:
     # The speedrun 2026-05-27 record's per-token gates (TokenGates): two small MLPs, of x0 and of the stream after layer skip_from,
     # give each layer's x0 and bigram scales, XSA strengths, the output gates of two layers and the skip's gate.
     token_gates: bool = _model(False, "per-token x0/bigram scales, XSA strengths, output and skip gates from two MLPs")
-    # Canon layers (Allen-Zhu 2025, Physics of Language Models part 4.1): the normed input of a layer's attention and
-    # of its MLP each add a causal convolution per channel over the last canon_kernel tokens of the document, its
-    # weights learned from 0, so a layer sees its neighbours' features without spending attention on them.
-    canon_layers: str = _model("", "comma-separated layers whose attention and MLP inputs add a causal per-channel "
-                                   "convolution over recent tokens; empty: none")
-    canon_kernel: int = _model(4, "tokens each canon convolution reads: the token itself and those before it")
     skip_from: int = _model(3, "layer whose output is added, gated, to the input of layer skip_to")
     skip_to: int = _model(6, "layer whose input takes skip_from's output")
     # The head's logits x become cap * sigmoid((x + offset) / divisor) (speedrun 2024-11; 2025-12-26: 23, 5, 7.5).
@@ -332,10 +326,6 @@ class Config:
     def xsa_layer_list(self) -> list[int]:
         return parse_layer_list(self, "xsa_layers")
 
-    @functools.cached_property
-    def canon_layer_list(self) -> list[int]:
-        return parse_layer_list(self, "canon_layers")
-
 PRESETS = {
     # A model small enough to train on two CPU processes in seconds, for tests and laptops.
     "tiny": dict(
@@ -494,8 +484,6 @@ def validate_config(cfg: Config) -> None:
     paired = cfg.paired_layers
     need(all(cfg.attn_layout[i] != "-" for i in paired),
          f"--paired_head_layers={cfg.paired_head_layers} names a layer without attention (- in --attn_layout)")
-    cfg.canon_layer_list  # checks the list
-    need(2 <= cfg.canon_kernel <= 16, f"--canon_kernel={cfg.canon_kernel}: use 2 .. 16 tokens")
     need(all(cfg.attn_layout[i] != "-" for i in cfg.xsa_layer_list),
          f"--xsa_layers={cfg.xsa_layers} names a layer without attention (- in --attn_layout)")
     need(not paired or cfg.num_heads % 2 == 0,
@@ -1033,15 +1021,11 @@ class Block(nn.Module):
       --attn_input_from) that layer's output; a layer without attention only runs its MLP.
     value_scales: [value scale, value-embedding scale] of the attention's v. fused_mlp: Kernels.fused_mlp. With
     `mixed` (MUDD's last layer) the sublayer scales are per token, from a LayerMix, and the block has none of its own;
-    with --token_gates the x0 and bigram scales are per token, from the forward's LayerGates. With `canon`
-    (--canon_layers) the normed inputs of the attention and of the MLP each pass through causal_channel_conv, with
-    this block's weights [sublayers, canon_kernel, dim] (the attention's first)."""
+    with --token_gates the x0 and bigram scales are per token, from the forward's LayerGates."""
 
     def __init__(self, cfg: Config, has_attention: bool, shift_keys: bool = False, paired: bool = False,
-                 xsa: bool = False, fused_mlp: bool = False, mixed: bool = False, canon: bool = False):
+                 xsa: bool = False, fused_mlp: bool = False, mixed: bool = False):
         super().__init__()
-        sublayers = 2 if has_attention else 1
-        self.canon = nn.Parameter(torch.zeros(sublayers, cfg.canon_kernel, cfg.model_dim)) if canon else None
         self.attn = (CausalSelfAttention(cfg.model_dim, cfg.num_heads, cfg.head_dim, cfg.gate_dims if cfg.gates else 0,
                                          shift_keys, cfg.attn_out_scale, paired, xsa, cfg.value_gate_reads_embed,
                                          cfg.token_gates) if has_attention else None)
@@ -1062,8 +1046,7 @@ class Block(nn.Module):
 
     def forward(self, x: Tensor, x0: Tensor, value_embed: Tensor, rope, mask, bigram: Tensor | None,
                 starts: Tensor, attn_input: Tensor | None = None, mix: "LayerMix | None" = None,
-                token: "LayerGates | None" = None, recent: Tensor | None = None) -> Tensor:
-        """recent: with canon weights, canon_recent(starts) of this forward."""
+                token: "LayerGates | None" = None) -> Tensor:
         value_scales = self.value_scales.to(x.dtype)
         if self.lambdas is not None:
             lambdas = self.lambdas.to(x.dtype)
@@ -1072,9 +1055,8 @@ class Block(nn.Module):
                 x = x + lambdas[2] * bigram
             if self.attn is not None:
                 source = x if attn_input is None else attn_input
-                x = x + self.attn(self.normed(source, 0, recent), value_embed, value_scales, rope, mask, self.attend,
-                                  starts)
-            return x + self.mlp(self.normed(x, -1, recent))
+                x = x + self.attn(rms_norm(source), value_embed, value_scales, rope, mask, self.attend, starts)
+            return x + self.mlp(rms_norm(x))
         if mix is not None:
             scales = mix.scales
         else:
@@ -1088,40 +1070,11 @@ class Block(nn.Module):
         residual_attn, output_attn, x0_scale, bigram_scale, residual_mlp, output_mlp = scales
         if self.attn is not None:
             source = x if attn_input is None else attn_input
-            y = self.attn(self.normed(source, 0, recent), value_embed, value_scales, rope, mask, self.attend, starts,
-                          mix, token)
+            y = self.attn(rms_norm(source), value_embed, value_scales, rope, mask, self.attend, starts, mix, token)
             x = residual_attn * x + output_attn * y + x0_scale * x0
             if bigram is not None:
                 x = x + bigram_scale * bigram
-        return residual_mlp * x + output_mlp * self.mlp(self.normed(x, -1, recent))
-
-    def normed(self, x: Tensor, sublayer: int, recent: Tensor | None) -> Tensor:
-        """A sublayer's input: x rms-normed, then with canon weights their causal convolution."""
-        x = rms_norm(x)
-        return x if self.canon is None else causal_channel_conv(x, self.canon[sublayer], recent)
-
-
-def canon_recent(starts: Tensor, kernel: int) -> Tensor:
-    """[T, kernel-1] bool: column j-1 says whether the token j places back is of the same document and micro-batch,
-    that is, no document or micro-batch starts at this token or at the j-1 before it (a forward starts with one)."""
-    columns, same = [], ~starts
-    for j in range(1, kernel):
-        columns.append(same)
-        # the token j back starts its document (or lies before the forward): the one j + 1 back is of another
-        same = same & ~torch.cat([torch.ones_like(starts[:j]), starts[:-j]])
-    return torch.stack(columns, dim=1)
-
-
-def causal_channel_conv(x: Tensor, weight: Tensor, recent: Tensor) -> Tensor:
-    """Canon layers' mixing: x [T, dim] plus, per channel, weight[j] [dim] times the row j tokens back, for j = 0 ..
-    K-1 of weight [K, dim], where recent[:, j-1] (canon_recent) says that row is of the same document. Shifted copies
-    and products that inductor fuses into one pass over x."""
-    weight = weight.to(x.dtype)
-    out = x * (1 + weight[0])
-    for j in range(1, weight.size(0)):
-        back = torch.cat([x.new_zeros(j, x.size(1)), x[:-j]])
-        out = out + (recent[:, j - 1 : j].to(x.dtype) * weight[j]) * back
-    return out
+        return residual_mlp * x + output_mlp * self.mlp(rms_norm(x))
 
 
 class DenseMix(nn.Module):
@@ -1254,8 +1207,7 @@ class GPT(nn.Module):
         paired = cfg.paired_layers
         last = cfg.num_layers - 1
         self.blocks = nn.ModuleList(Block(cfg, kind != "-", cfg.key_offset and kind == "L", i in paired,
-                                          i in cfg.xsa_layer_list, kernels.fused_mlp, mixed=cfg.mudd and i == last,
-                                          canon=i in cfg.canon_layer_list)
+                                          i in cfg.xsa_layer_list, kernels.fused_mlp, mixed=cfg.mudd and i == last)
                                     for i, kind in enumerate(cfg.attn_layout))
         self.attend_paired = attend.for_paired_heads() if paired else None
         for block in self.blocks:
@@ -1408,7 +1360,6 @@ class GPT(nn.Module):
         x = x0.clone()
         no_value_embed = torch.zeros_like(x0, requires_grad=not torch.compiler.is_compiling())
         bigram = self.bigram_input(tokens, starts, bigram_rows) if bigram_rows is not None else None
-        recent = canon_recent(starts, cfg.canon_kernel) if cfg.canon_layer_list else None
         rope, paired_rope = self.rotary.tables(), self.rotary.paired_tables()
         first_bigram = bigram
         gates = self.token_gates
@@ -1440,7 +1391,7 @@ class GPT(nn.Module):
                 x, mix = self.mix_into_last_layer(x, x_in, backout)
             token = gates.layer(i, pre, post) if gates is not None else None
             x = block(x, x0, value_embed, layer_rope, mask, first_bigram if i == 0 else bigram, starts, attn_input, mix,
-                      token, recent)
+                      token)
             if i == cfg.attn_input_from:  # the layers after it attend to this output (speedrun 2026-03-06)
                 attn_input = x
             if i == cfg.skip_from:
@@ -3050,7 +3001,6 @@ def build_optimizers(model: GPT, cfg: Config) -> list[torch.optim.Optimizer]:
     scalars += [b.attn.out_scale for b in model.blocks if b.attn is not None and b.attn.out_scale is not None]
     gates = [block.attn.gate_w for block in model.blocks if block.attn is not None and block.attn.gate_w is not None]
     xsa = [b.attn.xsa_alpha for b in model.blocks if b.attn is not None and b.attn.xsa_alpha is not None]
-    canon = [block.canon for block in model.blocks if block.canon is not None]
     mixes = [mix for mix in (model.mudd_layer, model.mudd_head) if mix is not None]
     record_gates = [model.token_gates.pre, model.token_gates.post] if model.token_gates is not None else []
     wd = cfg.adam_weight_decay
@@ -3076,7 +3026,6 @@ def build_optimizers(model: GPT, cfg: Config) -> list[torch.optim.Optimizer]:
                        if residual_scales else [])
                     # as the speedrun's 2026-04-29 record: betas 0.9 / 0.95, the base lr
                     + ([dict(params=xsa, lr=cfg.adam_lr, betas=(0.9, 0.95), weight_decay=0.0)] if xsa else [])
-                    + ([dict(params=canon, lr=cfg.adam_lr, betas=(0.9, 0.95), weight_decay=0.0)] if canon else [])
                     # MUDD's mixing MLPs at a quarter of the base lr (speedrun 2026-04-22); the 2026-05-27 record's
                     # gate MLPs at a tenth, betas 0.9 / 0.99
                     + mix_groups(mixes, cfg.adam_lr * 0.25) + mix_groups(record_gates, cfg.adam_lr * 0.1, betas=(0.9, 0.99))
