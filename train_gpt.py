@@ -99,7 +99,9 @@ class Config:
     extension_windows: str = _run("6:13", "short:long windows of the extension steps, in window_block tokens")
     final_windows: str = _run("6:20", "short:long windows of the final validation (YaRN extends the long one)")
     window_block: int = _run(128, "tokens per unit of the attention windows")
-    cooldown_frac: float = _run(0.55, "last fraction of the scheduled steps, over which the lr decays linearly")
+    cooldown_frac: float = _run(0.55, "last fraction of the scheduled steps, over which the lr decays")
+    cooldown_shape: str = _run("linear", "how the lr decays over the cooldown: linear, or sqrt (the share of the way "
+                                         "down after a fraction t of the cooldown is sqrt(t); Hagele et al. 2024)")
     final_lr_frac: float = _run(0.1, "lr multiplier at the end of the cooldown, kept by the extension steps")
     val_loss_every: int = _run(250, "steps between validations; 0: validate only at the end")
     seed: int = _run(0, "seed of the initial weights and the warm-up's batches, not of the data order")
@@ -472,6 +474,7 @@ def validate_config(cfg: Config) -> None:
 
     need(cfg.device in ("cuda", "cpu"), f"--device={cfg.device}: use cuda or cpu")
     need(cfg.attn_backend in ("auto", "fa3", "flex", "sdpa"), f"--attn_backend={cfg.attn_backend}: use auto, fa3, flex or sdpa")
+    need(cfg.cooldown_shape in ("linear", "sqrt"), f"--cooldown_shape={cfg.cooldown_shape}: use linear or sqrt")
     need(cfg.compile_scope in ("auto", "whole", "regional"),
          f"--compile_scope={cfg.compile_scope}: use auto, whole or regional")
     need(cfg.compile_mode in COMPILE_MODES, f"--compile_mode={cfg.compile_mode}: use {', '.join(COMPILE_MODES)}")
@@ -2449,6 +2452,7 @@ class Schedule:
         cooldown_start = self.num_iterations * (1 - self.cfg.cooldown_frac)
         if step >= cooldown_start:
             t = min((step - cooldown_start) / max(self.num_iterations - cooldown_start, 1), 1.0)
+            t = math.sqrt(t) if self.cfg.cooldown_shape == "sqrt" else t
             lr = lr * (1 - t) + self.cfg.final_lr_frac * t
         return lr
 
