@@ -100,8 +100,8 @@ class Config:
     final_windows: str = _run("6:20", "short:long windows of the final validation (YaRN extends the long one)")
     window_block: int = _run(128, "tokens per unit of the attention windows")
     cooldown_frac: float = _run(0.55, "last fraction of the scheduled steps, over which the lr decays")
-    cooldown_shape: str = _run("linear", "how the lr decays over the cooldown: linear, or sqrt (the share of the way "
-                                         "down after a fraction t of the cooldown is sqrt(t); Hagele et al. 2024)")
+    # sqrt: after a fraction t of the cooldown the lr has gone sqrt(t) of the way down (Hagele et al. 2024)
+    cooldown_shape: str = _run("linear", "how the lr decays over the cooldown: linear | sqrt (1 - sqrt(t) of the way left)")
     final_lr_frac: float = _run(0.1, "lr multiplier at the end of the cooldown, kept by the extension steps")
     val_loss_every: int = _run(250, "steps between validations; 0: validate only at the end")
     seed: int = _run(0, "seed of the initial weights and the warm-up's batches, not of the data order")
