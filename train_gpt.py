@@ -243,8 +243,10 @@ class Config:
     tail_ema_blend: float = _optim(0.65, "share of the tail average in the final embedding and head")
     # ---- speed switches
     compile: bool = _speed(True, "torch.compile the model, over compile_scope")
-    # auto: see build_and_warm_up for why whole
-    compile_scope: str = _speed("auto", "whole | regional (each block and the loss head) | auto (whole)")
+    # auto: see compile_model for why whole. split: two graphs, layers before split_layer and the rest, so that the
+    # second one's backward ends before the first one's and its gradients' reduce-scatters overlap the first one.
+    compile_scope: str = _speed("auto", "whole | split (two graphs) | regional (each block and the loss head) | auto (whole)")
+    split_layer: int = _speed(0, "first layer of the second of --compile_scope=split's graphs; 0: num_layers // 2")
     compile_cache: str = _speed("", "file of torch's compile artifacts, loaded before the warm-up, saved after it")
     # max-autotune-no-cudagraphs: inductor benchmarks Triton GEMM templates against cuBLAS and fuses pointwise
     # epilogues into the winners (a much longer cold compile); reduce-overhead: the compiled forward and backward
@@ -330,6 +332,11 @@ class Config:
     @functools.cached_property
     def paired_layers(self) -> list[int]:
         return parse_layer_list(self, "paired_head_layers")
+
+    @functools.cached_property
+    def front_layers(self) -> int:
+        """Layers in the first of --compile_scope=split's graphs (GPT.trunk_front), at least 1."""
+        return self.split_layer or max(1, self.num_layers // 2)
 
     @functools.cached_property
     def xsa_layer_list(self) -> list[int]:
@@ -487,8 +494,10 @@ def validate_config(cfg: Config) -> None:
          f"{cfg.tail_ema_blend}: use a fraction in [0, 1), a decay in (0, 1) and a share in [0, 1]")
     need(not (cfg.diloco and cfg.tail_ema_from), "--tail_ema_from with --diloco=1: replicas would average apart; "
          "use one of them")
-    need(cfg.compile_scope in ("auto", "whole", "regional"),
-         f"--compile_scope={cfg.compile_scope}: use auto, whole or regional")
+    need(cfg.compile_scope in ("auto", "whole", "split", "regional"),
+         f"--compile_scope={cfg.compile_scope}: use auto, whole, split or regional")
+    need(0 <= cfg.split_layer < cfg.num_layers,
+         f"--split_layer={cfg.split_layer}: use a layer 1 .. num_layers-1 ({cfg.num_layers - 1}), or 0 for num_layers // 2")
     need(cfg.compile_mode in COMPILE_MODES, f"--compile_mode={cfg.compile_mode}: use {', '.join(COMPILE_MODES)}")
     need(len(cfg.attn_layout) == cfg.num_layers and set(cfg.attn_layout) <= set("SL-"),
          f"--attn_layout={cfg.attn_layout!r}: needs one of S/L/- per layer ({cfg.num_layers} layers)")
@@ -1214,6 +1223,7 @@ class GPT(nn.Module):
                  kernels: Kernels = PLAIN_TORCH):
         super().__init__()
         self.cfg, self.attend, self.compute_dtype, self.kernels = cfg, attend, compute_dtype, kernels
+        self.front_layers = cfg.front_layers  # read here: a cached property's first read cannot be compiled
         vocab = next_multiple_of(cfg.vocab_size, 128)  # padded for efficient matmuls
         dim = cfg.model_dim
         self.embed = nn.Embedding(vocab, dim)
@@ -1362,7 +1372,16 @@ class GPT(nn.Module):
 
     def trunk(self, tokens: Tensor, token_rows: Tensor, value_rows: list[Tensor], bigram_rows: Tensor | None, targets: Tensor,
               masks: dict) -> Tensor:
-        """Everything after the embedding lookups."""
+        """Everything after the embedding lookups: the first front_layers layers (trunk_front), then the others and
+        the loss (trunk_back). One graph when this is compiled whole; --compile_scope=split compiles the two halves
+        apart, so that the back half's backward ends first and hands its parameters their gradients (starting their
+        reduce-scatters) while the front half's backward still runs."""
+        state = self.trunk_front(tokens, token_rows, value_rows, bigram_rows, masks)
+        return self.trunk_back(state, targets, masks)
+
+    def trunk_front(self, tokens: Tensor, token_rows: Tensor, value_rows: list[Tensor], bigram_rows: Tensor | None,
+                    masks: dict) -> dict:
+        """The streams entering layer 0, then layers 0 .. split_layer-1; returns what the later layers read."""
         cfg = self.cfg
         # where a document (BOS) or a packed micro-batch starts: nothing reaches across (smear, key offset)
         starts = (tokens == cfg.bos_token) | (torch.arange(tokens.numel(), device=tokens.device) % cfg.micro_batch_tokens == 0)
@@ -1378,49 +1397,68 @@ class GPT(nn.Module):
         x = x0.clone()
         no_value_embed = torch.zeros_like(x0, requires_grad=not torch.compiler.is_compiling())
         bigram = self.bigram_input(tokens, starts, bigram_rows) if bigram_rows is not None else None
-        rope, paired_rope = self.rotary.tables(), self.rotary.paired_tables()
         first_bigram = bigram
         gates = self.token_gates
-        pre, post = (gates.pre(x0), None) if gates is not None else (None, None)
+        pre = gates.pre(x0) if gates is not None else None
         if bigram is not None and self.blocks[0].injection is not None:  # the bigram enters before layer 0 there
             x, first_bigram = x0 + self.blocks[0].injection[1].to(x0.dtype) * bigram, None
         elif bigram is not None and gates is not None and "inject" in gates.lanes[0]:
             x, first_bigram = x0 + gates.lane(0, "inject", pre, None)[:, 1:] * bigram, None
-        x_in = x
-        skip = attn_input = backout = None
+        state = dict(x=x, x0=x0, x_in=x, starts=starts, value_embeds=value_embeds, no_value_embed=no_value_embed,
+                     bigram=bigram, first_bigram=first_bigram, pre=pre, post=None, skip=None, attn_input=None,
+                     backout=None, previous=None)
+        return self.run_layers(state, range(self.front_layers), masks)
+
+    def trunk_back(self, state: dict, targets: Tensor, masks: dict) -> Tensor:
+        """Layers split_layer .. last, the mix or backout before the head, and the loss."""
+        state = self.run_layers(state, range(self.front_layers, len(self.blocks)), masks)
+        x = state["x"]
+        if self.mudd_head is not None:
+            x = self.mudd_head.mix_into(x, (state["x_in"], state["backout"], state["previous"], state["value_embeds"][0],
+                                            state["skip"]))
+        elif self.backout is not None:
+            x = x - self.backout.to(x.dtype) * state["backout"]
+        return self.loss_head(x, targets)
+
+    def run_layers(self, state: dict, layers: range, masks: dict) -> dict:
+        """The given blocks in order, from and into `state` (a new dict): the stream x, the streams later layers
+        read (skip, attention input, backout, MUDD's previous), and the per-token gates."""
+        cfg, gates = self.cfg, self.token_gates
+        state = dict(state)
+        x, x0 = state["x"], state["x0"]
+        rope, paired_rope = self.rotary.tables(), self.rotary.paired_tables()
         last = len(self.blocks) - 1
-        for i, block in enumerate(self.blocks):
+        for i in layers:
+            block = self.blocks[i]
             if gates is not None and i == gates.split:
-                post = gates.post(x)
+                state["post"] = gates.post(x)
+            pre, post = state["pre"], state["post"]
             if i == cfg.skip_to:
                 gate = torch.sigmoid(self.skip_gate).to(x.dtype)
                 if self.skip_gate_w is not None:
                     gate = gate * 2 * torch.sigmoid(x0[:, : cfg.gate_dims] @ self.skip_gate_w.to(x.dtype))[:, None]
                 elif gates is not None:
                     gate = gate * gates.lane(i, "skip", pre, post)
-                x = x + gate * skip
+                x = x + gate * state["skip"]
             ve_index = cfg.value_embed_layout[i]
-            value_embed = no_value_embed if ve_index == "." else value_embeds[int(ve_index)]
+            value_embed = state["no_value_embed"] if ve_index == "." else state["value_embeds"][int(ve_index)]
             kind = cfg.attn_layout[i]
             layer_rope, mask = (paired_rope, masks["P" + kind]) if block.paired else (rope, masks.get(kind))
             mix = None
             if self.mudd_layer is not None and i == last:
-                previous = x
-                x, mix = self.mix_into_last_layer(x, x_in, backout)
+                state["previous"] = x
+                x, mix = self.mix_into_last_layer(x, state["x_in"], state["backout"])
             token = gates.layer(i, pre, post) if gates is not None else None
-            x = block(x, x0, value_embed, layer_rope, mask, first_bigram if i == 0 else bigram, starts, attn_input, mix,
-                      token)
+            x = block(x, x0, value_embed, layer_rope, mask, state["first_bigram"] if i == 0 else state["bigram"],
+                      state["starts"], state["attn_input"], mix, token)
             if i == cfg.attn_input_from:  # the layers after it attend to this output (speedrun 2026-03-06)
-                attn_input = x
+                state["attn_input"] = x
             if i == cfg.skip_from:
-                skip = x
+                state["skip"] = x
             if i == cfg.backout_from:
-                backout = x
-        if self.mudd_head is not None:
-            x = self.mudd_head.mix_into(x, (x_in, backout, previous, value_embeds[0], skip))
-        elif self.backout is not None:
-            x = x - self.backout.to(x.dtype) * backout
-        return self.loss_head(x, targets)
+                state["backout"] = x
+        state["x"] = x
+        return state
 
     def bigram_input(self, tokens: Tensor, starts: Tensor, rows: Tensor) -> Tensor:
         """The bigram rows as the residual stream takes them: each times its sign vector, (previous token XOR
@@ -1848,14 +1886,17 @@ def orthogonalize(grads: Tensor, use_triton: bool) -> Tensor:
     return X.mT if transposed else X
 
 
-def plan_muon_groups(shapes: list[tuple[int, ...]], world_size: int) -> list[list[int]]:
+def plan_muon_groups(shapes: list[tuple[int, ...]], world_size: int, layers: list[int] | None = None) -> list[list[int]]:
     """Split matrices (by index) into communication groups: one shape per group, smaller shapes first,
     and each shape's matrices in two halves whose sizes are multiples of the world size when the count
     allows it, so a reduce-scatter needs no padding and the second half's communication overlaps the
-    first half's orthogonalisation. A group whose size is not a multiple of world_size gets padded."""
+    first half's orthogonalisation. A group whose size is not a multiple of world_size gets padded.
+    With each matrix's layer given, a shape's matrices go by layer from the last one down, the order in which
+    the backward finishes them, so the first half's reduce-scatter can start before the backward's end."""
     by_shape: dict[tuple[int, ...], list[int]] = {}
-    for index, shape in enumerate(shapes):
-        by_shape.setdefault(tuple(shape), []).append(index)
+    order = range(len(shapes)) if layers is None else sorted(range(len(shapes)), key=lambda i: -layers[i])
+    for index in order:
+        by_shape.setdefault(tuple(shapes[index]), []).append(index)
     groups = []
     for shape in sorted(by_shape, key=math.prod):
         members = by_shape[shape]
@@ -1898,11 +1939,13 @@ class Muon(torch.optim.Optimizer):
          the updates;
       3. wait for the gathers and apply every update to every replica.
     Default model (10 QKVO + 22 MLP matrices, all 3072 x 768): two groups of 16 matrices at every world
-    size; per rank and group 2 matrices at W=8, 4 at W=4, 8 at W=2; padding 0 at 1, 2, 4 and 8 ranks.
+    size; per rank and group 2 matrices at W=8, 4 at W=4, 8 at W=2; padding 0 at 1, 2, 4 and 8 ranks. `layers`
+    (each parameter's layer) puts the last layers' matrices in the first group: under --compile_scope=split it
+    is complete, and its reduce-scatter launched, when the second graph's backward ends.
     """
 
     def __init__(self, params, lr: float, momentum: float, weight_decay: float = 0.0, beta2: float = 0.0,
-                 shape_lr: bool = False, use_triton: bool = False):
+                 shape_lr: bool = False, use_triton: bool = False, layers: list[int] | None = None):
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, split=1, lr_mul=1.0))
         self.beta2, self.shape_lr = beta2, shape_lr
         self.use_triton = use_triton  # Kernels.newton_schulz: orthogonalize's Triton kernel, else plain torch
@@ -1912,7 +1955,7 @@ class Muon(torch.optim.Optimizer):
         # A group's index, not the group: load_state_dict (a DiLoCo heal) replaces the param_groups dicts,
         # and the scheduled lr and momentum are written into the new ones.
         self.group_index_of = {p: i for i, group in enumerate(self.param_groups) for p in group["params"]}
-        plan = plan_muon_groups([tuple(p.shape) for p in params], self.world_size)
+        plan = plan_muon_groups([tuple(p.shape) for p in params], self.world_size, layers)
         self.groups = [_MuonGroup([params[i] for i in indices], self.world_size) for indices in plan]
         self.grad_hooks = _LaunchWhenGradsReady(self.groups, self._launch_reduce)
 
@@ -3004,10 +3047,13 @@ def build_optimizers(model: GPT, cfg: Config) -> list[torch.optim.Optimizer]:
     matrices = model.matrix_params()
     dim, qk = cfg.model_dim, cfg.muon_qk_blocks
     attn_split = 4 if qk == 1 else ((dim // qk, 2 * qk), (dim, 2))  # Q and K in qk blocks each, then V and O
+    attn_layers = [i for i, block in enumerate(model.blocks) if block.attn is not None]
+    mlp_layers = list(range(len(model.blocks)))
     muon = Muon([dict(params=matrices["attn"], split=attn_split), dict(params=matrices["mlp_in"]),
                  dict(params=matrices["mlp_out"], lr_mul=cfg.muon_proj_lr_mul)],
                 lr=cfg.muon_lr, momentum=cfg.muon_momentum, weight_decay=cfg.muon_weight_decay,
-                beta2=cfg.normuon_beta2, shape_lr=cfg.muon_shape_lr, use_triton=model.kernels.newton_schulz)
+                beta2=cfg.normuon_beta2, shape_lr=cfg.muon_shape_lr, use_triton=model.kernels.newton_schulz,
+                layers=attn_layers + mlp_layers + mlp_layers)
     bigram = [model.bigram_embed.weight] if model.bigram_embed is not None else []
     tables = [ve.weight for ve in model.value_embeds] + bigram
     scalars = [model.skip_gate] + [block.value_scales for block in model.blocks]
@@ -3355,6 +3401,10 @@ def compile_model(model: GPT, cfg: Config, comm: Comm, device: torch.device) -> 
             model.trunk = torch.compile(model.trunk, dynamic=False, fullgraph=True, mode=mode)
         else:
             model.compile(dynamic=False, fullgraph=True, mode=mode)
+    elif cfg.compile and scope == "split":
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        model.trunk_front = torch.compile(model.trunk_front, dynamic=False, fullgraph=True, mode=mode)
+        model.trunk_back = torch.compile(model.trunk_back, dynamic=False, fullgraph=True, mode=mode)
     elif cfg.compile:
         model.compile_regions(mode)
     return scope, compile_mode

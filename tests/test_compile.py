@@ -116,22 +116,24 @@ def test_compiled_runs_match_eager_and_reuse_the_cache_file(module_tiny_data, ea
     assert abs(checksums[0][1] - checksums[2][1]) < 1e-5 * checksums[2][1]
 
 
-def test_regional_compile_and_dense_embedding_grads_match_eager(module_tiny_data, eager, kernels, tmp_path):
-    """Each block and the loss head compiled on its own (the scope FA3 runs use; here in the CUDA-graph mode,
-    which zeroes every .grad before a step), and --row_embedding_grads=0 (the lookups and their dense
-    gradients inside the one graph), give eager's losses."""
+def test_regional_and_split_compile_and_dense_embedding_grads_match_eager(module_tiny_data, eager, kernels, tmp_path):
+    """Each block and the loss head compiled on its own (here in the CUDA-graph mode, which zeroes every .grad
+    before a step), the model in two graphs (--compile_scope=split), and --row_embedding_grads=0 (the lookups and
+    their dense gradients inside the one graph), give eager's losses."""
     train, val = module_tiny_data
     with inductor_cache(tmp_path / "inductor", kernels) as inductor:
-        # Both at once: much of a compile runs in one Python thread, so on 2 cores the two overlap well.
-        regional, rows = finish_all([
+        # All at once: much of a compile runs in one Python thread, so on 2 cores they overlap well.
+        regional, split, rows = finish_all([
             start_tiny(tmp_path, train, val, "regional", "--compile=1", "--compile_scope=regional",
                        "--compile_mode=reduce-overhead", inductor_dir=inductor),
+            start_tiny(tmp_path, train, val, "split", "--compile=1", "--compile_scope=split", inductor_dir=inductor),
             start_tiny(tmp_path, train, val, "rows", "--compile=1", "--row_embedding_grads=0", inductor_dir=inductor)])
     assert "compile scope: regional, mode: reduce-overhead;" in regional  # no graphs on a CPU, same losses
-    assert "compile scope: whole, mode: default (auto);" in rows and "\ngraphs compiled in the timed region: 0\n" in rows
-    losses = [float(VAL.search(log).group(1)) for log in (regional, rows, eager)]
-    assert abs(losses[0] - losses[2]) < 1e-3 * losses[2]
-    assert abs(losses[1] - losses[2]) < 1e-3 * losses[2]
+    assert "compile scope: split, mode: default (auto);" in split and re.search(r"graphs:2 ", split)
+    assert "compile scope: whole, mode: default (auto);" in rows
+    assert all("\ngraphs compiled in the timed region: 0\n" in log for log in (split, rows))
+    losses = [float(VAL.search(log).group(1)) for log in (regional, split, rows, eager)]
+    assert all(abs(loss - losses[-1]) < 1e-3 * losses[-1] for loss in losses[:-1])
 
 
 def test_recompile_watch_reports_the_failed_guard():

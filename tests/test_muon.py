@@ -39,6 +39,19 @@ def test_planner_needs_no_padding_for_the_default_model():
         assert all(len(g) % world_size == 0 for g in groups)
 
 
+def test_planner_puts_the_last_layers_first_when_given_layers():
+    """The default model's matrices by layer (10 QKVO on the layers with attention, then 11 MLP inputs and 11
+    outputs): the first group holds the 16 of the latest layers, those the backward finishes first."""
+    cfg = tg.Config()
+    layers = [i for i, kind in enumerate(cfg.attn_layout) if kind != "-"] + list(range(11)) * 2
+    shapes = [(3072, 768)] * 32  # test_planner_needs_no_padding_for_the_default_model checks these
+    for world_size in (1, 2, 4, 8):
+        groups = tg.plan_muon_groups(shapes, world_size, layers)
+        assert [len(g) for g in groups] == [16, 16] and sorted(i for g in groups for i in g) == list(range(32))
+        first = sorted(layers[i] for i in groups[0])
+        assert first == [5, 5, 6, 6, 7, 7, 7, 8, 8, 8, 9, 9, 9, 10, 10, 10]  # layer 6 has no attention
+
+
 def test_planner_orders_small_shapes_first_and_pads_odd_worlds():
     shapes = [(8, 4)] * 5 + [(2, 2)] * 3
     groups = tg.plan_muon_groups(shapes, 2)
