@@ -3,7 +3,9 @@
 #   OUT=/some/dir [BENCHES="sparse dense world1"] bash bench/multi_gpu_bench.sh STEPS [all|bench|diloco]
 # 1. bench/bench_step.py at world size 2 with sparse bigram comms on (sparse), then off (dense), then
 #    at world size 1 on the same machine (world1); BENCHES picks which, and may add "graphs" (world size 2
-#    under CUDA graphs, which --compile_mode=auto leaves off there: no faster on 2xH200, docs/performance.md). The
+#    under CUDA graphs, which --compile_mode=auto leaves off there: no faster on 2xH200, docs/performance.md), "split"
+#    (world size 2 in two graphs, --compile_scope=split, whose backward overlaps the last layers' reduce-scatters) and
+#    "split1" (the same at world size 1, for the graph cut's own cost). The
 #    benches read the bench stream (real document lengths and bigram rows);
 # 2. DiLoCo against data parallelism at equal tokens on bench2, on data that does not repeat (micro-batches of
 #    4,096 tokens; up to STEPS=300 read under the stream's 51.3M tokens): data parallelism on 2 GPUs with a replica's
@@ -40,6 +42,8 @@ if [ "$what" = all ] || [ "$what" = bench ]; then
         dense) bench bench_dense 2 --sparse_bigram_comms=0 ;;
         graphs) bench bench_graphs 2 --compile_mode=reduce-overhead ;;  # CUDA graphs (auto: only at world size 1)
         world1) bench bench_world1 1 ;;  # scaling efficiency: tokens/s at 2 GPUs over twice this
+        split) bench bench_split 2 --compile_scope=split ;;
+        split1) bench bench_split1 1 --compile_scope=split ;;
         esac
     done
 fi
