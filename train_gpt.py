@@ -3370,7 +3370,7 @@ class CompileCache:
         if info is None:
             self.log(f"warning: compile cache {self.path} ignored ({reason}); compiling from scratch")
         else:
-            self.log(f"compile cache {self.path}: loaded {sum(len(v) for v in info.artifacts.values())} artifacts")
+            self.log(f"compile cache {self.path}: loaded {self.counts(info)}")
 
     def save(self):
         artifacts = torch.compiler.save_cache_artifacts()
@@ -3379,7 +3379,13 @@ class CompileCache:
         tmp = f"{self.path}.tmp{os.getpid()}"
         Path(tmp).write_bytes(artifacts[0])
         os.replace(tmp, self.path)
-        self.log(f"compile cache {self.path}: saved {len(artifacts[0]):,} bytes")
+        self.log(f"compile cache {self.path}: saved {len(artifacts[0]):,} bytes, {self.counts(artifacts[1])}")
+
+    @staticmethod
+    def counts(info) -> str:
+        """'N artifacts (kind n, ...)': the autotune kind holds the kernels' tuned configs, coordinate descent's too."""
+        kinds = {kind: len(keys) for kind, keys in sorted(info.artifacts.items()) if keys}
+        return f"{sum(kinds.values())} artifacts ({', '.join(f'{kind} {n}' for kind, n in kinds.items())})"
 
 
 def compile_model(model: GPT, cfg: Config, comm: Comm, device: torch.device) -> tuple[str, str]:
