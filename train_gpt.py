@@ -237,10 +237,12 @@ class Config:
     # scheduled one: the decay follows the lr squared.
     muon_weight_decay: float = _optim(1.2, "Muon's cautious weight decay, times the matrix's and the scheduled lr")
     # An average of the embedding and head over the run's tail, blended into them at the end (TailEMA, the
-    # speedrun's pull request #347 of 2026-07-27: from step 848 of 1300, decay 0.9933, 65%).
+    # speedrun's pull request #347 of 2026-07-27: from step 848 of 1300, decay 0.9933, 65%); of all the weights with
+    # tail_ema_all (pull request #349 of 2026-08-08 blends half of an average of its last ~300 steps).
     tail_ema_from: float = _optim(0.0, "fraction of the scheduled steps after which embedding and head are averaged; 0: off")
     tail_ema_decay: float = _optim(0.9933, "per-step decay of the tail average of the embedding and head")
     tail_ema_blend: float = _optim(0.65, "share of the tail average in the final embedding and head")
+    tail_ema_all: bool = _optim(False, "the tail average and its blend cover every parameter, not only embedding and head")
     # ---- speed switches
     compile: bool = _speed(True, "torch.compile the model, over compile_scope")
     # auto: see compile_model for why whole. split: two graphs, layers before split_layer and the rest, so that the
@@ -3464,12 +3466,13 @@ def train(cfg: Config, comm: Comm, log: RunLog) -> TrainResult:
 
 
 class TailEMA:
-    """--tail_ema_from: a float32 exponential moving average of the token embedding and the head, started from their
-    weights after step `start` and updated after every later step, then blended into them before the final
-    validation. Nothing is sent: every rank holds the same weights, so the same average."""
+    """--tail_ema_from: a float32 exponential moving average of the token embedding and the head (--tail_ema_all: of
+    every parameter), started from their weights after step `start` and updated after every later step, then
+    blended into them before the final validation. Nothing is sent: every rank holds the same weights, so the
+    same average."""
 
     def __init__(self, model: GPT, cfg: Config):
-        self.params = [model.embed.weight, model.lm_head.weight]
+        self.params = list(model.parameters()) if cfg.tail_ema_all else [model.embed.weight, model.lm_head.weight]
         self.start = max(1, round(cfg.tail_ema_from * cfg.num_iterations))
         self.decay, self.blend = cfg.tail_ema_decay, cfg.tail_ema_blend
         self.average: list[Tensor] | None = None
@@ -3586,8 +3589,9 @@ class TrainingRun:
                     self.diloco.sync_every_fragment()
                 if last and self.tail_ema is not None and step != self.start_step:
                     self.tail_ema.blend_into_weights()
-                    self.log(f"tail average of steps {self.tail_ema.start}..{step} blended into the embedding and "
-                             f"head: {self.tail_ema.blend:.0%} of it")
+                    what = "every parameter" if self.cfg.tail_ema_all else "the embedding and head"
+                    self.log(f"tail average of steps {self.tail_ema.start}..{step} blended into {what}: "
+                             f"{self.tail_ema.blend:.0%} of it")
                 if schedule.validates(step) and not (cfg.resume and step == self.start_step):  # else it is logged
                     self.validate(step)
                 periodic = cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and 0 < step < N

@@ -48,9 +48,9 @@ def averaged_runs(module_tiny_data, tmp_path_factory):
     checkpoint may follow each."""
     tmp = tmp_path_factory.mktemp("tail")
     runs = {}
-    for name, frac in (("with", 0.5), ("without", 0.0)):
+    for name, frac, every in (("with", 0.5, 0), ("all", 0.5, 1), ("without", 0.0, 0)):
         cfg = config(module_tiny_data, tmp, run_id=name, save_checkpoint=tmp / f"{name}.pt", checkpoint_every=1,
-                     tail_ema_from=frac, tail_ema_decay=0.7, adam_period=1)
+                     tail_ema_from=frac, tail_ema_decay=0.7, adam_period=1, tail_ema_all=every)
         runs[name] = (cfg, run(cfg))
     return runs
 
@@ -60,23 +60,27 @@ def weights_at(cfg, step=None):
     return tg.read_checkpoint(path, "resume")
 
 
-def test_a_run_ends_with_its_embedding_and_head_blended_with_their_tail_average(averaged_runs):
-    (cfg, result), (plain_cfg, plain) = averaged_runs["with"], averaged_runs["without"]
+@pytest.mark.parametrize("run_name", ["with", "all"])
+def test_a_run_ends_with_its_weights_blended_with_their_tail_average(averaged_runs, run_name):
+    """The embedding and head, or with --tail_ema_all every parameter, end as the formula of the step checkpoints;
+    the others as without the average."""
+    (cfg, result), (plain_cfg, plain) = averaged_runs[run_name], averaged_runs["without"]
     assert result.train_losses == plain.train_losses  # the average does not touch the training
     assert result.val_losses[:-1] == plain.val_losses[:-1] and result.val_losses[-1] != plain.val_losses[-1]
     last = weights_at(plain_cfg)["model"]  # the weights after step 8, unblended
     final = weights_at(cfg)
-    for name in NAMES:
+    averaged = [name for name in last if name in NAMES or (cfg.tail_ema_all and not name.endswith("_signs"))]
+    for name in averaged:
         average = weights_at(cfg, 4)["model"][name].double()
         for step in (5, 6, 7):
             average += 0.3 * (weights_at(cfg, step)["model"][name].double() - average)
         average += 0.3 * (last[name].double() - average)
         torch.testing.assert_close(final["model"][name].double(), last[name].double() + 0.65 * (average - last[name]),
                                    rtol=1e-5, atol=1e-6)
-    assert [t.shape for t in final["tail_ema"]] == [last[name].shape for name in NAMES]
-    blocks = [name for name in last if name.startswith("blocks.")]
-    assert all(torch.equal(final["model"][name], last[name]) for name in blocks)
-    assert "blended into the embedding and head: 65% of it" in open(os.path.join(cfg.log_dir, "with.txt")).read()
+    assert len(final["tail_ema"]) == len(averaged) and len(averaged) > (2 if cfg.tail_ema_all else 1)
+    assert all(torch.equal(final["model"][name], last[name]) for name in last if name not in averaged)
+    what = "every parameter" if cfg.tail_ema_all else "the embedding and head"
+    assert f"blended into {what}: 65% of it" in open(os.path.join(cfg.log_dir, f"{run_name}.txt")).read()
 
 
 def test_a_resumed_run_keeps_its_tail_average(averaged_runs, tmp_path):
