@@ -1387,7 +1387,7 @@ class GPT(nn.Module):
 
     def trunk_front(self, tokens: Tensor, token_rows: Tensor, value_rows: list[Tensor], bigram_rows: Tensor | None,
                     masks: dict) -> dict:
-        """The streams entering layer 0, then layers 0 .. split_layer-1; returns what the later layers read."""
+        """The streams entering layer 0, then the first front_layers layers; returns what the later layers read."""
         cfg = self.cfg
         # where a document (BOS) or a packed micro-batch starts: nothing reaches across (smear, key offset)
         starts = (tokens == cfg.bos_token) | (torch.arange(tokens.numel(), device=tokens.device) % cfg.micro_batch_tokens == 0)
@@ -1416,7 +1416,7 @@ class GPT(nn.Module):
         return self.run_layers(state, range(self.front_layers), masks)
 
     def trunk_back(self, state: dict, targets: Tensor, masks: dict) -> Tensor:
-        """Layers split_layer .. last, the mix or backout before the head, and the loss."""
+        """The layers from front_layers on, the mix or backout before the head, and the loss."""
         state = self.run_layers(state, range(self.front_layers, len(self.blocks)), masks)
         x = state["x"]
         if self.mudd_head is not None:
