@@ -98,6 +98,8 @@ class Config:
     # extension_windows: the speedrun's 2025-12 records
     extension_windows: str = _run("6:13", "short:long windows of the extension steps, in window_block tokens")
     final_windows: str = _run("6:20", "short:long windows of the final validation (YaRN extends the long one)")
+    # The speedrun's code widens the final long window without rescaling its rotary tables (2026-07)
+    final_yarn: bool = _run(True, "the final validation's longer window rescales the rotary tables (YaRN); 0: keeps them")
     window_block: int = _run(128, "tokens per unit of the attention windows")
     cooldown_frac: float = _run(0.55, "last fraction of the scheduled steps, over which the lr decays")
     # sqrt: after a fraction t of the cooldown the lr has gone sqrt(t) of the way down (Hagele et al. 2024)
@@ -2559,7 +2561,7 @@ class Schedule:
     def long_window_history(self, step: int) -> list[int]:
         """The long windows used up to this step, for YaRN to replay."""
         history = [long for _, long in self.stage_windows[: self.stage(step) + 1]]
-        if step >= self.total_steps:
+        if step >= self.total_steps and self.cfg.final_yarn:
             history.append(self.final_windows[1])
         return history
 

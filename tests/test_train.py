@@ -743,6 +743,20 @@ def test_sqrt_cooldown_goes_the_square_root_of_the_way_down():
         tg.validate_config(dataclasses.replace(linear.cfg, cooldown_shape="cosine"))
 
 
+def test_the_final_validation_may_keep_the_last_rotary_tables():
+    """--final_yarn=0: the final validation reads the final windows with the rotary tables (and attention scale) the
+    extension trained with, as the speedrun's code does; by default YaRN rescales them to the final long window."""
+    cfg = tg.Config(num_iterations=480, extension_steps=40)
+    for final_yarn, history in ((True, [384, 896, 1408, 1664, 2560]), (False, [384, 896, 1408, 1664])):
+        s = tg.Schedule(dataclasses.replace(cfg, final_yarn=final_yarn))
+        assert s.windows(520) == (768, 2560) and s.long_window_history(520) == history
+        assert s.long_window_history(519) == [384, 896, 1408, 1664]
+    rotary = [tg.Rotary(128, 64, period=64, attn_scale=0.1) for _ in range(2)]
+    rotary[0].set_window_history([384, 896, 1408, 1664, 2560])
+    rotary[1].set_window_history([384, 896, 1408, 1664])
+    assert rotary[0].attn_scale.item() > rotary[1].attn_scale.item() and not torch.equal(rotary[0].cos, rotary[1].cos)
+
+
 def test_scheduled_steps_then_extension_steps():
     """480 scheduled steps in three stages and 40 extension steps: the stages split the scheduled steps, the lr
     reaches final_lr_frac at their end and stays there, the extension keeps the last batch with its own windows
