@@ -346,7 +346,7 @@ class Config:
     def paired_layers(self) -> list[int]:
         return parse_layer_list(self, "paired_head_layers")
 
-    @functools.cached_property
+    @property
     def front_layers(self) -> int:
         """Layers in the first of --compile_scope=split's graphs (GPT.trunk_front), at least 1."""
         return self.split_layer or max(1, self.num_layers // 2)
@@ -1246,7 +1246,6 @@ class GPT(nn.Module):
                  kernels: Kernels = PLAIN_TORCH):
         super().__init__()
         self.cfg, self.attend, self.compute_dtype, self.kernels = cfg, attend, compute_dtype, kernels
-        self.front_layers = cfg.front_layers  # read here: a cached property's first read cannot be compiled
         vocab = next_multiple_of(cfg.vocab_size, 128)  # padded for efficient matmuls
         dim = cfg.model_dim
         self.embed = nn.Embedding(vocab, dim)
@@ -1397,7 +1396,7 @@ class GPT(nn.Module):
 
     def trunk(self, tokens: Tensor, token_rows: Tensor, value_rows: list[Tensor], bigram_rows: Tensor | None, targets: Tensor,
               masks: dict) -> Tensor:
-        """Everything after the embedding lookups: the first front_layers layers (trunk_front), then the others and
+        """Everything after the embedding lookups: the first cfg.front_layers layers (trunk_front), then the others and
         the loss (trunk_back). One graph when this is compiled whole; --compile_scope=split compiles the two halves
         apart, so that the back half's backward ends first and hands its parameters their gradients (starting their
         reduce-scatters) while the front half's backward still runs."""
@@ -1406,7 +1405,7 @@ class GPT(nn.Module):
 
     def trunk_front(self, tokens: Tensor, token_rows: Tensor, value_rows: list[Tensor], bigram_rows: Tensor | None,
                     masks: dict) -> dict:
-        """The streams entering layer 0, then the first front_layers layers; returns what the later layers read."""
+        """The streams entering layer 0, then the first cfg.front_layers layers; returns what the later layers read."""
         cfg = self.cfg
         # where a document (BOS) or a packed micro-batch starts: nothing reaches across (smear, key offset)
         starts = (tokens == cfg.bos_token) | (torch.arange(tokens.numel(), device=tokens.device) % cfg.micro_batch_tokens == 0)
@@ -1432,11 +1431,11 @@ class GPT(nn.Module):
         state = dict(x=x, x0=x0, x_in=x, starts=starts, value_embeds=value_embeds, no_value_embed=no_value_embed,
                      bigram=bigram, first_bigram=first_bigram, pre=pre, post=None, skip=None, attn_input=None,
                      backout=None, previous=None)
-        return self.run_layers(state, range(self.front_layers), masks)
+        return self.run_layers(state, range(self.cfg.front_layers), masks)
 
     def trunk_back(self, state: dict, targets: Tensor, masks: dict) -> Tensor:
-        """The layers from front_layers on, the mix or backout before the head, and the loss."""
-        state = self.run_layers(state, range(self.front_layers, len(self.blocks)), masks)
+        """The layers from cfg.front_layers on, the mix or backout before the head, and the loss."""
+        state = self.run_layers(state, range(self.cfg.front_layers, len(self.blocks)), masks)
         x = state["x"]
         if self.mudd_head is not None:
             x = self.mudd_head.mix_into(x, (state["x_in"], state["backout"], state["previous"], state["value_embeds"][0],
@@ -3079,13 +3078,12 @@ def build_optimizers(model: GPT, cfg: Config) -> list[torch.optim.Optimizer]:
     matrices = model.matrix_params()
     dim, qk = cfg.model_dim, cfg.muon_qk_blocks
     attn_split = 4 if qk == 1 else ((dim // qk, 2 * qk), (dim, 2))  # Q and K in qk blocks each, then V and O
-    attn_layers = [i for i, block in enumerate(model.blocks) if block.attn is not None]
-    mlp_layers = list(range(len(model.blocks)))
+    layer_of = {p: i for i, block in enumerate(model.blocks) for p in block.parameters()}
     muon = Muon([dict(params=matrices["attn"], split=attn_split), dict(params=matrices["mlp_in"]),
                  dict(params=matrices["mlp_out"], lr_mul=cfg.muon_proj_lr_mul)],
                 lr=cfg.muon_lr, momentum=cfg.muon_momentum, weight_decay=cfg.muon_weight_decay,
                 beta2=cfg.normuon_beta2, shape_lr=cfg.muon_shape_lr, use_triton=model.kernels.newton_schulz,
-                layers=attn_layers + mlp_layers + mlp_layers)
+                layers=[layer_of[p] for kind in ("attn", "mlp_in", "mlp_out") for p in matrices[kind]])
     bigram = [model.bigram_embed.weight] if model.bigram_embed is not None else []
     tables = [ve.weight for ve in model.value_embeds] + bigram
     scalars = [model.skip_gate] + [block.value_scales for block in model.blocks]
@@ -3099,13 +3097,18 @@ def build_optimizers(model: GPT, cfg: Config) -> list[torch.optim.Optimizer]:
     gates = [block.attn.gate_w for block in model.blocks if block.attn is not None and block.attn.gate_w is not None]
     xsa = [b.attn.xsa_alpha for b in model.blocks if b.attn is not None and b.attn.xsa_alpha is not None]
     mixes = [mix for mix in (model.mudd_layer, model.mudd_head) if mix is not None]
-    record_gates = [model.token_gates.pre, model.token_gates.post] if model.token_gates is not None else []
+    token_gates = model.token_gates
+    record_gates = [token_gates.pre, token_gates.post] if token_gates is not None else []
+    # the gate MLPs' learned output scale trains with their biases
+    gate_scale = (token_gates.scale,) if token_gates is not None and token_gates.scale is not None else ()
     wd = cfg.adam_weight_decay
 
-    def mix_groups(mixes: list[DenseMix], lr: float, **betas) -> list[dict]:
-        """Adam groups of DenseMix MLPs: their weights with weight decay, their biases without."""
+    def mix_groups(mixes: list[DenseMix], lr: float, undecayed: tuple = (), **betas) -> list[dict]:
+        """Adam groups of DenseMix MLPs: their weights with weight decay, their biases (and `undecayed`) without."""
+        if not mixes:
+            return []
         return [dict(params=[p for mix in mixes for p in (mix.w1, mix.w2)], lr=lr, weight_decay=wd, **betas),
-                dict(params=[mix.bias for mix in mixes], lr=lr, weight_decay=0.0, **betas)] if mixes else []
+                dict(params=[mix.bias for mix in mixes] + list(undecayed), lr=lr, weight_decay=0.0, **betas)]
 
     adam = DistAdam([dict(params=tables, lr=cfg.adam_lr * cfg.embed_lr_mul, betas=cfg.table_betas,
                           weight_decay=wd * cfg.table_wd_mul),
@@ -3125,15 +3128,13 @@ def build_optimizers(model: GPT, cfg: Config) -> list[torch.optim.Optimizer]:
                     + ([dict(params=xsa, lr=cfg.adam_lr, betas=(0.9, 0.95), weight_decay=0.0)] if xsa else [])
                     # MUDD's mixing MLPs at a quarter of the base lr (speedrun 2026-04-22); the 2026-05-27 record's
                     # gate MLPs at a tenth, betas 0.9 / 0.99
-                    + mix_groups(mixes, cfg.adam_lr * 0.25) + mix_groups(record_gates, cfg.adam_lr * 0.1, betas=(0.9, 0.99))
+                    + mix_groups(mixes, cfg.adam_lr * 0.25)
+                    + mix_groups(record_gates, cfg.adam_lr * 0.1, gate_scale, betas=(0.9, 0.99))
                     # the smear and skip gates learn slowly (speedrun 2025-12-21: lr x0.01 and x0.05)
                     + ([dict(params=[model.smear_gate_w], lr=cfg.adam_lr * 0.01, weight_decay=0.0)]
                        if model.smear_gate_w is not None else [])
                     + ([dict(params=[model.skip_gate_w], lr=cfg.adam_lr * 0.05, weight_decay=0.0)]
-                       if model.skip_gate_w is not None else [])
-                    # the gate MLPs' learned scale with their biases' settings
-                    + ([dict(params=[model.token_gates.scale], lr=cfg.adam_lr * 0.1, betas=(0.9, 0.99), weight_decay=0.0)]
-                       if model.token_gates is not None and model.token_gates.scale is not None else []),
+                       if model.skip_gate_w is not None else []),
                     lr=cfg.adam_lr, betas=cfg.adam_betas, eps=cfg.adam_eps,
                     sparse_params=bigram if cfg.sparse_bigram_comms else (),
                     compiled=cfg.compile and next(model.parameters()).is_cuda,

@@ -12,22 +12,18 @@ from helpers import BOS, TINY, cu_seqlens_of, random_tiny_model
 from test_mudd import random_batch
 
 
-def _windowed_attention(q, k, v, cu_seqlens, max_seqlen: int, window: int):
-    """Causal attention inside each document over the last `window` keys (FA3's window_size=(window - 1, 0))."""
-    T = q.size(0)
-    position = torch.arange(T)
-    document = torch.searchsorted(cu_seqlens, position, right=True)
-    mask = ((document[:, None] == document[None, :]) & (position[:, None] >= position[None, :])
-            & (position[:, None] - position[None, :] < window))
-    y = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                                         attn_mask=mask)
-    return y.transpose(0, 1).contiguous()
+SDPA = tg.SdpaAttention()
+
+
+def _windowed_attention(q, k, v, cu_seqlens, window: int):
+    """The SDPA backend's attention with FA3's semantics: causal, inside each document, over the last `window` keys."""
+    return SDPA(q, k, v, SDPA.prepare(q.size(0), cu_seqlens, {"S": window})["S"]).contiguous()
 
 
 @torch.library.custom_op("speedrun_test::varlen_window", mutates_args=())
 def varlen_window(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
                   window: int) -> torch.Tensor:
-    return _windowed_attention(q, k, v, cu_seqlens, max_seqlen, window)
+    return _windowed_attention(q, k, v, cu_seqlens, window)
 
 
 @varlen_window.register_fake
@@ -38,14 +34,14 @@ def _(q, k, v, cu_seqlens, max_seqlen, window):
 def _save(ctx, inputs, output):
     q, k, v, cu_seqlens, max_seqlen, window = inputs
     ctx.save_for_backward(q, k, v, cu_seqlens)
-    ctx.max_seqlen, ctx.window = max_seqlen, window
+    ctx.window = window
 
 
 def _backward(ctx, grad):
     q, k, v, cu_seqlens = ctx.saved_tensors
     with torch.enable_grad():
         q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-        y = _windowed_attention(q, k, v, cu_seqlens, ctx.max_seqlen, ctx.window)
+        y = _windowed_attention(q, k, v, cu_seqlens, ctx.window)
         return (*torch.autograd.grad(y, (q, k, v), grad), None, None, None)
 
 

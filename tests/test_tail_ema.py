@@ -70,10 +70,11 @@ def test_a_run_ends_with_its_weights_blended_with_their_tail_average(averaged_ru
     last = weights_at(plain_cfg)["model"]  # the weights after step 8, unblended
     final = weights_at(cfg)
     averaged = [name for name in last if name in NAMES or (cfg.tail_ema_all and not name.endswith("_signs"))]
+    after = {step: weights_at(cfg, step)["model"] for step in (4, 5, 6, 7)}  # the weights after each step
     for name in averaged:
-        average = weights_at(cfg, 4)["model"][name].double()
+        average = after[4][name].double()
         for step in (5, 6, 7):
-            average += 0.3 * (weights_at(cfg, step)["model"][name].double() - average)
+            average += 0.3 * (after[step][name].double() - average)
         average += 0.3 * (last[name].double() - average)
         torch.testing.assert_close(final["model"][name].double(), last[name].double() + 0.65 * (average - last[name]),
                                    rtol=1e-5, atol=1e-6)
