@@ -247,9 +247,6 @@ class Config:
     tail_ema_decay: float = _optim(0.9933, "per-step decay of the tail average of the embedding and head")
     tail_ema_blend: float = _optim(0.65, "share of the tail average in the final embedding and head")
     tail_ema_all: bool = _optim(False, "the tail average and its blend cover every parameter, not only embedding and head")
-    # The speedrun's code sums its loss over a rank's tokens and leaves the multi-token weights unnormalised, so its
-    # gradient grows 2x and 3x at the batch increases and Adam's steps run larger until its second moment catches up.
-    summed_loss: bool = _optim(False, "scale each step's loss by its batch over stage 0's and its multi-token weights' sum")
     # ---- speed switches
     compile: bool = _speed(True, "torch.compile the model, over compile_scope")
     # auto: see compile_model for why whole. split: two graphs, layers before split_layer and the rest, so that the
@@ -2517,13 +2514,6 @@ class Schedule:
             weights = [a + (b - a) * t for a, b in self.mtp[stage]]
         return weights + [0.0] * (self.mtp_offsets - len(weights))
 
-    def loss_scale(self, step: int) -> float:
-        """What the step's mean loss is multiplied by for its gradient: 1, or with --summed_loss the step's batch in
-        units of the first stage's times its multi-token weights' sum."""
-        if not self.cfg.summed_loss:
-            return 1.0
-        return self.micro_batches(step) / self.batches[0] * sum(self.mtp_weights(step))
-
     def micro_batches_before(self, step: int) -> int:
         """Micro-batches of all steps before this one, summed over all ranks."""
         return sum(self.micro_batches(s) for s in range(step))
@@ -3179,9 +3169,9 @@ def forward_loss(model: GPT, batch: ForwardBatch, windows: tuple[int, int]) -> T
 
 
 def train_step(model: GPT, optimizers, batches: Prefetcher, windows: tuple[int, int], forwards: int,
-               mark=None, loss_scale: float = 1.0) -> Tensor:
+               mark=None) -> Tensor:
     """Forward/backward over this rank's micro-batches, `forwards` batches of them, then the optimizers.
-    Returns the mean loss; the gradients are of it times loss_scale (Schedule.loss_scale).
+    Returns the mean loss.
 
     Each forward's loss is a mean over its tokens (its micro-batches all have the same length); dividing
     by the local forward count and then averaging over ranks (inside the optimizers) gives the mean over
@@ -3204,7 +3194,7 @@ def train_step(model: GPT, optimizers, batches: Prefetcher, windows: tuple[int, 
                     opt.before_last_backward(sparse_rows)
         loss = forward_loss(model, batch, windows)
         mark("forward")
-        (loss * (loss_scale / forwards)).backward()
+        (loss / forwards).backward()
         mark("backward")
         # a copy: under --compile_mode=reduce-overhead the next replay of the CUDA graph reuses loss's memory
         total = loss.detach().clone() if total is None else total + loss.detach()
@@ -3690,7 +3680,7 @@ class TrainingRun:
             diloco.step = step + 1  # what a peer healing from us during this step resumes at
         launch_started = time.perf_counter()
         loss = train_step(self.model, self.optimizers, self.batches, schedule.windows(step),
-                          self.trainer.forwards(step, comm.world_size), loss_scale=schedule.loss_scale(step))
+                          self.trainer.forwards(step, comm.world_size))
         launch_ms = 1000 * (time.perf_counter() - launch_started)
         if diloco is not None and diloco.step != step + 1:  # healed from a peer inside this step
             self.log(f"diloco: recovered weights and optimizer state from a peer; step {step + 1} -> {diloco.step}; "

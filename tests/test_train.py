@@ -16,7 +16,7 @@ import torch
 
 import train_gpt as tg
 from helpers import (BOS, REPO, TINY, TOKENS, VOCAB, cu_seqlens_of, learnable_documents, run_on_ranks,
-                     random_tiny_model, train_scheduled_steps, write_shard)
+                     train_scheduled_steps, write_shard)
 
 BATCHES = dict(bos=BOS, vocab_size=VOCAB)  # bos_aligned_batches' arguments for these shards
 
@@ -741,43 +741,6 @@ def test_sqrt_cooldown_goes_the_square_root_of_the_way_down():
         assert math.isclose(sqrt.lr_multiplier(step), 1.0 - 0.9 * math.sqrt(t))
     with pytest.raises(tg.UserError, match="--cooldown_shape=cosine: use linear or sqrt"):
         tg.validate_config(dataclasses.replace(linear.cfg, cooldown_shape="cosine"))
-
-
-def test_summed_loss_scales_each_steps_gradient_by_its_batch_and_multi_token_weights():
-    """--summed_loss: 480 steps in stages of 8/16/24 micro-batches, multi-token weights 1,0.5,0.25>0 / 1,0.5>0 / 1:
-    the scale is the batch over stage 0's times the weights' sum; train_step's gradients are the mean loss's times
-    it (an optimizer stand-in keeps what step() sees); without the flag the scale is 1."""
-    cfg = tg.Config(num_iterations=480, extension_steps=40, summed_loss=True)
-    s = tg.Schedule(cfg)
-    for step, want in ((0, 1.75), (160, 3.0), (319, 2 * (1 + 0.5 / 160)), (320, 3.0), (519, 3.0)):
-        assert s.loss_scale(step) == pytest.approx(want)
-    assert tg.Schedule(dataclasses.replace(cfg, summed_loss=False)).loss_scale(160) == 1.0
-
-    class KeepGrads:
-        def __init__(self, params):
-            self.params, self.grads = params, None
-
-        def step(self):
-            self.grads = [p.grad.clone() for p in self.params]
-
-        def zero_grad(self, set_to_none=True):
-            for p in self.params:
-                p.grad = None
-    tiny, _ = tg.parse_cli(["--device=cpu", *TINY])
-    model = random_tiny_model(tiny)  # every matrix drawn: zero output projections would leave fc_w without gradient
-    grads = []
-    for scale in (1.0, 4.0):  # a power of two: the scaled gradients are exactly 4 times
-        keep = KeepGrads([block.mlp.fc_w for block in model.blocks] + [model.lm_head.weight])
-        batches = tg.prefetch(tg.dummy_batches(tiny, seed=1), tiny, torch.device("cpu"), packed=1)
-        try:
-            loss = tg.train_step(model, [keep], batches, (32, 64), forwards=2, loss_scale=scale)
-        finally:
-            batches.close()
-        grads.append(keep.grads)
-        assert torch.isfinite(loss)
-    for plain, scaled in zip(*grads):
-        assert plain.abs().sum() > 0
-        torch.testing.assert_close(scaled, 4 * plain, rtol=1e-6, atol=0)
 
 
 def test_the_final_validation_may_keep_the_last_rotary_tables():

@@ -21,7 +21,7 @@ FLAG_SETS = {
                                    "--token_gates=1", "--compile_scope=split", "--gate_scale_learned=1"],
     "trigrams_tail_average": ["--sublayer_scales=1", "--mudd=1", "--token_gates=1", "--bigram_dims=24",
                               "--bigram_signs=16", "--trigram_rows=64", "--tail_ema_from=0.5", "--mlp_out_init_std=0.5",
-                              "--cooldown_shape=sqrt", "--summed_loss=1"],
+                              "--cooldown_shape=sqrt"],
 }
 
 
