@@ -144,8 +144,6 @@ class Config:
     # The speedrun 2026-05-27 record's per-token gates (TokenGates): two small MLPs, of x0 and of the stream after layer skip_from,
     # give each layer's x0 and bigram scales, XSA strengths, the output gates of two layers and the skip's gate.
     token_gates: bool = _model(False, "per-token x0/bigram scales, XSA strengths, output and skip gates from two MLPs")
-    # the speedrun's code after its 2026-05-27 record learns the gate MLPs' output scale ("for stability")
-    gate_scale_learned: bool = _model(False, "the two gate MLPs' output scale (0.1) is one learned scalar")
     skip_from: int = _model(3, "layer whose output is added, gated, to the input of layer skip_to")
     skip_to: int = _model(6, "layer whose input takes skip_from's output")
     # The head's logits x become cap * sigmoid((x + offset) / divisor) (speedrun 2024-11; 2025-12-26: 23, 5, 7.5).
@@ -529,7 +527,6 @@ def validate_config(cfg: Config) -> None:
          f"--attn_input_from={cfg.attn_input_from}: use a layer 0 .. num_layers-2 ({cfg.num_layers - 2}), or -1")
     need(-1 <= cfg.backout_from < cfg.num_layers,
          f"--backout_from={cfg.backout_from}: use a layer 0 .. num_layers-1 ({cfg.num_layers - 1}), or -1 for none")
-    need(not cfg.gate_scale_learned or cfg.token_gates, "--gate_scale_learned=1 needs --token_gates=1")
     need(not cfg.token_gates or (cfg.sublayer_scales and 0 <= cfg.skip_from < cfg.num_layers - 1),
          "--token_gates=1 needs --sublayer_scales=1 and --skip_from below the last layer (the second MLP reads the "
          "stream after it)")
@@ -1135,11 +1132,10 @@ class DenseMix(nn.Module):
         self.w2.zero_()
         self.bias.copy_(torch.tensor(self.initial) / self.SCALE)
 
-    def forward(self, x: Tensor, scale: Tensor | None = None) -> Tensor:
-        """[T, dim] -> [T, len(initial)]; `scale`, a learned [1] in place of SCALE (the same at the start)."""
+    def forward(self, x: Tensor) -> Tensor:
+        """[T, dim] -> [T, len(initial)]."""
         hidden = F.gelu(x @ self.w1.to(x.dtype).T)
-        scale = self.SCALE if scale is None else scale.to(x.dtype)
-        return (hidden @ self.w2.to(x.dtype).T + self.bias.to(x.dtype)) * scale
+        return (hidden @ self.w2.to(x.dtype).T + self.bias.to(x.dtype)) * self.SCALE
 
     def mix_into(self, x: Tensor, sources) -> Tensor:
         """x plus the sources ([T, dim] each, one per weight) weighted per token by this MLP of x."""
@@ -1169,12 +1165,10 @@ class TokenGates(nn.Module):
     give, per layer with attention, the x0 and bigram scales (0 and 0.05 at the start; not for MUDD's last layer,
     whose scales MUDD gives), the XSA strength of each head on the XSA layers (tanh of it; 0), and on layers
     skip_from and the last an output gate per head (0.25; the other layers have none); and the skip's gate, times
-    sigmoid(skip_gate) (0.5). With --gate_scale_learned both MLPs' outputs are times one learned scalar, from
-    DenseMix.SCALE, instead of that constant."""
+    sigmoid(skip_gate) (0.5)."""
 
     def __init__(self, cfg: Config):
         super().__init__()
-        self.scale = nn.Parameter(torch.tensor([DenseMix.SCALE])) if cfg.gate_scale_learned else None
         self.split = cfg.skip_from + 1
         last, heads = cfg.num_layers - 1, cfg.num_heads
         initial = ([], [])
@@ -1191,12 +1185,6 @@ class TokenGates(nn.Module):
                 side.extend(values)
             self.lanes.append(lanes)
         self.pre, self.post = DenseMix(cfg.model_dim, initial[0]), DenseMix(cfg.model_dim, initial[1])
-
-    def pre_lanes(self, x0: Tensor) -> Tensor:
-        return self.pre(x0, self.scale)
-
-    def post_lanes(self, x: Tensor) -> Tensor:
-        return self.post(x, self.scale)
 
     def lane(self, i: int, name: str, pre: Tensor, post: Tensor | None) -> Tensor | None:
         if name not in self.lanes[i]:
@@ -1319,8 +1307,6 @@ class GPT(nn.Module):
         for mix in (self.mudd_layer, self.mudd_head, *gates):
             if mix is not None:
                 mix.reset_parameters()
-        if self.token_gates is not None and self.token_gates.scale is not None:
-            self.token_gates.scale.fill_(DenseMix.SCALE)
 
     def matrix_params(self) -> dict[str, list[nn.Parameter]]:
         """The hidden matrices (for Muon), by kind."""
@@ -1421,7 +1407,7 @@ class GPT(nn.Module):
         bigram = self.bigram_input(tokens, starts, bigram_rows) if bigram_rows is not None else None
         first_bigram = bigram
         gates = self.token_gates
-        pre = gates.pre_lanes(x0) if gates is not None else None
+        pre = gates.pre(x0) if gates is not None else None
         if bigram is not None and self.blocks[0].injection is not None:  # the bigram enters before layer 0 there
             x, first_bigram = x0 + self.blocks[0].injection[1].to(x0.dtype) * bigram, None
         elif bigram is not None and gates is not None and "inject" in gates.lanes[0]:
@@ -1453,7 +1439,7 @@ class GPT(nn.Module):
         for i in layers:
             block = self.blocks[i]
             if gates is not None and i == gates.split:
-                state["post"] = gates.post_lanes(x)
+                state["post"] = gates.post(x)
             pre, post = state["pre"], state["post"]
             if i == cfg.skip_to:
                 gate = torch.sigmoid(self.skip_gate).to(x.dtype)
@@ -3088,18 +3074,13 @@ def build_optimizers(model: GPT, cfg: Config) -> list[torch.optim.Optimizer]:
     gates = [block.attn.gate_w for block in model.blocks if block.attn is not None and block.attn.gate_w is not None]
     xsa = [b.attn.xsa_alpha for b in model.blocks if b.attn is not None and b.attn.xsa_alpha is not None]
     mixes = [mix for mix in (model.mudd_layer, model.mudd_head) if mix is not None]
-    token_gates = model.token_gates
-    record_gates = [token_gates.pre, token_gates.post] if token_gates is not None else []
-    # the gate MLPs' learned output scale trains with their biases
-    gate_scale = (token_gates.scale,) if token_gates is not None and token_gates.scale is not None else ()
+    record_gates = [model.token_gates.pre, model.token_gates.post] if model.token_gates is not None else []
     wd = cfg.adam_weight_decay
 
-    def mix_groups(mixes: list[DenseMix], lr: float, undecayed: tuple = (), **betas) -> list[dict]:
-        """Adam groups of DenseMix MLPs: their weights with weight decay, their biases (and `undecayed`) without."""
-        if not mixes:
-            return []
+    def mix_groups(mixes: list[DenseMix], lr: float, **betas) -> list[dict]:
+        """Adam groups of DenseMix MLPs: their weights with weight decay, their biases without."""
         return [dict(params=[p for mix in mixes for p in (mix.w1, mix.w2)], lr=lr, weight_decay=wd, **betas),
-                dict(params=[mix.bias for mix in mixes] + list(undecayed), lr=lr, weight_decay=0.0, **betas)]
+                dict(params=[mix.bias for mix in mixes], lr=lr, weight_decay=0.0, **betas)] if mixes else []
 
     adam = DistAdam([dict(params=tables, lr=cfg.adam_lr * cfg.embed_lr_mul, betas=cfg.table_betas,
                           weight_decay=wd * cfg.table_wd_mul),
@@ -3120,7 +3101,7 @@ def build_optimizers(model: GPT, cfg: Config) -> list[torch.optim.Optimizer]:
                     # MUDD's mixing MLPs at a quarter of the base lr (speedrun 2026-04-22); the 2026-05-27 record's
                     # gate MLPs at a tenth, betas 0.9 / 0.99
                     + mix_groups(mixes, cfg.adam_lr * 0.25)
-                    + mix_groups(record_gates, cfg.adam_lr * 0.1, gate_scale, betas=(0.9, 0.99))
+                    + mix_groups(record_gates, cfg.adam_lr * 0.1, betas=(0.9, 0.99))
                     # the smear and skip gates learn slowly (speedrun 2025-12-21: lr x0.01 and x0.05)
                     + ([dict(params=[model.smear_gate_w], lr=cfg.adam_lr * 0.01, weight_decay=0.0)]
                        if model.smear_gate_w is not None else [])

@@ -77,20 +77,16 @@ def test_a_gated_block_is_the_static_block_at_the_same_values():
     assert changed[5] and changed.sum() <= T - 5  # causal: rows before 5 cannot see row 5
 
 
-@pytest.mark.parametrize("learned_scale", [False, True])
-def test_each_layer_receives_its_lanes_of_the_two_gate_mlps(learned_scale):
+def test_each_layer_receives_its_lanes_of_the_two_gate_mlps():
     """Random gate MLPs: the x0 and bigram scales, XSA strengths and output gates each block receives are the lanes
     of pre(x0) and post(layer 1's output), and the skip into layer 2 adds sigmoid(skip_gate) * its lane times that
-    output; with --gate_scale_learned (here moved to 0.3) both MLPs' outputs are times the learned scale."""
-    cfg = gated_config(value_embed_init_std=0.5, gate_scale_learned=learned_scale)
+    output."""
+    cfg = gated_config(value_embed_init_std=0.5)
     model = random_tiny_model(cfg)
     gates = model.token_gates
     with torch.no_grad():
         for mix in (gates.pre, gates.post):
             mix.bias.normal_()
-        if learned_scale:
-            gates.scale.fill_(0.3)
-    scale = torch.tensor([0.3]) if learned_scale else None
     seen = {}
 
     def record(i):
@@ -103,11 +99,9 @@ def test_each_layer_receives_its_lanes_of_the_two_gate_mlps(learned_scale):
     loss_of(model, cfg, batch)
     for handle in handles:
         handle.remove()
-    pre = gates.pre(seen[0][1], scale).detach()  # of x0
+    pre = gates.pre(seen[0][1]).detach()  # of x0
     after_1 = seen["after_1"]  # layer 1's output: the skip's source and the second MLP's input
-    post = gates.post(after_1, scale).detach()
-    if learned_scale:  # 3 times the constant's lanes
-        torch.testing.assert_close(pre, 3 * gates.pre(seen[0][1]).detach())
+    post = gates.post(after_1).detach()
     torch.testing.assert_close(seen[2][0], after_1 + torch.sigmoid(model.skip_gate.detach()) * post[:, :1] * after_1)
     want = {0: (pre[:, 0:2], None, None), 1: (pre[:, 2:4], pre[:, 4:6], pre[:, 6:8]),
             2: (post[:, 1:3], None, None), 3: (post[:, 3:5], post[:, 5:7], post[:, 7:9])}
@@ -133,24 +127,6 @@ def test_the_gates_train_with_adam_at_the_records_settings():
     before = post.w2.detach().clone()
     train_scheduled_steps(model, optimizers, cfg, steps=4)
     assert not torch.equal(before, post.w2)
-
-
-def test_the_learned_gate_scale_starts_at_the_constant_and_trains_with_the_gates_biases():
-    cfg = gated_config(gate_scale_learned=True)
-    model, plain = (tg.GPT(c, tg.SdpaAttention(), torch.float32) for c in (cfg, gated_config()))
-    assert model.token_gates.scale.item() == pytest.approx(tg.DenseMix.SCALE) and plain.token_gates.scale is None
-    missing, unexpected = plain.load_state_dict(model.state_dict(), strict=False)
-    assert not missing and unexpected == ["token_gates.scale"]
-    batch = random_batch(cfg)
-    torch.testing.assert_close(loss_of(model, cfg, batch), loss_of(plain, cfg, batch))
-    optimizers = tg.build_optimizers(model, cfg)
-    adam = next(opt for opt in optimizers if isinstance(opt, tg.DistAdam))
-    group = next(g for g in adam.param_groups if any(p is model.token_gates.scale for p in g["params"]))
-    assert (group["lr"], group["betas"], group["weight_decay"]) == (pytest.approx(cfg.adam_lr * 0.1), (0.9, 0.99), 0.0)
-    train_scheduled_steps(model, optimizers, cfg, steps=4)
-    assert model.token_gates.scale.item() != pytest.approx(tg.DenseMix.SCALE, abs=1e-7)
-    with pytest.raises(tg.UserError, match="--gate_scale_learned=1 needs --token_gates=1"):
-        tg.validate_config(tg.parse_cli(["--device=cpu", *TINY, "--gate_scale_learned=1"])[0])
 
 
 def test_token_gates_launch_check():
