@@ -159,8 +159,6 @@ class Config:
     attn_scale: float = _model(0.1, "softmax scale of the QK-normed heads; raised as the long window grows")
     residual_init: float = _model(1.1, "initial scale of the residual in each layer's input")
     head_init_std: float = _model(0.005, "std of the head's normal initialisation; 0: zeros")
-    # the speedrun's pull request #347 (2026-07-27) starts the MLP output projections at 0.5 / sqrt(model_dim)
-    mlp_out_init_std: float = _model(0.0, "std of the MLP output projections' normal init, times model_dim^-0.5; 0: zeros")
     value_embed_init_std: float = _model(0.0, "std of the value-embedding tables' normal initialisation; 0: zeros")
     # 1: the speedrun's records add 2 sigmoid(gate) * value embedding to v unscaled (2026-01); 0.5 (--preset=plain):
     # the [0.5, 0.5] value lambdas of its records before 2026-01.
@@ -238,13 +236,6 @@ class Config:
     # weight shrinks by lr_eff * muon_weight_decay * lr each step, lr_eff the matrix's lr and lr its group's
     # scheduled one: the decay follows the lr squared.
     muon_weight_decay: float = _optim(1.2, "Muon's cautious weight decay, times the matrix's and the scheduled lr")
-    # An average of the embedding and head over the run's tail, blended into them at the end (TailEMA, the
-    # speedrun's pull request #347 of 2026-07-27: from step 848 of 1300, decay 0.9933, 65%); of all the weights with
-    # tail_ema_all (pull request #349 of 2026-08-08 blends half of an average of its last ~300 steps).
-    tail_ema_from: float = _optim(0.0, "fraction of the scheduled steps after which embedding and head are averaged; 0: off")
-    tail_ema_decay: float = _optim(0.9933, "per-step decay of the tail average of the embedding and head")
-    tail_ema_blend: float = _optim(0.65, "share of the tail average in the final embedding and head")
-    tail_ema_all: bool = _optim(False, "the tail average and its blend cover every parameter, not only embedding and head")
     # ---- speed switches
     compile: bool = _speed(True, "torch.compile the model, over compile_scope")
     # auto: see compile_model for why whole. split: two graphs, layers before split_layer and the rest, so that the
@@ -498,11 +489,6 @@ def validate_config(cfg: Config) -> None:
     need(cfg.device in ("cuda", "cpu"), f"--device={cfg.device}: use cuda or cpu")
     need(cfg.attn_backend in ("auto", "fa3", "flex", "sdpa"), f"--attn_backend={cfg.attn_backend}: use auto, fa3, flex or sdpa")
     need(cfg.cooldown_shape in ("linear", "sqrt"), f"--cooldown_shape={cfg.cooldown_shape}: use linear or sqrt")
-    need(0.0 <= cfg.tail_ema_from < 1.0 and 0.0 < cfg.tail_ema_decay < 1.0 and 0.0 <= cfg.tail_ema_blend <= 1.0,
-         f"--tail_ema_from={cfg.tail_ema_from} --tail_ema_decay={cfg.tail_ema_decay} --tail_ema_blend="
-         f"{cfg.tail_ema_blend}: use a fraction in [0, 1), a decay in (0, 1) and a share in [0, 1]")
-    need(not (cfg.diloco and cfg.tail_ema_from), "--tail_ema_from with --diloco=1: replicas would average apart; "
-         "use one of them")
     need(cfg.compile_scope in ("auto", "whole", "split", "regional"),
          f"--compile_scope={cfg.compile_scope}: use auto, whole, split or regional")
     need(0 <= cfg.split_layer < cfg.num_layers,
@@ -1292,10 +1278,7 @@ class GPT(nn.Module):
             if block.attn is not None:
                 block.attn.qkvo_w.uniform_(-bound, bound)
             block.mlp.fc_w.uniform_(-bound, bound)
-            if self.cfg.mlp_out_init_std:
-                block.mlp.proj_w.normal_(std=self.cfg.mlp_out_init_std * dim ** -0.5)
-            else:
-                block.mlp.proj_w.zero_()
+            block.mlp.proj_w.zero_()
         self.lm_head.weight.normal_(std=self.cfg.head_init_std) if self.cfg.head_init_std else self.lm_head.weight.zero_()
         if self.cfg.tie_embed:
             self.embed.weight.copy_(self.lm_head.weight)
@@ -3477,40 +3460,6 @@ def train(cfg: Config, comm: Comm, log: RunLog) -> TrainResult:
     return run.report()
 
 
-class TailEMA:
-    """--tail_ema_from: a float32 exponential moving average of the token embedding and the head (--tail_ema_all: of
-    every parameter), started from their weights after step `start` and updated after every later step, then
-    blended into them before the final validation. Nothing is sent: every rank holds the same weights, so the
-    same average."""
-
-    def __init__(self, model: GPT, cfg: Config):
-        self.params = list(model.parameters()) if cfg.tail_ema_all else [model.embed.weight, model.lm_head.weight]
-        self.start = max(1, round(cfg.tail_ema_from * cfg.num_iterations))
-        self.decay, self.blend = cfg.tail_ema_decay, cfg.tail_ema_blend
-        self.average: list[Tensor] | None = None
-
-    def after_step(self, done: int):
-        """`done` steps are done."""
-        if done < self.start:
-            return
-        weights = [p.detach() for p in self.params]
-        if self.average is None:
-            self.average = [w.float().clone() for w in weights]
-        else:
-            torch._foreach_lerp_(self.average, [w.float() for w in weights], 1.0 - self.decay)
-
-    @torch.no_grad()
-    def blend_into_weights(self):
-        for p, average in zip(self.params, self.average or []):
-            p.lerp_(average.to(p.dtype), self.blend)
-
-    def state_dict(self) -> list[Tensor] | None:
-        return None if self.average is None else [a.cpu().clone() for a in self.average]
-
-    def load_state_dict(self, state: list[Tensor] | None):
-        self.average = None if state is None else [a.to(p.device) for a, p in zip(state, self.params)]
-
-
 class TrainingRun:
     """The timed loop and what it keeps between steps. Between two steps it may validate and write a checkpoint,
     with the clock paused: train_time counts the steps only."""
@@ -3522,7 +3471,6 @@ class TrainingRun:
                                                                    trainer.schedule, trainer.device)
         self.train_paths, self.val_paths = train_paths, val_paths
         self.diloco = StreamingDiLoCo(cfg, self.model, self.optimizers, self.device, log) if cfg.diloco else None
-        self.tail_ema = TailEMA(self.model, cfg) if cfg.tail_ema_from else None
         self.watch = LossWatch(comm, self.device)
         self.val_losses: list[tuple[int, float]] = []
         self.reported = 0  # training losses already averaged into a validation line
@@ -3544,10 +3492,6 @@ class TrainingRun:
         self.val_losses = [tuple(entry) for entry in checkpoint["val_losses"]]
         if self.diloco is not None:
             self.diloco.load_state_dict(checkpoint["diloco"], self.start_step)
-        if self.tail_ema is not None:
-            self.tail_ema.load_state_dict(checkpoint.get("tail_ema"))
-            if self.tail_ema.average is None and self.start_step > self.tail_ema.start:
-                self.log(f"note: the checkpoint holds no tail average; it starts at step {self.start_step}")
         self.log(f"resumed from {self.cfg.resume} at step {self.start_step}")
 
     def batches_from(self, step: int) -> Prefetcher:
@@ -3599,11 +3543,6 @@ class TrainingRun:
                 last = step == N
                 if last and self.diloco is not None:
                     self.diloco.sync_every_fragment()
-                if last and self.tail_ema is not None and step != self.start_step:
-                    self.tail_ema.blend_into_weights()
-                    what = "every parameter" if self.cfg.tail_ema_all else "the embedding and head"
-                    self.log(f"tail average of steps {self.tail_ema.start}..{step} blended into {what}: "
-                             f"{self.tail_ema.blend:.0%} of it")
                 if schedule.validates(step) and not (cfg.resume and step == self.start_step):  # else it is logged
                     self.validate(step)
                 periodic = cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and 0 < step < N
@@ -3645,7 +3584,6 @@ class TrainingRun:
         save_checkpoint(path, self.model, self.optimizers, self.cfg, self.comm, self.device, step,
                         dict(train_time_ms=self.train_time_ms, train_losses=self.watch.losses, reported=self.reported,
                              val_losses=self.val_losses, data=data_fingerprint(self.train_paths),
-                             **({"tail_ema": self.tail_ema.state_dict()} if self.tail_ema is not None else {}),
                              **({"diloco": self.diloco.state_dict()} if self.diloco is not None else {})))
         self.log(f"checkpoint: {path} at step {step}")
         self.start_clock()
@@ -3670,8 +3608,6 @@ class TrainingRun:
             step = diloco.step - 1
             self.batches.close()  # a restarted replica read from the start of its share: go on where the peer is
             self.batches = self.batches_from(diloco.step)
-        if self.tail_ema is not None:
-            self.tail_ema.after_step(step + 1)
         self.watch.push(step, loss)
         elapsed_ms = self.train_time_ms + 1000 * (time.perf_counter() - self.clock)
         self.step_times.add(step + 1, elapsed_ms - self.previous_ms, launch_ms)
