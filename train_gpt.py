@@ -101,9 +101,7 @@ class Config:
     # The speedrun's code widens the final long window without rescaling its rotary tables (2026-07)
     final_yarn: bool = _run(True, "the final validation's longer window rescales the rotary tables (YaRN); 0: keeps them")
     window_block: int = _run(128, "tokens per unit of the attention windows")
-    cooldown_frac: float = _run(0.55, "last fraction of the scheduled steps, over which the lr decays")
-    # sqrt: after a fraction t of the cooldown the lr has gone sqrt(t) of the way down (Hagele et al. 2024)
-    cooldown_shape: str = _run("linear", "how the lr decays over the cooldown: linear | sqrt (1 - sqrt(t) of the way left)")
+    cooldown_frac: float = _run(0.55, "last fraction of the scheduled steps, over which the lr decays linearly")
     final_lr_frac: float = _run(0.1, "lr multiplier at the end of the cooldown, kept by the extension steps")
     val_loss_every: int = _run(250, "steps between validations; 0: validate only at the end")
     seed: int = _run(0, "seed of the initial weights and the warm-up's batches, not of the data order")
@@ -488,7 +486,6 @@ def validate_config(cfg: Config) -> None:
 
     need(cfg.device in ("cuda", "cpu"), f"--device={cfg.device}: use cuda or cpu")
     need(cfg.attn_backend in ("auto", "fa3", "flex", "sdpa"), f"--attn_backend={cfg.attn_backend}: use auto, fa3, flex or sdpa")
-    need(cfg.cooldown_shape in ("linear", "sqrt"), f"--cooldown_shape={cfg.cooldown_shape}: use linear or sqrt")
     need(cfg.compile_scope in ("auto", "whole", "split", "regional"),
          f"--compile_scope={cfg.compile_scope}: use auto, whole, split or regional")
     need(0 <= cfg.split_layer < cfg.num_layers,
@@ -2501,7 +2498,6 @@ class Schedule:
         cooldown_start = self.num_iterations * (1 - self.cfg.cooldown_frac)
         if step >= cooldown_start:
             t = min((step - cooldown_start) / max(self.num_iterations - cooldown_start, 1), 1.0)
-            t = math.sqrt(t) if self.cfg.cooldown_shape == "sqrt" else t
             lr = lr * (1 - t) + self.cfg.final_lr_frac * t
         return lr
 

@@ -728,19 +728,15 @@ def test_schedule_is_a_function_of_the_step():
     assert s.muon_momentum(0) == 0.85 and s.muon_momentum(50) == 0.95 and s.muon_momentum(89) < 0.95
 
 
-def test_sqrt_cooldown_goes_the_square_root_of_the_way_down():
+def test_the_lr_cools_down_linearly():
     """Cooldown over steps 40 .. 100 of 100, from 1.0 to 0.1: a quarter of the way through it (step 55) the lr has
-    gone half of the way down with sqrt (0.55), a quarter with linear (0.775); the extension keeps 0.1."""
-    linear = tg.Schedule(tg.Config(num_iterations=100, extension_steps=5, batch_schedule="8", lr_schedule="1.0",
-                                   window_schedule="1:3", cooldown_frac=0.6, final_lr_frac=0.1))
-    sqrt = tg.Schedule(dataclasses.replace(linear.cfg, cooldown_shape="sqrt"))
-    assert math.isclose(sqrt.lr_multiplier(55), 0.55) and math.isclose(linear.lr_multiplier(55), 0.775)
+    gone a quarter of the way down (0.775); the extension keeps 0.1."""
+    s = tg.Schedule(tg.Config(num_iterations=100, extension_steps=5, batch_schedule="8", lr_schedule="1.0",
+                              window_schedule="1:3", cooldown_frac=0.6, final_lr_frac=0.1))
+    assert math.isclose(s.lr_multiplier(55), 0.775)
     for step in (0, 40, 41, 55, 70, 99, 100, 104):
         t = min(max((step - 40) / 60, 0.0), 1.0)
-        assert math.isclose(linear.lr_multiplier(step), 1.0 - 0.9 * t)
-        assert math.isclose(sqrt.lr_multiplier(step), 1.0 - 0.9 * math.sqrt(t))
-    with pytest.raises(tg.UserError, match="--cooldown_shape=cosine: use linear or sqrt"):
-        tg.validate_config(dataclasses.replace(linear.cfg, cooldown_shape="cosine"))
+        assert math.isclose(s.lr_multiplier(step), 1.0 - 0.9 * t)
 
 
 def test_the_final_validation_may_keep_the_last_rotary_tables():

@@ -20,7 +20,7 @@ FLAG_SETS = {
     "record_ideas_in_two_graphs": ["--sublayer_scales=1", "--attn_input_from=1", "--xsa_layers=1,3", "--mudd=1",
                                    "--token_gates=1", "--compile_scope=split"],
     "trigrams": ["--sublayer_scales=1", "--mudd=1", "--token_gates=1", "--bigram_dims=24",
-                 "--bigram_signs=16", "--trigram_rows=64", "--cooldown_shape=sqrt"],
+                 "--bigram_signs=16", "--trigram_rows=64"],
 }
 
 
