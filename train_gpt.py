@@ -189,10 +189,6 @@ class Config:
     bigram_dims: int = _model(0, "leading channels of the residual stream the bigram embedding adds into; 0: all")
     bigram_signs: int = _model(0, "random +-1 vectors multiplying the bigram rows, picked per (previous token, token); "
                                   "0: none")
-    # Hashed trigrams too (n-gram input embeddings, after Huang et al. 2025, "Over-Tokenized Transformer"): each
-    # position also adds the row of (token two back, previous token, token) from trigram_rows more rows of the bigram
-    # table, with its own sign vector; a position without two earlier tokens in its document takes a reserved row.
-    trigram_rows: int = _model(0, "rows added to the bigram table for hashed (token two back, previous, token); 0: off")
     # ---- optimizers
     # Adam's groups (betas, weight decay multipliers: speedrun 2025-12 records): the value-embedding and bigram
     # tables ("table"), the token embedding, the head, and the scalars (adam_betas). Weight decay is cautious and
@@ -540,9 +536,6 @@ def validate_config(cfg: Config) -> None:
     need(cfg.micro_batch_tokens % 128 == 0, "--micro_batch_tokens must be a multiple of 128")
     need(cfg.bigram_rows == 0 or (cfg.bigram_rows >= 16 and cfg.bigram_rows % 8 == 0),
          f"--bigram_rows={cfg.bigram_rows}: use 0 (off) or a multiple of 8 (rows are split evenly over ranks)")
-    need(cfg.trigram_rows == 0 or (cfg.bigram_rows and cfg.trigram_rows >= 16 and cfg.trigram_rows % 8 == 0),
-         f"--trigram_rows={cfg.trigram_rows}: use 0 (off) or a multiple of 8, with --bigram_rows on (the trigram rows "
-         "extend its table)")
     need(0 <= cfg.bigram_dims <= cfg.model_dim and cfg.bigram_signs >= 0,
          f"--bigram_dims={cfg.bigram_dims} --bigram_signs={cfg.bigram_signs}: use 0 .. model_dim ({cfg.model_dim}) "
          "channels (0: all) and 0 or more sign vectors")
@@ -1249,8 +1242,7 @@ class GPT(nn.Module):
         else:
             self.mudd_layer = self.mudd_head = None
         bigram_dims = cfg.bigram_dims or dim
-        # rows 0 .. bigram_rows-1 for bigrams, then trigram_rows for trigrams
-        self.bigram_embed = nn.Embedding(cfg.bigram_rows + cfg.trigram_rows, bigram_dims) if cfg.bigram_rows else None
+        self.bigram_embed = nn.Embedding(cfg.bigram_rows, bigram_dims) if cfg.bigram_rows else None
         if cfg.bigram_rows and cfg.bigram_signs:  # fixed, the same in every run and on every rank
             signs = torch.randint(0, 2, (cfg.bigram_signs, bigram_dims), generator=torch.Generator().manual_seed(0))
             self.register_buffer("bigram_signs", (2 * signs - 1).float(), persistent=False)
@@ -1338,8 +1330,8 @@ class GPT(nn.Module):
 
     def forward(self, tokens: Tensor, targets: Tensor | None, masks: dict, bigrams: Tensor | None = None) -> Tensor:
         """Mean cross-entropy over one forward's tokens (one or several packed micro-batches): tokens, targets
-        and bigram rows are [T] (bigram rows [T, 2] with --trigram_rows: the bigram's, the trigram's); without
-        targets the [T, padded vocab] soft-capped logits. Call prepare_grads() before a step's first backward."""
+        and bigram rows are [T]; without targets the [T, padded vocab] soft-capped logits. Call prepare_grads()
+        before a step's first backward."""
         token_tables = [self.embed.weight] + [ve.weight for ve in self.value_embeds]
         if self.cfg.row_embedding_grads:
             use_triton = self.kernels.rows
@@ -1350,12 +1342,10 @@ class GPT(nn.Module):
             token_rows, *value_rows = _RowLookup.apply(tokens, use_triton, dtypes, *token_tables)
             bigram_rows = None
             if self.bigram_embed is not None:
-                bigram_rows, = _RowLookup.apply(bigrams.reshape(-1), use_triton, (self.compute_dtype,),
-                                                self.bigram_embed.weight)
+                bigram_rows, = _RowLookup.apply(bigrams, use_triton, (self.compute_dtype,), self.bigram_embed.weight)
         else:
             token_rows, *value_rows = [F.embedding(tokens, table) for table in token_tables]
-            bigram_rows = (F.embedding(bigrams.reshape(-1), self.bigram_embed.weight) if self.bigram_embed is not None
-                           else None)
+            bigram_rows = F.embedding(bigrams, self.bigram_embed.weight) if self.bigram_embed is not None else None
         return self.trunk(tokens, token_rows, value_rows, bigram_rows, targets, masks)
 
     def trunk(self, tokens: Tensor, token_rows: Tensor, value_rows: list[Tensor], bigram_rows: Tensor | None, targets: Tensor,
@@ -1450,26 +1440,13 @@ class GPT(nn.Module):
 
     def bigram_input(self, tokens: Tensor, starts: Tensor, rows: Tensor) -> Tensor:
         """The bigram rows as the residual stream takes them: each times its sign vector, (previous token XOR
-        token) mod their count (0 where a document or micro-batch starts; speedrun 2026-05-20), plus with
-        --trigram_rows each trigram row times its sign vector, (3 * token two back XOR previous XOR token) mod the
-        count (0 where the position or the one before starts), and zero past bigram_dims."""
-        T = tokens.size(0)
+        token) mod their count (0 where a document or micro-batch starts; speedrun 2026-05-20), and zero past
+        bigram_dims."""
         bigram = rows.to(self.compute_dtype)
-        with_trigrams = bigram.size(0) == 2 * T  # each position's bigram row, then its trigram row
-        if with_trigrams:
-            bigram = bigram.view(T, 2, bigram.size(1))
         if self.bigram_signs is not None:
-            count = self.bigram_signs.size(0)
             previous = torch.cat([tokens[:1], tokens[:-1]])
-            index = torch.where(starts, 0, torch.bitwise_xor(previous, tokens) % count)
-            if with_trigrams:
-                two_back = torch.cat([tokens[:2], tokens[:-2]])
-                short = starts | torch.cat([starts[:1], starts[:-1]])
-                triple = torch.bitwise_xor(3 * two_back, torch.bitwise_xor(previous, tokens))
-                index = torch.stack([index, torch.where(short, 0, triple % count)], dim=1)
+            index = torch.where(starts, 0, torch.bitwise_xor(previous, tokens) % self.bigram_signs.size(0))
             bigram = bigram * self.bigram_signs[index].to(bigram.dtype)
-        if with_trigrams:
-            bigram = bigram.sum(1)
         narrower = self.cfg.model_dim - bigram.size(1)
         return F.pad(bigram, (0, narrower)) if narrower else bigram
 
@@ -2253,21 +2230,6 @@ def bigram_hash(tokens: np.ndarray, rows: int, bos: int) -> np.ndarray:
     return out
 
 
-def trigram_hash(tokens: np.ndarray, offset: int, rows: int, bos: int) -> np.ndarray:
-    """Row of the trigram part of the bigram table for each position: offset plus a multiplicative hash of (token
-    two back, previous token, token) into rows - 1 buckets; positions without two earlier tokens of their own
-    document (the window's first two, every BOS and the token after it) get the reserved row offset + rows - 1."""
-    t = tokens.astype(np.uint64)
-    triples = (t[:-2] * np.uint64(65536) + t[1:-1]) * np.uint64(65536) + t[2:]
-    mixed = (triples * np.uint64(0xC2B2AE3D27D4EB4F)) >> np.uint64(32)  # wraps mod 2**64, as intended
-    out = np.full(len(tokens), offset + rows - 1, dtype=np.int32)
-    out[2:] = offset + (mixed % np.uint64(rows - 1)).astype(np.int64)
-    at_bos = tokens == bos
-    out[at_bos] = offset + rows - 1
-    out[1:][at_bos[:-1]] = offset + rows - 1
-    return out
-
-
 def max_documents(seq_len: int) -> int:
     # Fixed length of cu_seqlens so FA3 sees one shape; 16 tokens per document on average is far
     # below what real text has.
@@ -2287,7 +2249,7 @@ class ForwardBatch:
     inputs: Tensor  # [T] int32
     targets: Tensor  # [T] int64
     cu_seqlens: Tensor  # [max_documents + 1] int32: document starts, then T repeated
-    bigrams: Tensor | None = None  # [T] int32 rows of the bigram embedding ([T, 2]: and of the trigram's)
+    bigrams: Tensor | None = None  # [T] int32 rows of the bigram embedding
     bigram_rows_used: np.ndarray | None = None  # sorted unique values of bigrams, on the host
     documents: int | None = None  # how many documents cu_seqlens starts (the rest is padding)
     longest_document: int | None = None
@@ -2296,15 +2258,14 @@ class ForwardBatch:
 class _Slot:
     """Host buffers for one forward: `packed` micro-batches of seq_len tokens, one after the other."""
 
-    def __init__(self, seq_len: int, pin: bool, bos: int, bigram_rows: int = 0, packed: int = 1, trigram_rows: int = 0):
+    def __init__(self, seq_len: int, pin: bool, bos: int, bigram_rows: int = 0, packed: int = 1):
         length = seq_len * packed
         self.bos = bos
         self.inputs = torch.empty(length, dtype=torch.int32, pin_memory=pin)
         self.targets = torch.empty(length, dtype=torch.int64, pin_memory=pin)
         self.cu_seqlens = torch.empty(max_documents(length) + 1, dtype=torch.int32, pin_memory=pin)
-        self.bigram_rows, self.trigram_rows = bigram_rows, trigram_rows
-        shape = (length, 2) if trigram_rows else (length,)
-        self.bigrams = torch.empty(shape, dtype=torch.int32, pin_memory=pin) if bigram_rows else None
+        self.bigram_rows = bigram_rows
+        self.bigrams = torch.empty(length, dtype=torch.int32, pin_memory=pin) if bigram_rows else None
         self.bigram_rows_used = None
         self.documents = self.longest_document = None
         self.copied = None  # CUDA event: the device copy out of this slot has finished
@@ -2319,11 +2280,7 @@ class _Slot:
             end = offset + len(inputs)
             self.inputs.numpy()[offset:end] = inputs
             self.targets.numpy()[offset:end] = window[1:]
-            if self.trigram_rows:
-                self.bigrams.numpy()[offset:end, 0] = bigram_hash(inputs, self.bigram_rows, self.bos)
-                self.bigrams.numpy()[offset:end, 1] = trigram_hash(inputs, self.bigram_rows, self.trigram_rows,
-                                                                   self.bos)
-            elif self.bigram_rows:
+            if self.bigram_rows:
                 self.bigrams.numpy()[offset:end] = bigram_hash(inputs, self.bigram_rows, self.bos)
             starts.append(micro_batch_document_starts(inputs, self.bos) + offset)
             offset = end
@@ -2349,12 +2306,11 @@ class Prefetcher:
     """
 
     def __init__(self, batches, seq_len: int, device: torch.device, slots: int = 4, bigram_rows: int = 0,
-                 packed: int = 1, *, bos: int, trigram_rows: int = 0):
+                 packed: int = 1, *, bos: int):
         self.device = device
         self.free, self.ready = queue.Queue(), queue.Queue()
         for _ in range(slots):
-            self.free.put(_Slot(seq_len, pin=device.type == "cuda", bos=bos, bigram_rows=bigram_rows, packed=packed,
-                                trigram_rows=trigram_rows))
+            self.free.put(_Slot(seq_len, pin=device.type == "cuda", bos=bos, bigram_rows=bigram_rows, packed=packed))
         self.closed = False
         self.source = batches
         self.thread = threading.Thread(target=self._fill, args=(batches, packed), daemon=True)
@@ -2411,7 +2367,7 @@ def prefetch(windows, cfg: Config, device: torch.device, packed: int) -> Prefetc
     """The one way a run loads its batches (training, validation and the warm-up's stand-ins): token windows in,
     forwards of `packed` micro-batches of the run's length, bigram rows and BOS token out."""
     return Prefetcher(windows, cfg.micro_batch_tokens, device, bigram_rows=cfg.bigram_rows, packed=packed,
-                      bos=cfg.bos_token, trigram_rows=cfg.trigram_rows)
+                      bos=cfg.bos_token)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -3668,7 +3624,7 @@ def generate(model: GPT, cfg: Config, prompt: list[int], windows: tuple[int, int
     The text sits at the start of one micro-batch, padded after it with token 0, which causal attention keeps
     from changing the text's logits."""
     length = cfg.micro_batch_tokens
-    slot = _Slot(length, pin=False, bos=cfg.bos_token, bigram_rows=cfg.bigram_rows, trigram_rows=cfg.trigram_rows)
+    slot = _Slot(length, pin=False, bos=cfg.bos_token, bigram_rows=cfg.bigram_rows)
     generator = torch.Generator().manual_seed(seed)
     tokens = list(prompt)
     while len(tokens) < min(len(prompt) + count, length):

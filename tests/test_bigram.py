@@ -110,21 +110,6 @@ def test_bigram_rows_must_split_over_ranks():
         tg.parse_cli(["--bigram_rows=1001"])
 
 
-def layer_0_bigram_input(model, cfg, tokens, rows):
-    """One forward and backward of the model on tokens with these bigram rows: the bigram input layer 0 took, with
-    its gradient, in a list."""
-    seen = []
-
-    def keep(_, args):
-        args[5].retain_grad()
-        seen.append(args[5])
-    model.blocks[0].register_forward_pre_hook(keep)
-    masks = model.prepare_masks(tokens, cu_seqlens_of(tokens, cfg.bos_token), (16, 32))
-    model.prepare_grads()
-    model(tokens, tokens.long(), masks, rows).backward()
-    return seen
-
-
 def test_signed_narrow_bigram_rows_enter_the_first_channels_times_their_sign_vector():
     """--bigram_dims and --bigram_signs: what the residual stream takes of the bigram table at each position is the
     looked-up row times the sign vector (previous token XOR token) mod the count, vector 0 where a document or a
@@ -144,7 +129,15 @@ def test_signed_narrow_bigram_rows_enter_the_first_channels_times_their_sign_vec
     tokens = torch.randint(0, VOCAB, (256,), dtype=torch.int32, generator=torch.Generator().manual_seed(2))
     tokens[[0, 40, 41]] = BOS
     bigrams = torch.from_numpy(tg.bigram_hash(tokens.numpy(), cfg.bigram_rows, cfg.bos_token))
-    seen = layer_0_bigram_input(model, cfg, tokens, bigrams)
+    seen = []
+
+    def keep(_, args):  # the bigram input of layer 0, its gradient kept
+        args[5].retain_grad()
+        seen.append(args[5])
+    model.blocks[0].register_forward_pre_hook(keep)
+    masks = model.prepare_masks(tokens, cu_seqlens_of(tokens, cfg.bos_token), (16, 32))
+    model.prepare_grads()
+    model(tokens, tokens.long(), masks, bigrams).backward()
     index = [0 if i == 0 or t == BOS else (int(tokens[i - 1]) ^ int(t)) % signs for i, t in enumerate(tokens.tolist())]
     rows = model.bigram_embed.weight[bigrams.long()] * model.bigram_signs[index]
     torch.testing.assert_close(seen[0][:, :dims], rows)
@@ -160,90 +153,3 @@ def test_signed_narrow_bigram_rows_enter_the_first_channels_times_their_sign_vec
 def test_bigram_dims_and_signs_are_checked():
     with pytest.raises(tg.UserError, match="--bigram_dims=800 --bigram_signs=0: use 0 .. model_dim"):
         tg.validate_config(tg.parse_cli(["--bigram_dims=800"])[0])
-
-
-def reference_trigram_hash(tokens, offset, rows):
-    """Plain-Python statement of the trigram hash: (token two back, previous, current) -> offset + a multiplicative
-    hash mod rows-1; fewer than two earlier tokens of the same document (the first two positions, a BOS, the token
-    after a BOS) -> the reserved row offset + rows - 1."""
-    out = []
-    for i, token in enumerate(tokens):
-        if i < 2 or token == BOS or tokens[i - 1] == BOS:
-            out.append(offset + rows - 1)
-        else:
-            triple = (int(tokens[i - 2]) * 65536 + int(tokens[i - 1])) * 65536 + int(token)
-            out.append(offset + ((triple * 0xC2B2AE3D27D4EB4F) % 2**64 >> 32) % (rows - 1))
-    return out
-
-
-def test_loader_trigram_rows_follow_the_bigram_rows_in_one_table():
-    rng = np.random.default_rng(1)
-    window = rng.integers(0, 50257, 257).astype(np.uint16)
-    window[[0, 17, 18, 100]] = BOS
-    batches = tg.Prefetcher(iter([window]), 256, torch.device("cpu"), bigram_rows=4096, bos=BOS, trigram_rows=2048)
-    batch = batches.next()
-    batches.close()
-    tokens = window[:-1].tolist()
-    assert batch.bigrams.shape == (256, 2)
-    assert batch.bigrams[:, 0].tolist() == reference_hash(tokens, 4096)
-    want = reference_trigram_hash(tokens, 4096, 2048)
-    assert batch.bigrams[:, 1].tolist() == want
-    reserved = 4096 + 2047
-    assert want[0] == want[1] == want[17] == want[18] == want[19] == want[100] == want[101] == reserved
-    assert min(want) >= 4096 and len(set(want)) > 200
-    assert batch.bigram_rows_used.tolist() == sorted(set(want) | set(reference_hash(tokens, 4096)))
-
-
-def test_signed_trigram_rows_add_to_the_signed_bigram_rows():
-    """--trigram_rows: the residual stream takes the signed bigram row plus the trigram row times its own sign vector,
-    (3 * token two back XOR previous XOR token) mod the count, vector 0 where the position or the one before starts
-    a document; each table row's gradient is the sum over the positions that looked it up, times their signs."""
-    dims, signs, trigram_rows = 24, 16, 512
-    cfg, _ = tg.parse_cli(TINY + [f"--bigram_dims={dims}", f"--bigram_signs={signs}", f"--trigram_rows={trigram_rows}"])
-    model = tg.GPT(cfg, tg.SdpaAttention(), torch.float32)
-    assert model.bigram_embed.weight.shape == (cfg.bigram_rows + trigram_rows, dims)
-    with torch.no_grad():
-        model.bigram_embed.weight.normal_()
-        model.lm_head.weight.normal_()
-    tokens = torch.randint(0, VOCAB, (256,), dtype=torch.int32, generator=torch.Generator().manual_seed(3))
-    tokens[[0, 40, 41, 90]] = BOS
-    numpy_tokens = tokens.numpy()
-    rows = torch.from_numpy(np.stack([tg.bigram_hash(numpy_tokens, cfg.bigram_rows, BOS),
-                                      tg.trigram_hash(numpy_tokens, cfg.bigram_rows, trigram_rows, BOS)], axis=1))
-    seen = layer_0_bigram_input(model, cfg, tokens, rows)
-    t = tokens.tolist()
-    first = [0 if i == 0 or t[i] == BOS else (t[i - 1] ^ t[i]) % signs for i in range(256)]
-    second = [0 if i < 2 or BOS in (t[i], t[i - 1]) else (3 * t[i - 2] ^ t[i - 1] ^ t[i]) % signs for i in range(256)]
-    table, sign = model.bigram_embed.weight, model.bigram_signs
-    torch.testing.assert_close(seen[0][:, :dims], table[rows[:, 0].long()] * sign[first]
-                               + table[rows[:, 1].long()] * sign[second])
-    assert len(set(second)) > 8 and second[41] == second[42] == 0
-    want = torch.zeros_like(table)
-    want.index_add_(0, rows[:, 0].long(), seen[0].grad[:, :dims] * sign[first])
-    want.index_add_(0, rows[:, 1].long(), seen[0].grad[:, :dims] * sign[second])
-    torch.testing.assert_close(table.grad, want)
-    assert want[cfg.bigram_rows:].abs().sum() > 0
-
-
-def test_trigram_rows_are_checked():
-    with pytest.raises(tg.UserError, match="--trigram_rows=100: use 0 .off. or a multiple of 8, with --bigram_rows on"):
-        tg.validate_config(tg.parse_cli(["--trigram_rows=100"])[0])
-    with pytest.raises(tg.UserError, match="--trigram_rows=1024: use 0"):
-        tg.validate_config(tg.parse_cli(["--trigram_rows=1024", "--bigram_rows=0"])[0])
-
-
-def test_training_steps_update_the_trigram_rows_they_read():
-    """The loader's [T, 2] rows through a few scheduled training steps: the trigram part of the table learns, and
-    only in the rows the batches touched."""
-    from helpers import train_scheduled_steps
-    cfg, _ = tg.parse_cli(["--device=cpu", *TINY, "--trigram_rows=1024"])
-    model = tg.GPT(cfg, tg.SdpaAttention(), torch.float32)
-    optimizers = tg.build_optimizers(model, cfg)
-    train_scheduled_steps(model, optimizers, cfg, steps=4)
-    moved = model.bigram_embed.weight.detach()[cfg.bigram_rows:].abs().sum(1) > 0
-    touched = set()
-    batches = tg.prefetch(tg.dummy_batches(cfg, seed=1), cfg, torch.device("cpu"), packed=1)
-    for _ in range(4):
-        touched |= set(batches.next().bigrams[:, 1].tolist())
-    batches.close()
-    assert 0 < moved.sum() and set((moved.nonzero().flatten() + cfg.bigram_rows).tolist()) <= touched

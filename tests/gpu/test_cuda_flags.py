@@ -19,8 +19,6 @@ FLAG_SETS = {
     "token_gates_without_mudd": ["--sublayer_scales=1", "--token_gates=1", "--xsa_layers=1,3"],
     "record_ideas_in_two_graphs": ["--sublayer_scales=1", "--attn_input_from=1", "--xsa_layers=1,3", "--mudd=1",
                                    "--token_gates=1", "--compile_scope=split"],
-    "trigrams": ["--sublayer_scales=1", "--mudd=1", "--token_gates=1", "--bigram_dims=24",
-                 "--bigram_signs=16", "--trigram_rows=64"],
 }
 
 
