@@ -236,10 +236,6 @@ class Config:
     # second one's backward ends before the first one's and its gradients' reduce-scatters overlap the first one.
     compile_scope: str = _speed("auto", "whole | split (two graphs) | regional (each block and the loss head) | auto (whole)")
     split_layer: int = _speed(0, "first layer of the second of --compile_scope=split's graphs; 0: num_layers // 2")
-    # FA3 takes its window and max_seqlen as Python ints, so each window pair is a graph of its own; under dynamo's
-    # automatic dynamic (dynamic=None) the first change of them recompiles once with both symbolic, a graph that
-    # then serves every later pair (bench/fa3_window_probe.py checks that FA3 lets them through).
-    fa3_symbolic_window: bool = _speed(False, "with FA3: window and max_seqlen as symbolic ints, two graphs for all windows")
     compile_cache: str = _speed("", "file of torch's compile artifacts, loaded before the warm-up, saved after it")
     # max-autotune-no-cudagraphs: inductor benchmarks Triton GEMM templates against cuBLAS and fuses pointwise
     # epilogues into the winners (a much longer cold compile); reduce-overhead: the compiled forward and backward
@@ -1288,15 +1284,15 @@ class GPT(nn.Module):
             "mlp_out": [b.mlp.proj_w for b in self.blocks],
         }
 
-    def compile_regions(self, mode: str | None, dynamic: bool | None = False):
+    def compile_regions(self, mode: str | None):
         """Compile each block and the loss head separately: one small graph per distinct block type
         (attention or not) instead of one whole-model graph, which compiles several times faster."""
         # Block variants each take a cache entry of the one Block.forward; the default limit of 8
         # would silently fall back to eager if a configuration ever made more.
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         for block in self.blocks:
-            block.compile(dynamic=dynamic, fullgraph=True, mode=mode)
-        self.loss_head = torch.compile(self.loss_head, dynamic=dynamic, fullgraph=True, mode=mode)
+            block.compile(dynamic=False, fullgraph=True, mode=mode)
+        self.loss_head = torch.compile(self.loss_head, dynamic=False, fullgraph=True, mode=mode)
 
     def prepare_masks(self, tokens: Tensor, cu_seqlens: Tensor, windows: tuple[int, int], documents: int | None = None,
                       longest: int | None = None) -> dict:
@@ -3344,20 +3340,18 @@ def compile_model(model: GPT, cfg: Config, comm: Comm, device: torch.device) -> 
     compile_mode = resolve_compile_mode(cfg, comm, device)
     mode = None if compile_mode == "default" else compile_mode
     model.replays_cuda_graphs = cfg.compile and compile_mode in CUDA_GRAPH_MODES
-    # static shapes and ints, except FA3's ints with --fa3_symbolic_window (the only ints the graphs take)
-    dynamic = None if cfg.fa3_symbolic_window and model.attend.name == "fa3" else False
     if cfg.compile and scope == "whole":
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         if cfg.row_embedding_grads:  # the lookups' backward writes .grad outside autograd: they stay eager
-            model.trunk = torch.compile(model.trunk, dynamic=dynamic, fullgraph=True, mode=mode)
+            model.trunk = torch.compile(model.trunk, dynamic=False, fullgraph=True, mode=mode)
         else:
-            model.compile(dynamic=dynamic, fullgraph=True, mode=mode)
+            model.compile(dynamic=False, fullgraph=True, mode=mode)
     elif cfg.compile and scope == "split":
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        model.trunk_front = torch.compile(model.trunk_front, dynamic=dynamic, fullgraph=True, mode=mode)
-        model.trunk_back = torch.compile(model.trunk_back, dynamic=dynamic, fullgraph=True, mode=mode)
+        model.trunk_front = torch.compile(model.trunk_front, dynamic=False, fullgraph=True, mode=mode)
+        model.trunk_back = torch.compile(model.trunk_back, dynamic=False, fullgraph=True, mode=mode)
     elif cfg.compile:
-        model.compile_regions(mode, dynamic)
+        model.compile_regions(mode)
     return scope, compile_mode
 
 
@@ -3387,12 +3381,8 @@ def build_and_warm_up(cfg: Config, comm: Comm, log: RunLog) -> Trainer:
     log(f"compile_time:{time.perf_counter() - start:.1f}s graphs:{recompiles.graphs} cache_hits:{compile_cache_hits()}"
         + (f" since_process_start:{since_start:.1f}s" if since_start is not None else ""))
     if cfg.compile:
-        symbolic = ""
-        if cfg.fa3_symbolic_window:
-            symbolic = ("; FA3 window and max_seqlen symbolic" if model.attend.name == "fa3"
-                        else f"; --fa3_symbolic_window has no effect with {model.attend.name} attention")
         log(f"compile scope: {scope}, mode: {compile_mode}" + (" (auto)" if cfg.compile_mode == "auto" else "")
-            + f"{symbolic}; phases: {compile_phase_times()}")
+            + f"; phases: {compile_phase_times()}")
     if cache is not None:
         cache.save()
     return Trainer(model, optimizers, schedule, device, recompiles, packed)

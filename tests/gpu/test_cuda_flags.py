@@ -1,8 +1,6 @@
 """The later records' ideas (flags off by default) on the GPU, compiled into the whole-model graph with CUDA graphs,
 on the tiny model: a few steps train, nothing compiles in the timed region, and the compiled losses follow the
 eager ones. Skipped without CUDA."""
-import re
-
 import numpy as np
 import pytest
 import torch
@@ -39,26 +37,3 @@ def test_flag_set_trains_compiled_with_cuda_graphs_as_eager(tiny_data, tmp_path,
             assert "graphs compiled in the timed region: 0" in (tmp_path / f"{run_id}.txt").read_text()
     assert all(np.isfinite(losses[True])) and losses[True][-1] < losses[True][0]
     np.testing.assert_allclose(losses[True][:3], losses[False][:3], rtol=2e-2)  # bf16 kernels fused differently
-
-
-def test_fa3_symbolic_windows_compile_once_for_all_window_pairs(tiny_data, tmp_path):
-    """FA3 (where it imports) with --fa3_symbolic_window under CUDA graphs: the tiny schedule's four training window
-    pairs and its final validation's take at most two graphs and train as the static FA3 graphs do."""
-    pytest.importorskip("flash_attn_interface", reason="FlashAttention-3 is not installed")
-    train, val = tiny_data
-    runs = {}
-    for symbolic in (False, True):
-        run_id = f"fa3_symbolic_{int(symbolic)}"
-        cfg, _ = tg.parse_cli(["--device=cuda", *TINY, f"--train_files={train}", f"--val_files={val}",
-                               "--micro_batch_tokens=128", "--num_iterations=6", "--val_loss_every=0", "--compile=1",
-                               "--compile_mode=reduce-overhead", "--tune_kernels=0", "--attn_backend=fa3",
-                               f"--fa3_symbolic_window={int(symbolic)}", f"--log_dir={tmp_path}", f"--run_id={run_id}"])
-        log = tg.RunLog(cfg, tg.Comm())
-        runs[symbolic] = tg.train(cfg, tg.Comm(), log)
-        log.finish()
-        text = (tmp_path / f"{run_id}.txt").read_text()
-        assert "graphs compiled in the timed region: 0" in text
-        runs[symbolic, "graphs"] = int(re.search(r"^compile_time:\S+ graphs:(\d+)", text, re.M).group(1))
-    assert runs[True, "graphs"] <= 2 < runs[False, "graphs"]
-    np.testing.assert_allclose(runs[True].train_losses, runs[False].train_losses, rtol=1e-2)
-    np.testing.assert_allclose(runs[True].val_losses[-1][1], runs[False].val_losses[-1][1], rtol=1e-2)
