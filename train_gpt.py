@@ -153,6 +153,11 @@ class Config:
     # extension keeps the last stage's. The weights are normalised to sum to 1; validation is next-token only.
     mtp_schedule: str = _model("1,0.5,0.25>0/1,0.5>0/1",
                                "per-stage ('/') loss weights of the tokens 1, 2, ... ahead; a>b ramps; empty: off")
+    # A copy pointer mixed into the next-token distribution (CPLM, the speedrun's pull request #379 of 2026-10-02):
+    # one QK-normed head over the final hidden states puts mass on earlier tokens of the document, and the head's
+    # first padding row is the logit of how much of the next token's probability goes to that pointer.
+    copy_pointer: bool = _model(False, "mix a pointer over the document's earlier tokens into the next-token loss")
+    copy_band: int = _model(2048, "tokens back the copy pointer reaches, a multiple of 128")
     # the speedrun's 2025-12 records: attn_scale, residual_init, value_embed_init_std and (2025-12-19) head_init_std
     attn_scale: float = _model(0.1, "softmax scale of the QK-normed heads; raised as the long window grows")
     residual_init: float = _model(1.1, "initial scale of the residual in each layer's input")
@@ -530,6 +535,10 @@ def validate_config(cfg: Config) -> None:
     need(cfg.head_dim % 4 == 0, "--head_dim must be a multiple of 4 (half-truncated rotary)")
     need(cfg.num_iterations >= 1, "--num_iterations must be at least 1")
     need(cfg.micro_batch_tokens % 128 == 0, "--micro_batch_tokens must be a multiple of 128")
+    need(not cfg.copy_pointer or (cfg.copy_band > 0 and cfg.copy_band % COPY_BLOCK == 0),
+         f"--copy_band={cfg.copy_band}: use a positive multiple of {COPY_BLOCK}")
+    need(not cfg.copy_pointer or not cfg.fp8_head,
+         "--copy_pointer=1 needs --fp8_head=0: the fused FP8 loss has no copy mixture")
     need(cfg.bigram_rows == 0 or (cfg.bigram_rows >= 16 and cfg.bigram_rows % 8 == 0),
          f"--bigram_rows={cfg.bigram_rows}: use 0 (off) or a multiple of 8 (rows are split evenly over ranks)")
     need(0 <= cfg.bigram_dims <= cfg.model_dim and cfg.bigram_signs >= 0,
@@ -1170,6 +1179,37 @@ class TokenGates(nn.Module):
                           self.lane(i, "xsa", pre, post), self.lane(i, "out", pre, post))
 
 
+class CopyPointer(nn.Module):
+    """The pointer half of CPLM (the speedrun's pull request #379): one head of QK-normed queries and keys (a
+    learned gain on the queries) over the final hidden states, attending causally within each document over the
+    last `band` positions and to a learned sink. Its mass on earlier positions holding the target token is the
+    pointer's probability of that token; the sink's mass goes back to the LM."""
+
+    def __init__(self, dim: int, head_dim: int, band: int):
+        super().__init__()
+        self.band = band
+        self.q_w = nn.Parameter(torch.empty(head_dim, dim))
+        self.k_w = nn.Parameter(torch.empty(head_dim, dim))
+        self.q_gain = nn.Parameter(torch.empty(head_dim))
+        self.sink = nn.Parameter(torch.empty(1))  # shape [1]: torchft's DiLoCo cannot back up 0-d parameters
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        bound = math.sqrt(3) * 0.5 * self.q_w.size(1) ** -0.5  # the attention matrices' init
+        self.q_w.uniform_(-bound, bound)
+        self.k_w.uniform_(-bound, bound)
+        self.q_gain.fill_(1.0)
+        self.sink.zero_()
+
+    def forward(self, h: Tensor, tokens: Tensor, targets: Tensor, documents: Tensor) -> tuple[Tensor, Tensor]:
+        """(log pointer mass on targets[t], log sink mass) per position of h [T, dim]; documents [T] numbers each
+        position's document, increasing."""
+        q = rms_norm(h @ self.q_w.to(h.dtype).T) * self.q_gain.to(h.dtype)
+        k = rms_norm(h @ self.k_w.to(h.dtype).T)
+        return copy_log_probs(q, k, self.sink, tokens, targets, documents, self.band)
+
+
 class _RowLookup(torch.autograd.Function):
     """The rows of one or more [rows, dim] tables at the same indices (the token table and the value-embedding
     tables all look up the tokens), each in its own dtype. The backward adds each table's row gradients
@@ -1204,7 +1244,8 @@ class GPT(nn.Module):
                  kernels: Kernels = PLAIN_TORCH):
         super().__init__()
         self.cfg, self.attend, self.compute_dtype, self.kernels = cfg, attend, compute_dtype, kernels
-        vocab = next_multiple_of(cfg.vocab_size, 128)  # padded for efficient matmuls
+        # padded for efficient matmuls; the copy pointer's gate is the row after the vocabulary
+        vocab = next_multiple_of(cfg.vocab_size + cfg.copy_pointer, 128)
         dim = cfg.model_dim
         self.embed = nn.Embedding(vocab, dim)
         num_value_embeds = 1 + max((int(c) for c in cfg.value_embed_layout if c != "."), default=-1)
@@ -1245,6 +1286,7 @@ class GPT(nn.Module):
         else:
             self.bigram_signs = None
         self.lm_head = nn.Linear(dim, vocab, bias=False)  # its own weight; tie_embed trains the embedding as a copy
+        self.copy_pointer = CopyPointer(dim, cfg.head_dim, cfg.copy_band) if cfg.copy_pointer else None
         self.rotary = Rotary(cfg.head_dim, forward_micro_batches * cfg.micro_batch_tokens, period=cfg.micro_batch_tokens,
                              attn_scale=cfg.attn_scale, paired=bool(paired))
         self.replays_cuda_graphs = False  # set when compiled in a CUDA_GRAPH_MODES mode
@@ -1272,7 +1314,7 @@ class GPT(nn.Module):
         for table in self.value_embeds:
             table.weight.normal_(std=self.cfg.value_embed_init_std)
         gates = (self.token_gates.pre, self.token_gates.post) if self.token_gates is not None else ()
-        for mix in (self.mudd_layer, self.mudd_head, *gates):
+        for mix in (self.mudd_layer, self.mudd_head, self.copy_pointer, *gates):
             if mix is not None:
                 mix.reset_parameters()
 
@@ -1378,7 +1420,7 @@ class GPT(nn.Module):
             x, first_bigram = x0 + self.blocks[0].injection[1].to(x0.dtype) * bigram, None
         elif bigram is not None and gates is not None and "inject" in gates.lanes[0]:
             x, first_bigram = x0 + gates.lane(0, "inject", pre, None)[:, 1:] * bigram, None
-        state = dict(x=x, x0=x0, x_in=x, starts=starts, value_embeds=value_embeds, no_value_embed=no_value_embed,
+        state = dict(x=x, x0=x0, x_in=x, tokens=tokens, starts=starts, value_embeds=value_embeds, no_value_embed=no_value_embed,
                      bigram=bigram, first_bigram=first_bigram, pre=pre, post=None, skip=None, attn_input=None,
                      backout=None, previous=None)
         return self.run_layers(state, range(self.cfg.front_layers), masks)
@@ -1392,7 +1434,7 @@ class GPT(nn.Module):
                                             state["skip"]))
         elif self.backout is not None:
             x = x - self.backout.to(x.dtype) * state["backout"]
-        return self.loss_head(x, targets)
+        return self.loss_head(x, targets, state["tokens"], state["starts"])
 
     def run_layers(self, state: dict, layers: range, masks: dict) -> dict:
         """The given blocks in order, from and into `state` (a new dict): the stream x, the streams later layers
@@ -1465,7 +1507,11 @@ class GPT(nn.Module):
         for k in range(self.mtp_weights.numel()):
             self.mtp_weights[k].fill_(weights[k] / total if k < len(weights) else 0.0)
 
-    def loss_head(self, x: Tensor, targets: Tensor) -> Tensor:
+    def loss_head(self, x: Tensor, targets: Tensor | None, tokens: Tensor | None = None,
+                  starts: Tensor | None = None) -> Tensor:
+        """The mean loss of the final stream x to targets; with the copy pointer the next-token term is of the
+        mixture, and tokens and starts (where documents and micro-batches start) say what it can point at. Without
+        targets, the LM's soft-capped logits (sampling leaves the pointer out)."""
         cfg = self.cfg
         use_triton = self.kernels.loss
         cap = (cfg.logit_softcap, cfg.logit_offset, cfg.logit_divisor)
@@ -1477,6 +1523,9 @@ class GPT(nn.Module):
         if cfg.fp8_head:
             return fp8_softcapped_head(x, self.lm_head.weight, targets, cap, use_triton, mtp)
         logits = x @ self.lm_head.weight.to(x.dtype).T
+        if self.copy_pointer is not None:
+            log_copy, log_sink = self.copy_pointer(x, tokens, targets, torch.cumsum(starts.long(), 0))
+            return copy_mixture_losses(softcap(logits, cap), targets, cfg.vocab_size, log_copy, log_sink, mtp).mean()
         return softcapped_cross_entropy(logits, targets, cap, use_triton, mtp)
 
 
@@ -3006,6 +3055,7 @@ def build_optimizers(model: GPT, cfg: Config) -> list[torch.optim.Optimizer]:
     xsa = [b.attn.xsa_alpha for b in model.blocks if b.attn is not None and b.attn.xsa_alpha is not None]
     mixes = [mix for mix in (model.mudd_layer, model.mudd_head) if mix is not None]
     record_gates = [model.token_gates.pre, model.token_gates.post] if model.token_gates is not None else []
+    pointer = model.copy_pointer
     wd = cfg.adam_weight_decay
 
     def mix_groups(mixes: list[DenseMix], lr: float, **betas) -> list[dict]:
@@ -3033,6 +3083,10 @@ def build_optimizers(model: GPT, cfg: Config) -> list[torch.optim.Optimizer]:
                     # gate MLPs at a tenth, betas 0.9 / 0.99
                     + mix_groups(mixes, cfg.adam_lr * 0.25)
                     + mix_groups(record_gates, cfg.adam_lr * 0.1, betas=(0.9, 0.99))
+                    # the copy pointer's projections at MUDD's quarter lr, its query gain and sink as scalars
+                    + ([dict(params=[pointer.q_w, pointer.k_w], lr=cfg.adam_lr * 0.25, weight_decay=0.0),
+                        dict(params=[pointer.q_gain, pointer.sink], lr=cfg.adam_lr * cfg.scalar_lr_mul,
+                             weight_decay=0.0)] if pointer is not None else [])
                     # the smear and skip gates learn slowly (speedrun 2025-12-21: lr x0.01 and x0.05)
                     + ([dict(params=[model.smear_gate_w], lr=cfg.adam_lr * 0.01, weight_decay=0.0)]
                        if model.smear_gate_w is not None else [])
@@ -3690,7 +3744,7 @@ def import_torchft():
 
 def diloco_fragments(model: GPT, count: int) -> list[nn.Module]:
     """`count` contiguous groups of blocks; the input side (token, value and bigram embeddings) syncs
-    with the first, the output side (head, skip gate) with the last. Every parameter is in exactly one."""
+    with the first, the output side (head, skip gate, copy pointer) with the last. Every parameter is in exactly one."""
     bounds = [round(i * len(model.blocks) / count) for i in range(count + 1)]
     fragments = []
     for lo, hi in zip(bounds, bounds[1:]):
@@ -3701,7 +3755,7 @@ def diloco_fragments(model: GPT, count: int) -> list[nn.Module]:
     if model.bigram_embed is not None:
         fragments[0].bigram_embed = model.bigram_embed
     fragments[-1].lm_head = model.lm_head
-    for name in ("mudd_layer", "mudd_head", "token_gates"):
+    for name in ("mudd_layer", "mudd_head", "token_gates", "copy_pointer"):
         if getattr(model, name) is not None:
             fragments[-1].add_module(name, getattr(model, name))
     for name in ("skip_gate", "skip_gate_w", "backout"):
@@ -4174,6 +4228,54 @@ def multi_token_losses(z: Tensor, targets: Tensor, mtp: tuple | None) -> Tensor:
     multi_token_targets (the next token's alone without mtp)."""
     lse = torch.logsumexp(z, dim=1)
     return sum(w * (lse - z.gather(1, ahead[:, None])[:, 0]) for w, ahead in multi_token_targets(targets, mtp))
+
+
+COPY_BLOCK = 128  # queries per block of the copy pointer's banded scores
+
+
+def copy_log_probs(q: Tensor, k: Tensor, sink: Tensor, tokens: Tensor, targets: Tensor, documents: Tensor,
+                   band: int) -> tuple[Tensor, Tensor]:
+    """Per query t of q, k [T, d]: softmax over the scores q_t . k_j / sqrt(d) of the positions j <= t of its
+    document less than `band` back, and the sink's score; returns (log of the mass on the j with tokens[j] ==
+    targets[t], log of the sink's mass), float32 [T] each; the first is about -1e9 where no such j is.
+
+    Blocks of COPY_BLOCK queries each score the band before them and themselves, [T, band + COPY_BLOCK] scores in
+    all: no [T, T] matrix."""
+    T, d = q.shape
+    blocks, width = T // COPY_BLOCK, band + COPY_BLOCK
+    keys = F.pad(k, (0, 0, band, 0)).unfold(0, width, COPY_BLOCK)  # [blocks, d, width], block b's keys from b*B - band
+    scores = torch.bmm(q.view(blocks, COPY_BLOCK, d), keys).float() * d ** -0.5
+    key_at = torch.arange(blocks, device=q.device)[:, None] * COPY_BLOCK - band + torch.arange(width, device=q.device)
+    back = torch.arange(T, device=q.device).view(blocks, COPY_BLOCK, 1) - key_at[:, None, :]
+    key_documents = F.pad(documents, (band, 0), value=-1).unfold(0, width, COPY_BLOCK)[:, None, :]
+    seen = (back >= 0) & (back < band) & (key_documents == documents.view(blocks, COPY_BLOCK, 1))
+    key_tokens = F.pad(tokens, (band, 0), value=-1).unfold(0, width, COPY_BLOCK)[:, None, :]
+    hits = seen & (key_tokens == targets.view(blocks, COPY_BLOCK, 1))
+    # -1e9, not -inf: a query with no hit keeps finite gradients
+    log_z = torch.logaddexp(torch.logsumexp(scores.masked_fill(~seen, -1e9), -1), sink.float())
+    log_hits = torch.logsumexp(scores.masked_fill(~hits, -1e9), -1)
+    return (log_hits - log_z).reshape(T), (sink.float() - log_z).reshape(T)
+
+
+def copy_mixture_losses(z: Tensor, targets: Tensor, slot: int, log_copy: Tensor, log_sink: Tensor,
+                        mtp: tuple | None) -> Tensor:
+    """Per-row losses of softcapped logits z [rows, vocab] whose column `slot` is the copy gate (CPLM, the
+    speedrun's pull request #379): with alpha its softmax share, a the pointer's sink mass and p_lm the softmax of
+    the other columns, the next token's probability is p_lm(y) (1 - alpha (1 - a)) + alpha p_copy(y), p_copy(y) =
+    exp(log_copy) for y = the target; which sums to 1 over y. The tokens further ahead (mtp) take p_lm's loss."""
+    lse = torch.logsumexp(z, dim=1)
+    lm = z.masked_fill(torch.arange(z.size(1), device=z.device) == slot, float("-inf"))
+    lse_lm = torch.logsumexp(lm, dim=1)
+    gate = z[:, slot]
+    losses = []
+    for k, (w, ahead) in enumerate(multi_token_targets(targets, mtp)):
+        picked = z.gather(1, ahead[:, None])[:, 0]
+        if k == 0:  # times exp(lse): p_lm(y) (exp(lse_lm) + exp(gate) a) and exp(gate) p_copy(y)
+            from_lm = picked - lse_lm + torch.logaddexp(lse_lm, gate + log_sink)
+            losses.append(w * (lse - torch.logaddexp(from_lm, gate + log_copy)))
+        else:
+            losses.append(w * (lse_lm - picked))
+    return sum(losses)
 
 
 def softcapped_cross_entropy(logits: Tensor, targets: Tensor, cap: tuple, use_triton: bool,

@@ -1,6 +1,7 @@
 """Streaming DiLoCo on torchft (CPU, gloo): the outer step by hand, two replicas in sync, a replica killed
 and restarted. Skipped when torchft is not installed (it is an optional dependency)."""
 import contextlib
+import dataclasses
 import os
 import re
 import signal
@@ -356,14 +357,17 @@ def test_unreachable_lighthouse_is_one_clear_error(monkeypatch):
         tg.StreamingDiLoCo(cfg, model, tg.build_optimizers(model, cfg), torch.device("cpu"), print)
 
 
-def test_diloco_fragments_cover_the_model_once():
-    cfg = tiny_diloco_config()
+@pytest.mark.parametrize("copy_pointer", [False, True])
+def test_diloco_fragments_cover_the_model_once(copy_pointer):
+    cfg = dataclasses.replace(tiny_diloco_config(), copy_pointer=copy_pointer)
     model = tg.GPT(cfg, tg.SdpaAttention(), torch.float32)
     fragments = tg.diloco_fragments(model, 3)
     ids = [id(p) for f in fragments for p in f.parameters()]
     assert len(ids) == len(set(ids)) == len(list(model.parameters()))
     assert any(p is model.embed.weight for p in fragments[0].parameters())
     assert any(p is model.lm_head.weight for p in fragments[-1].parameters())
+    if copy_pointer:
+        assert any(p is model.copy_pointer.sink for p in fragments[-1].parameters())
 
 
 def start_replica(tmp_path, data, lighthouse, replica: int, run_id: str, *extra) -> subprocess.Popen:

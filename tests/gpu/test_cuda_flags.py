@@ -14,6 +14,8 @@ FLAG_SETS = {
     "record_ideas": ["--sublayer_scales=1", "--attn_input_from=1", "--xsa_layers=1,3", "--value_gate_reads_embed=1",
                      "--doc_len_schedule=64,128,128", "--muon_qk_blocks=2", "--mudd=1", "--bigram_dims=24",
                      "--bigram_signs=16", "--token_gates=1"],
+    "copy_pointer_with_record_ideas": ["--copy_pointer=1", "--copy_band=128", "--sublayer_scales=1", "--mudd=1",
+                                       "--token_gates=1", "--xsa_layers=1,3", "--bigram_dims=24", "--bigram_signs=16"],
     "token_gates_without_mudd": ["--sublayer_scales=1", "--token_gates=1", "--xsa_layers=1,3"],
     "record_ideas_in_two_graphs": ["--sublayer_scales=1", "--attn_input_from=1", "--xsa_layers=1,3", "--mudd=1",
                                    "--token_gates=1", "--compile_scope=split"],

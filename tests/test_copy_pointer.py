@@ -1,0 +1,121 @@
+"""The copy pointer (--copy_pointer, CPLM of the speedrun's pull request #379): its banded scores against a float64
+loop over every query and key, the mixture as a distribution over the next token, a closed gate giving the plain
+loss, and the model's pointer and gate learning."""
+import dataclasses
+import re
+
+import pytest
+import torch
+
+import train_gpt as tg
+from helpers import BOS, TINY, cu_seqlens_of, random_tiny_model
+
+
+def pointer_reference(q, k, sink, tokens, targets, documents, band):
+    """(log mass on targets[t], log sink mass) per query, one softmax per query in float64."""
+    q, k, sink = q.double(), k.double(), sink.double().reshape(())
+    log_copy, log_sink = [], []
+    for t in range(q.size(0)):
+        keys = [j for j in range(max(0, t - band + 1), t + 1) if documents[j] == documents[t]]
+        p = torch.softmax(torch.stack([q[t] @ k[j] / q.size(1) ** 0.5 for j in keys] + [sink]), 0)
+        hit = sum((p[i] for i, j in enumerate(keys) if tokens[j] == targets[t]), torch.tensor(0.0, dtype=torch.float64))
+        log_copy.append(torch.log(hit))
+        log_sink.append(torch.log(p[-1]))
+    return torch.stack(log_copy), torch.stack(log_sink)
+
+
+def pointer_inputs(T=384, d=16, vocab=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(T, d, generator=g), torch.randn(T, d, generator=g)
+    tokens = torch.randint(0, vocab, (T,), generator=g)
+    starts = torch.rand(T, generator=g) < 0.02
+    starts[0] = starts[130] = True
+    return q, k, torch.tensor([0.7]), tokens, torch.cat([tokens[1:], tokens[:1]]), torch.cumsum(starts.long(), 0)
+
+
+@pytest.mark.parametrize("band", [128, 256])
+def test_the_banded_pointer_is_one_softmax_per_query(band):
+    """Every query's mass on earlier positions of its document holding its target, and on the sink, within 1e-5 of
+    a float64 softmax over exactly those keys; where none holds the target, about -1e9."""
+    q, k, sink, tokens, targets, documents = pointer_inputs()
+    log_copy, log_sink = tg.copy_log_probs(q, k, sink, tokens, targets, documents, band)
+    want_copy, want_sink = pointer_reference(q, k, sink, tokens, targets, documents, band)
+    hit = torch.isfinite(want_copy)
+    assert 50 < hit.sum() < len(hit)  # both kinds of query
+    torch.testing.assert_close(log_copy.double()[hit], want_copy[hit], rtol=0, atol=1e-5)
+    torch.testing.assert_close(log_sink.double(), want_sink, rtol=0, atol=1e-5)
+    assert (log_copy[~hit] < -1e8).all()
+
+
+def test_the_mixture_sums_to_one_over_the_next_token():
+    """exp(-loss) summed over every candidate next token (the gate's column aside) is 1 at every position, with the
+    gate open: the pointer's mass, the sink's and the LM's add up."""
+    q, k, sink, tokens, _, documents = pointer_inputs(T=256)
+    vocab, slot = 9, 6  # columns 7 and 8 stand for the head's padding rows
+    z = torch.randn(256, vocab, generator=torch.Generator().manual_seed(1)) * 2
+    z[:, slot] += 2.0  # alpha around a half
+    total = torch.zeros(256, dtype=torch.float64)
+    for y in [c for c in range(vocab) if c != slot]:
+        targets = torch.full((256,), y)
+        log_copy, log_sink = tg.copy_log_probs(q, k, sink, tokens, targets, documents, 128)
+        total += torch.exp(-tg.copy_mixture_losses(z, targets, slot, log_copy, log_sink, None).double())
+    torch.testing.assert_close(total, torch.ones_like(total), rtol=0, atol=1e-5)
+
+
+def test_a_closed_gate_is_the_plain_multi_token_loss():
+    """With the gate's logit far below the others the mixture is the LM alone: the multi-token losses exactly."""
+    q, k, sink, tokens, targets, documents = pointer_inputs(T=256)
+    z = torch.randn(256, 12, generator=torch.Generator().manual_seed(2))
+    z[:, 10] = -1e4
+    log_copy, log_sink = tg.copy_log_probs(q, k, sink, tokens, targets, documents, 128)
+    mtp = (torch.tensor([0.6, 0.3, 0.1]), 128)
+    torch.testing.assert_close(tg.copy_mixture_losses(z, targets, 10, log_copy, log_sink, mtp),
+                               tg.multi_token_losses(z, targets, mtp))
+
+
+def copy_config(**overrides) -> tg.Config:
+    cfg, _ = tg.parse_cli(["--device=cpu", *TINY, "--copy_pointer=1", "--copy_band=128"])
+    return dataclasses.replace(cfg, **overrides)
+
+
+def test_the_model_gates_its_pointer_with_the_row_after_the_vocabulary():
+    """The head gains a padding block for the gate (128 tokens: 256 rows); the model's loss is the mixture of its
+    own logits and pointer, lower than the LM's alone when the gate opens on text that repeats itself, and every
+    pointer parameter and the gate's row get gradients."""
+    cfg = copy_config()
+    model = random_tiny_model(cfg)
+    assert model.lm_head.weight.shape[0] == 256
+    T = 256
+    period = torch.randint(0, 96, (16,), generator=torch.Generator().manual_seed(3))
+    tokens = period.repeat(T // 16)
+    tokens[0] = tokens[128] = BOS
+    targets = torch.cat([tokens[1:], tokens[:1]])
+    bigrams = torch.zeros(T, dtype=torch.long)
+    masks = model.prepare_masks(tokens, cu_seqlens_of(tokens, BOS), (32, 64))
+    with torch.no_grad():
+        model.lm_head.weight[cfg.vocab_size] = -model.lm_head.weight[cfg.vocab_size].abs()  # a nearly closed gate
+        model.copy_pointer.q_gain.fill_(4.0)
+    closed = model(tokens, targets, masks, bigrams)
+    with torch.no_grad():
+        model.lm_head.weight[cfg.vocab_size] *= -20  # the gate opens
+    opened = model(tokens, targets, masks, bigrams)
+    assert opened < closed - 0.1
+    opened.backward()
+    pointer = model.copy_pointer
+    for name, p in [("q_w", pointer.q_w), ("k_w", pointer.k_w), ("q_gain", pointer.q_gain), ("sink", pointer.sink)]:
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+    assert model.lm_head.weight.grad[cfg.vocab_size].abs().sum() > 0
+    # in the Adam groups: projections at a quarter of the base lr, gain and sink with the scalars
+    adam = tg.build_optimizers(model, cfg)[1]
+    lr_of = {id(p): group["lr"] for group in adam.param_groups for p in group["params"]}
+    assert lr_of[id(pointer.q_w)] == lr_of[id(pointer.k_w)] == cfg.adam_lr * 0.25
+    assert lr_of[id(pointer.sink)] == lr_of[id(pointer.q_gain)] == cfg.adam_lr * cfg.scalar_lr_mul
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--copy_band=100"], "--copy_band=100: use a positive multiple of 128"),
+    (["--fp8_head=1"], "--copy_pointer=1 needs --fp8_head=0"),
+])
+def test_the_copy_flags_are_checked(flags, message):
+    with pytest.raises(tg.UserError, match=re.escape(message)):
+        tg.parse_cli(["--device=cpu", *TINY, "--copy_pointer=1", *flags])
