@@ -4264,9 +4264,11 @@ def copy_mixture_losses(z: Tensor, targets: Tensor, slot: int, log_copy: Tensor,
     the other columns, the next token's probability is p_lm(y) (1 - alpha (1 - a)) + alpha p_copy(y), p_copy(y) =
     exp(log_copy) for y = the target; which sums to 1 over y. The tokens further ahead (mtp) take p_lm's loss."""
     lse = torch.logsumexp(z, dim=1)
-    lm = z.masked_fill(torch.arange(z.size(1), device=z.device) == slot, float("-inf"))
-    lse_lm = torch.logsumexp(lm, dim=1)
     gate = z[:, slot]
+    # the other columns' log-sum-exp from the same pass over z: lse + log(1 - alpha), log(1 - e^u) computed
+    # stably on both sides of u = -ln 2 (Maechler 2012)
+    u = torch.minimum(gate - lse, torch.full_like(lse, -1e-7))
+    lse_lm = lse + torch.where(u > -0.6931, torch.log(-torch.expm1(u)), torch.log1p(-torch.exp(u)))
     losses = []
     for k, (w, ahead) in enumerate(multi_token_targets(targets, mtp)):
         picked = z.gather(1, ahead[:, None])[:, 0]
