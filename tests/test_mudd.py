@@ -83,7 +83,7 @@ def test_mudd_mixes_its_sources_into_the_last_layer_and_before_the_head():
         block.register_forward_hook(lambda _, args, out, i=i: record(i, out))
     model.blocks[last].register_forward_pre_hook(lambda _, args: record("last", args))
     head = model.loss_head
-    model.loss_head = lambda x, targets: (record("head", x), head(x, targets))[1]
+    model.loss_head = lambda x, targets, *context: (record("head", x), head(x, targets, *context))[1]
     tokens, targets, bigrams = batch = random_batch(cfg)
     loss_of(model, cfg, batch)
 
