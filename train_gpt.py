@@ -537,8 +537,6 @@ def validate_config(cfg: Config) -> None:
     need(cfg.micro_batch_tokens % 128 == 0, "--micro_batch_tokens must be a multiple of 128")
     need(not cfg.copy_pointer or (cfg.copy_band > 0 and cfg.copy_band % COPY_BLOCK == 0),
          f"--copy_band={cfg.copy_band}: use a positive multiple of {COPY_BLOCK}")
-    need(not cfg.copy_pointer or not cfg.fp8_head,
-         "--copy_pointer=1 needs --fp8_head=0: the fused FP8 loss has no copy mixture")
     need(cfg.bigram_rows == 0 or (cfg.bigram_rows >= 16 and cfg.bigram_rows % 8 == 0),
          f"--bigram_rows={cfg.bigram_rows}: use 0 (off) or a multiple of 8 (rows are split evenly over ranks)")
     need(0 <= cfg.bigram_dims <= cfg.model_dim and cfg.bigram_signs >= 0,
@@ -1520,12 +1518,14 @@ class GPT(nn.Module):
         x = rms_norm(x)
         if targets is None:  # generation: the soft-capped logits themselves
             return softcap(x @ self.lm_head.weight.to(x.dtype).T, cap)
-        if cfg.fp8_head:
-            return fp8_softcapped_head(x, self.lm_head.weight, targets, cap, use_triton, mtp)
-        logits = x @ self.lm_head.weight.to(x.dtype).T
+        copy = None
         if self.copy_pointer is not None:
-            log_copy, log_sink = self.copy_pointer(x, tokens, targets, torch.cumsum(starts.long(), 0))
-            return copy_mixture_losses(softcap(logits, cap), targets, cfg.vocab_size, log_copy, log_sink, mtp).mean()
+            copy = (cfg.vocab_size, *self.copy_pointer(x, tokens, targets, torch.cumsum(starts.long(), 0)))
+        if cfg.fp8_head:
+            return fp8_softcapped_head(x, self.lm_head.weight, targets, cap, use_triton, mtp, copy)
+        logits = x @ self.lm_head.weight.to(x.dtype).T
+        if copy is not None:
+            return copy_mixture_losses(softcap(logits, cap), targets, *copy, mtp).mean()
         return softcapped_cross_entropy(logits, targets, cap, use_triton, mtp)
 
 
@@ -4358,9 +4358,15 @@ if triton is not None:
                 * ((cap / (4.0 * divisor)) * (1.0 - t * t)))
 
     @triton.jit
-    def _softcapped_ce_fp8_kernel(Logits, Targets, Weights, Loss, Grad, V, stride, period, cap: tl.constexpr,
-                                  offset: tl.constexpr, divisor: tl.constexpr, K: tl.constexpr, GRAD_EXP: tl.constexpr,
-                                  BLOCK: tl.constexpr, TAIL: tl.constexpr, PTX: tl.constexpr):
+    def _logaddexp(a, b):
+        high = tl.maximum(a, b)
+        return high + tl.log(1.0 + tl.exp(-tl.abs(a - b)))
+
+    @triton.jit
+    def _softcapped_ce_fp8_kernel(Logits, Targets, Weights, Loss, Grad, V, stride, period, LogCopy, LogSink, DCopy,
+                                  DSink, slot, cap: tl.constexpr, offset: tl.constexpr, divisor: tl.constexpr,
+                                  K: tl.constexpr, GRAD_EXP: tl.constexpr, BLOCK: tl.constexpr, TAIL: tl.constexpr,
+                                  PTX: tl.constexpr, COPY: tl.constexpr, FIRST: tl.constexpr):
         """One row per program, two passes over it: the first sums exp(z - cap) for the loss (z < cap, so no
         running max is needed), the second writes the loss's gradient for an upstream gradient of 2^GRAD_EXP in
         Grad's dtype (e5m2 in the trainer), where no value exceeds 2^GRAD_EXP (cap <= 4 divisor and the K weights
@@ -4369,6 +4375,12 @@ if triton is not None:
         The row's loss is the sum over k < K of Weights[k] times the cross-entropy to Targets[row + k] (the token
         k + 1 ahead), for the k that keep row + k inside the row's micro-batch of `period` rows (multi-token
         prediction; K = 1, weight 1: next-token cross-entropy).
+
+        With COPY the next token's term is the copy mixture's (copy_mixture_losses: column `slot` the gate, the
+        pointer's log-masses LogCopy and LogSink), the further tokens' the LM's without the gate's column, and
+        DCopy and DSink get the row loss's derivatives by the two log-masses. Every term is a function of the log-
+        sum-exp, the targets' z and the gate's z, so the gradient keeps its form: a per-row multiple of the
+        softmax (at most 1 at every logit), minus per-row amounts at the targets and at the gate's column.
 
         tl.sigmoid and tl.exp would take six MUFU (special function unit) operations per logit, enough to bound
         the kernel as much as memory does. The loss pass takes three single instructions (loss within 1e-6 of
@@ -4390,16 +4402,43 @@ if triton is not None:
             inside = start + tail_cols < V
             x = tl.load(Logits + start + tail_cols, mask=inside, other=0.0).to(tl.float32)
             tail_total += tl.where(inside, _exp_z_minus_cap(x, cap, offset, divisor, PTX), 0.0)
-        lse = cap + tl.log(tl.sum(total, axis=0) + tl.sum(tail_total, axis=0))
+        summed = tl.sum(total, axis=0) + tl.sum(tail_total, axis=0)
+        lse = cap + tl.log(summed)
         position = row % period
         loss = 0.0
-        weight = 0.0
-        for k in tl.static_range(K):
+        weight = 0.0  # the softmax's multiple in the gradient
+        lse_lm = lse  # the log-sum-exp the LM's terms take
+        q = 1.0  # d lse_lm / d lse
+        pointed = 1.0  # the next token's target: its share of the mixture that comes from the LM
+        gate_coef = 0.0  # the gradient's amount at the gate's column, besides the softmax's
+        if COPY:
+            x_gate = tl.load(Logits + slot).to(tl.float32)
+            gate = cap * _softcap_sigmoid(x_gate, offset, divisor, PTX)
+            lse_lm = cap + tl.log(tl.maximum(summed - tl.exp(gate - cap), summed * 1e-7))
+            q = tl.exp(lse - lse_lm)  # 1 / (1 - alpha)
+            log_copy = tl.load(LogCopy + row)
+            log_sink = tl.load(LogSink + row)
+            kept = _logaddexp(lse_lm, gate + log_sink)
+            r = tl.exp(lse_lm - kept)
+            w0 = tl.load(Weights)
+            x_next = tl.load(Logits + tl.load(Targets + row)).to(tl.float32)
+            from_lm = cap * _softcap_sigmoid(x_next, offset, divisor, PTX) - lse_lm + kept
+            from_copy = gate + log_copy
+            mixed = _logaddexp(from_lm, from_copy)
+            pointed = tl.exp(from_lm - mixed)
+            copied = tl.exp(from_copy - mixed)
+            loss = w0 * (lse - mixed)
+            weight = w0 * (1.0 + pointed * (1.0 - r) * q)
+            gate_coef = -w0 * (pointed * (1.0 - r) * q + copied)
+            tl.store(DCopy + row, -w0 * copied)
+            tl.store(DSink + row, -w0 * pointed * (1.0 - r))
+        for k in tl.static_range(FIRST, K):  # FIRST: 1 with COPY, whose next token's term is above
             inside_batch = position + k < period
             w = tl.where(inside_batch, tl.load(Weights + k), 0.0)
             x_target = tl.load(Logits + tl.load(Targets + row + k, mask=inside_batch, other=0)).to(tl.float32)
-            loss += w * (lse - cap * _softcap_sigmoid(x_target, offset, divisor, PTX))
-            weight += w
+            loss += w * (lse_lm - cap * _softcap_sigmoid(x_target, offset, divisor, PTX))
+            weight += w * q
+            gate_coef += w * (1.0 - q)
         tl.store(Loss + row, loss)
         shift = (0.5 * cap - lse) * 1.4426950408889634 + tl.log2(weight) + GRAD_EXP
         for start in range(0, full, BLOCK):
@@ -4415,14 +4454,20 @@ if triton is not None:
         for k in tl.static_range(K):
             inside_batch = position + k < period
             target = tl.load(Targets + row + k, mask=inside_batch, other=0)
-            same = 0.0  # the weight of every offset whose target is this one (a repeated token)
+            same = 0.0  # the amount of every offset whose target is this one (a repeated token)
             for j in tl.static_range(K):
                 inside_j = position + j < period
+                amount = tl.load(Weights + j)
+                if j == 0:
+                    amount = amount * pointed
                 same += tl.where(inside_j & (tl.load(Targets + row + j, mask=inside_j, other=0) == target),
-                                 tl.load(Weights + j), 0.0)
+                                 amount, 0.0)
             grad = _scaled_softmax_grad(tl.load(Logits + target).to(tl.float32), shift, same * 2.0 ** GRAD_EXP, cap,
                                         offset, divisor, PTX)
             tl.store(Grad + target, grad.to(Grad.dtype.element_ty), mask=inside_batch)
+        if COPY:  # the gate is no target (it lies past the vocabulary)
+            grad = _scaled_softmax_grad(x_gate, shift, -gate_coef * 2.0 ** GRAD_EXP, cap, offset, divisor, PTX)
+            tl.store(Grad + slot, grad.to(Grad.dtype.element_ty))
 
     @triton.jit
     def _transpose_kernel(In, Out, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -4458,14 +4503,18 @@ CE_FP8_BLOCK, CE_FP8_WARPS, CE_FP8_TAIL = 16384, 16, 1024
 
 
 def softcapped_ce_fp8(logits: Tensor, targets: Tensor, cap: tuple, losses: Tensor, grad: Tensor,
-                      mtp: tuple | None = None) -> None:
+                      mtp: tuple | None = None, copy: tuple | None = None) -> None:
     """_softcapped_ce_fp8_kernel: each row's loss into losses [T], its gradient into grad [T, V]; cap = (cap, offset,
-    divisor); mtp = (weights [K] summing to 1, period), or None for next-token losses."""
+    divisor); mtp = (weights [K] summing to 1, period), or None for next-token losses; copy = (the gate's column,
+    log_copy [T], log_sink [T], d_copy [T], d_sink [T]) for the copy mixture, the last two written, or None."""
     rows, vocab = logits.shape
     weights, period = mtp if mtp is not None else (torch.ones(1, device=logits.device), rows)
-    _softcapped_ce_fp8_kernel[(rows,)](logits, targets, weights, losses, grad, vocab, logits.stride(0), period, *cap,
-                                       K=weights.numel(), GRAD_EXP=GRAD_E5M2_EXP, BLOCK=CE_FP8_BLOCK,
-                                       TAIL=min(CE_FP8_TAIL, CE_FP8_BLOCK), PTX=logits.is_cuda, num_warps=CE_FP8_WARPS)
+    slot, log_copy, log_sink, d_copy, d_sink = copy if copy is not None else (0, losses, losses, losses, losses)
+    _softcapped_ce_fp8_kernel[(rows,)](logits, targets, weights, losses, grad, vocab, logits.stride(0), period,
+                                       log_copy, log_sink, d_copy, d_sink, slot, *cap, K=weights.numel(),
+                                       GRAD_EXP=GRAD_E5M2_EXP, BLOCK=CE_FP8_BLOCK, TAIL=min(CE_FP8_TAIL, CE_FP8_BLOCK),
+                                       PTX=logits.is_cuda, COPY=copy is not None, FIRST=int(copy is not None),
+                                       num_warps=CE_FP8_WARPS)
 
 
 class _Fp8SoftcappedHead(torch.autograd.Function):
@@ -4476,11 +4525,13 @@ class _Fp8SoftcappedHead(torch.autograd.Function):
     gradient of rows * GRAD_E5M2_MAX, as e5m2. Only that gradient is kept for the backward (half the logits'
     bytes), which reads no logits: its upstream gradient g only sets the scale, g / rows / GRAD_E5M2_MAX, of
     grad_x = grad @ w and grad_w = grad^T @ x (the latter straight into float32). `fast`: torch._scaled_mm and
-    the Triton kernels; otherwise the same quantised arithmetic in plain torch (CPUs, tests)."""
+    the Triton kernels; otherwise the same quantised arithmetic in plain torch (CPUs, tests). With log_copy and
+    log_sink (the copy pointer's, [rows] each) the next token's loss is the copy mixture's, column `slot` its gate
+    (copy_mixture_losses), and the two get their gradients too."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, targets: Tensor, cap: tuple, fast: bool, mtp_weights: Tensor | None,
-                period: int) -> Tensor:
+                period: int, slot: int = 0, log_copy: Tensor | None = None, log_sink: Tensor | None = None) -> Tensor:
         mtp = (mtp_weights, period) if mtp_weights is not None else None
         x_scale = x.new_full((), x.size(1) ** 0.5 / E4M3_MAX, dtype=torch.float32)
         w_scale = (weight.detach().abs().amax().float() / E4M3_MAX).clamp(min=1e-30)
@@ -4493,21 +4544,34 @@ class _Fp8SoftcappedHead(torch.autograd.Function):
             vocab = logits.size(1)
             losses = logits.new_empty(rows, dtype=torch.float32)
             grad_q = logits.new_empty(rows, vocab, dtype=torch.float8_e5m2)
-            softcapped_ce_fp8(logits, targets, cap, losses, grad_q, mtp)
+            copy = None
+            if log_copy is not None:
+                d_copy, d_sink = torch.empty_like(losses), torch.empty_like(losses)
+                copy = (slot, log_copy.float().contiguous(), log_sink.float().contiguous(), d_copy, d_sink)
+            softcapped_ce_fp8(logits, targets, cap, losses, grad_q, mtp, copy)
         else:
             logits = (x_q.float() * x_scale) @ (w_q.float() * w_scale).t()
             s = torch.sigmoid((logits + cap[1]) / cap[2])
             z = cap[0] * s
-            losses = multi_token_losses(z, targets, mtp)
-            d = multi_token_grad(z, targets, mtp)
+            if log_copy is None:
+                losses = multi_token_losses(z, targets, mtp)
+                d = multi_token_grad(z, targets, mtp)
+            else:  # the mixture's gradient by autograd, from the same formulas as the bf16 head's
+                with torch.enable_grad():
+                    z_, log_copy_, log_sink_ = (t.detach().float().requires_grad_() for t in (z, log_copy, log_sink))
+                    losses = copy_mixture_losses(z_, targets, slot, log_copy_, log_sink_, mtp)
+                    d, d_copy, d_sink = torch.autograd.grad(losses.sum(), [z_, log_copy_, log_sink_])
+                losses = losses.detach()
             grad_q = (GRAD_E5M2_MAX * d * (cap[0] / cap[2]) * s * (1.0 - s)).to(torch.float8_e5m2)
-        ctx.save_for_backward(x_q, w_q, x_scale, w_scale, grad_q)
+        ctx.save_for_backward(x_q, w_q, x_scale, w_scale, grad_q,
+                              *((d_copy, d_sink) if log_copy is not None else ()))
         ctx.fast, ctx.x_dtype, ctx.w_dtype = fast, x.dtype, weight.dtype
+        ctx.copy_dtype = log_copy.dtype if log_copy is not None else None
         return losses.mean()
 
     @staticmethod
     def backward(ctx, grad_loss: Tensor):
-        x_q, w_q, x_scale, w_scale, grad_q = ctx.saved_tensors
+        x_q, w_q, x_scale, w_scale, grad_q, *pointer_grads = ctx.saved_tensors
         grad_scale = grad_loss.float() / grad_q.size(0) / GRAD_E5M2_MAX
         if ctx.fast:
             grad_qt = transpose_fp8(grad_q)
@@ -4520,7 +4584,11 @@ class _Fp8SoftcappedHead(torch.autograd.Function):
             grad = grad_q.float() * grad_scale
             grad_x = (grad @ (w_q.float() * w_scale)).to(ctx.x_dtype)
             grad_w = grad.t() @ (x_q.float() * x_scale)
-        return grad_x, grad_w.to(ctx.w_dtype), None, None, None, None, None
+        grad_copy = grad_sink = None
+        if pointer_grads:  # the mean's upstream gradient times each row's derivatives
+            grad_copy, grad_sink = (g * (grad_loss.float() / grad_q.size(0)) for g in pointer_grads)
+            grad_copy, grad_sink = grad_copy.to(ctx.copy_dtype), grad_sink.to(ctx.copy_dtype)
+        return grad_x, grad_w.to(ctx.w_dtype), None, None, None, None, None, None, grad_copy, grad_sink
 
 
 def multi_token_grad(z: Tensor, targets: Tensor, mtp: tuple | None) -> Tensor:
@@ -4535,12 +4603,13 @@ def multi_token_grad(z: Tensor, targets: Tensor, mtp: tuple | None) -> Tensor:
 
 
 def fp8_softcapped_head(x: Tensor, weight: Tensor, targets: Tensor, cap: tuple, use_triton: bool,
-                        mtp: tuple | None = None) -> Tensor:
+                        mtp: tuple | None = None, copy: tuple | None = None) -> Tensor:
     """Mean softcapped cross-entropy of x @ weight.T (x: [rows, dim] rms-normed, weight: [vocab, dim]) with
-    FP8 matmuls, next-token or multi-token (mtp): _Fp8SoftcappedHead. With use_triton (Kernels.loss; CUDA) the
-    fast kernels, otherwise plain torch."""
+    FP8 matmuls, next-token or multi-token (mtp), the next token's of the copy mixture with copy = (the gate's
+    column, log_copy, log_sink): _Fp8SoftcappedHead. With use_triton (Kernels.loss; CUDA) the fast kernels,
+    otherwise plain torch."""
     weights, period = mtp if mtp is not None else (None, 0)
-    return _Fp8SoftcappedHead.apply(x, weight, targets, cap, use_triton, weights, period)
+    return _Fp8SoftcappedHead.apply(x, weight, targets, cap, use_triton, weights, period, *(copy or ()))
 
 
 if triton is not None:

@@ -132,11 +132,13 @@ def load_script(relative_path: str):
     return module
 
 
-def fp8_head_reference(x, weight, targets, cap: float, grad_loss, offset=0.0, divisor=None, mtp=None):
+def fp8_head_reference(x, weight, targets, cap: float, grad_loss, offset=0.0, divisor=None, mtp=None, copy=None):
     """The FP8 lm_head's arithmetic (train_gpt._Fp8SoftcappedHead) in float64 on the CPU, with autograd for
     the softcapped cross-entropy, z = cap * sigmoid((logit + offset) / divisor) (divisor: cap / 4 unless given):
     (per-row losses, grad_x, grad_w) for the upstream gradient grad_loss. mtp = (weights, period): each row's loss is
-    the weighted sum of its cross-entropies to the tokens 1, 2, ... ahead that lie in its micro-batch of period rows."""
+    the weighted sum of its cross-entropies to the tokens 1, 2, ... ahead that lie in its micro-batch of period rows.
+    copy = (the gate's column, log_copy, log_sink): the next token's term is the copy mixture's
+    (train_gpt.copy_mixture_losses), and the gradients of log_copy and log_sink come last in the result."""
     import torch
     e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
     x, weight, targets, grad_loss = (t.detach().cpu() for t in (x, weight, targets, grad_loss))
@@ -146,7 +148,13 @@ def fp8_head_reference(x, weight, targets, cap: float, grad_loss, offset=0.0, di
     w_q = (weight.float() / w_scale).clamp(-448, 448).to(e4m3).double() * w_scale.double()
     logits = (x_q @ w_q.T).requires_grad_()
     z = cap * torch.sigmoid((logits + offset) / (divisor or cap / 4))
-    if mtp is None:
+    if copy is not None:
+        import train_gpt as tg
+        slot, log_copy, log_sink = copy
+        log_copy, log_sink = (t.detach().double().requires_grad_() for t in (log_copy, log_sink))
+        losses = tg.copy_mixture_losses(z, targets, slot, log_copy, log_sink,
+                                        None if mtp is None else (mtp[0].double(), mtp[1]))
+    elif mtp is None:
         losses = torch.logsumexp(z, dim=1) - z.gather(1, targets[:, None].long())[:, 0]
     else:
         weights, period = mtp
@@ -158,6 +166,8 @@ def fp8_head_reference(x, weight, targets, cap: float, grad_loss, offset=0.0, di
     losses.backward(grad_loss.double())
     grad_scale = (grad_loss.float().abs().max() / 2 ** 15).clamp(min=1e-30)
     grad = (logits.grad / grad_scale.double()).to(e5m2).double() * grad_scale.double()
+    if copy is not None:
+        return losses.detach(), grad @ w_q, grad.T @ x_q, log_copy.grad, log_sink.grad
     return losses.detach(), grad @ w_q, grad.T @ x_q
 
 

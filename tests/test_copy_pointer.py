@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import train_gpt as tg
-from helpers import BOS, TINY, cu_seqlens_of, random_tiny_model
+from helpers import BOS, TINY, cu_seqlens_of, fp8_head_reference, random_tiny_model, relative_error
 
 
 def pointer_reference(q, k, sink, tokens, targets, documents, band):
@@ -112,10 +112,36 @@ def test_the_model_gates_its_pointer_with_the_row_after_the_vocabulary():
     assert lr_of[id(pointer.sink)] == lr_of[id(pointer.q_gain)] == cfg.adam_lr * cfg.scalar_lr_mul
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--copy_band=100"], "--copy_band=100: use a positive multiple of 128"),
-    (["--fp8_head=1"], "--copy_pointer=1 needs --fp8_head=0"),
-])
-def test_the_copy_flags_are_checked(flags, message):
-    with pytest.raises(tg.UserError, match=re.escape(message)):
-        tg.parse_cli(["--device=cpu", *TINY, "--copy_pointer=1", *flags])
+def test_the_copy_band_is_checked():
+    with pytest.raises(tg.UserError, match=re.escape("--copy_band=100: use a positive multiple of 128")):
+        tg.parse_cli(["--device=cpu", *TINY, "--copy_pointer=1", "--copy_band=100"])
+
+
+def test_the_fp8_head_takes_the_copy_mixture():
+    """The FP8 head's plain-torch path (the kernel's arithmetic; tests/test_triton_interpreter.py checks the kernel)
+    with the copy mixture, multi-token weights and the shifted cap, against the float64 reference with the same
+    quantisation: the loss, the input and weight gradients, and the pointer's two log-masses' gradients."""
+    g = torch.Generator().manual_seed(4)
+    rows, dim, vocab, slot = 96, 64, 1000, 999
+    x = tg.rms_norm(torch.randn(rows, dim, generator=g))
+    weight = torch.randn(vocab, dim, generator=g) * 0.3
+    weight[slot] += 0.5  # a gate that takes a share
+    targets = torch.randint(0, slot, (rows,), generator=g)
+    sink = torch.rand(rows, generator=g) * 0.6
+    log_copy = torch.where(torch.rand(rows, generator=g) < 0.7, (torch.rand(rows, generator=g) * (1 - sink)).log(),
+                           torch.tensor(-1e9))
+    log_sink = sink.log()
+    weights, period, cap = torch.tensor([1.0, 0.5, 0.25]) / 1.75, 32, (23.0, 5.0, 7.5)
+    x_, weight_, log_copy_, log_sink_ = (t.clone().requires_grad_() for t in (x, weight, log_copy, log_sink))
+    loss = tg.fp8_softcapped_head(x_, weight_, targets, cap, False, (weights, period), (slot, log_copy_, log_sink_))
+    loss.backward(torch.tensor(0.7))
+    per_row = torch.full((rows,), 0.7 / rows)
+    ref_losses, ref_x, ref_w, ref_copy, ref_sink = fp8_head_reference(
+        x, weight, targets, 23.0, per_row, offset=5.0, divisor=7.5, mtp=(weights, period),
+        copy=(slot, log_copy, log_sink))
+    torch.testing.assert_close(loss.detach().double(), ref_losses.mean(), rtol=1e-5, atol=1e-5)
+    assert relative_error(x_.grad, ref_x) < 1e-3 and relative_error(weight_.grad, ref_w) < 1e-3
+    torch.testing.assert_close(log_copy_.grad.double(), ref_copy, rtol=1e-4, atol=1e-9)
+    torch.testing.assert_close(log_sink_.grad.double(), ref_sink, rtol=1e-4, atol=1e-9)
+    plain = tg.fp8_softcapped_head(x, weight, targets, cap, False, (weights, period))
+    assert abs(plain.item() - loss.item()) > 1e-2  # the mixture is not the plain loss

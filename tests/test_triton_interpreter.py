@@ -110,6 +110,45 @@ def test_fp8_loss_kernel_with_multi_token_weights_and_a_shifted_cap_in_the_inter
     assert float(loss_error) < 1e-5 and float(grad_error) < 1e-5 and bounded == "True"
 
 
+COPY_CHECK = textwrap.dedent("""
+    import torch, train_gpt as tg
+    g = torch.Generator().manual_seed(0)
+    rows, vocab, period, cap, slot = 24, 1001, 8, (23.0, 5.0, 7.5), 997
+    logits = (torch.randn(rows, vocab, generator=g) * 8).to(torch.bfloat16)
+    logits[:, slot] = (torch.randn(rows, generator=g) * 4 + 8).to(torch.bfloat16)  # gates from shut to wide open
+    targets = torch.randint(0, 990, (rows,), generator=g)
+    targets[5] = targets[6] = targets[7]
+    sink = torch.rand(rows, generator=g) * 0.6
+    copy = torch.rand(rows, generator=g) * (1 - sink)
+    hit = torch.rand(rows, generator=g) < 0.7
+    log_copy = torch.where(hit, copy.log(), torch.tensor(-1e9))
+    log_sink = sink.log()
+    weights = torch.tensor([1.0, 0.5, 0.25]) / 1.75
+    losses, grad = torch.zeros(rows), torch.zeros(rows, vocab)
+    d_copy, d_sink = torch.zeros(rows), torch.zeros(rows)
+    tg.CE_FP8_BLOCK, tg.CE_FP8_TAIL = 256, 128
+    tg.softcapped_ce_fp8(logits, targets, cap, losses, grad, (weights, period), (slot, log_copy, log_sink, d_copy, d_sink))
+    x = logits.double().requires_grad_()
+    lc, ls = log_copy.double().requires_grad_(), log_sink.double().requires_grad_()
+    z = cap[0] * torch.sigmoid((x + cap[1]) / cap[2])
+    ref = tg.copy_mixture_losses(z, targets, slot, lc, ls, (weights.double(), period))
+    ref.sum().backward()
+    print(((losses.double() - ref.detach()).abs().max() / ref.detach().abs().max()).item(),
+          ((grad.double() / tg.GRAD_E5M2_MAX - x.grad).norm() / x.grad.norm()).item(),
+          max((d_copy.double() - lc.grad).abs().max().item(), (d_sink.double() - ls.grad).abs().max().item()),
+          grad.abs().max().item() <= tg.GRAD_E5M2_MAX)
+""")
+
+
+def test_fp8_loss_kernel_with_the_copy_mixture_in_the_interpreter():
+    """The copy mixture's next-token term with multi-token weights and the shifted cap, gates from shut to wide open,
+    rows with and without a hit for the pointer: losses, the logit gradient and the two log-masses' derivatives
+    against float64 autograd of copy_mixture_losses, no gradient value past the e5m2 scale."""
+    loss_error, grad_error, pointer_error, bounded = run_in_interpreter(COPY_CHECK).split()
+    assert float(loss_error) < 1e-5 and float(grad_error) < 1e-5 and float(pointer_error) < 1e-5
+    assert bounded == "True"
+
+
 ROWS_CHECK = textwrap.dedent("""
     import torch, train_gpt as tg
     g = torch.Generator().manual_seed(0)

@@ -382,6 +382,37 @@ def test_fp8_loss_kernel_with_multi_token_weights_matches_float64():
     assert ((got - x.grad).abs() <= 0.13 * x.grad.abs() + 2.0 ** -16 / tg.GRAD_E5M2_MAX).all()
 
 
+def test_fp8_loss_kernel_with_the_copy_mixture_matches_float64():
+    """The copy mixture's next-token term (gate in column 50257, gates from shut to wide open, rows with and without
+    a hit for the pointer) with multi-token weights and the shifted cap, the PTX approximations on: losses and the
+    log-masses' derivatives within 1e-5 of float64 autograd of copy_mixture_losses, gradient values within e5m2's
+    half step."""
+    rows, vocab, period, cap, slot = 512, 50304, 128, (23.0, 5.0, 7.5), 50257
+    g = torch.Generator(device="cuda").manual_seed(13)
+    logits = (torch.randn(rows, vocab, generator=g, device="cuda") * 2 - 4).to(torch.bfloat16)
+    logits[:, slot] = (torch.randn(rows, generator=g, device="cuda") * 6 + 4).to(torch.bfloat16)
+    targets = torch.randint(0, slot, (rows,), generator=g, device="cuda")
+    targets[10:13] = targets[12]
+    sink = torch.rand(rows, generator=g, device="cuda") * 0.6
+    hit = torch.rand(rows, generator=g, device="cuda") < 0.7
+    log_copy = torch.where(hit, (torch.rand(rows, generator=g, device="cuda") * (1 - sink)).log(),
+                           torch.full_like(sink, -1e9))
+    log_sink = sink.log()
+    weights = torch.tensor([1.0, 0.5, 0.25], device="cuda") / 1.75
+    losses, d_copy, d_sink = (torch.empty(rows, device="cuda") for _ in range(3))
+    grad = torch.empty(rows, vocab, device="cuda", dtype=torch.float8_e5m2)
+    tg.softcapped_ce_fp8(logits, targets, cap, losses, grad, (weights, period), (slot, log_copy, log_sink, d_copy, d_sink))
+    x = logits.double().requires_grad_()
+    lc, ls = log_copy.double().requires_grad_(), log_sink.double().requires_grad_()
+    z = cap[0] * torch.sigmoid((x + cap[1]) / cap[2])
+    ref = tg.copy_mixture_losses(z, targets, slot, lc, ls, (weights.double(), period))
+    ref.sum().backward()
+    assert ((losses.double() - ref.detach()).abs() / ref.detach()).max().item() < 1e-5
+    assert (d_copy.double() - lc.grad).abs().max().item() < 1e-5 and (d_sink.double() - ls.grad).abs().max().item() < 1e-5
+    got = grad.double() / tg.GRAD_E5M2_MAX
+    assert ((got - x.grad).abs() <= 0.13 * x.grad.abs() + 2.0 ** -16 / tg.GRAD_E5M2_MAX).all()
+
+
 @pytest.mark.parametrize("shape", [(16384, 50304), (1000, 50257)])
 def test_fp8_transpose_kernel_keeps_the_bits(shape):
     """transpose_fp8 makes the FP8 weight gradient's [V, T] layout: it must equal torch's transpose bit for bit,
