@@ -6,7 +6,9 @@
 # extension steps at the last stage's batch and the final lr, validation of 2,097,152 tokens at steps 0, 160, 320,
 # 480 and 520. Leading NAME=value words of a set are environment settings for that run (e.g. TRAINER=other.py).
 # Prints per run: the validation losses, training time, per-stage step medians and peak memory; then one table of
-# the losses with each run's difference to the first run's.
+# the losses with each run's difference to the first run's. SEEDS="0 1" runs every flag set once per seed (--seed)
+# and adds a table of each set's mean over the seeds and its difference to the first set's mean: identical runs on
+# one seed end up to 0.0035 apart (docs/performance.md), so one run per idea resolves little.
 # Expects .bench2/*.bin.xz (copies of ../shared/bench2: `mkdir -p .bench2 && cp ../shared/bench2/*.xz .bench2/`),
 # carried to the device; the inductor cache comes from .cache/inductor.tar.xz.part* when carried (PACK_CACHE=1
 # packs it back under $OUT/cache).
@@ -24,6 +26,15 @@ schedule=(--train_files='/tmp/bench2/docs_train_*.bin' --val_files=/tmp/bench2/d
 # no token repeats and the late losses measure learning, not memorisation (four runs side by side take about 400 s on
 # an H200, compile included).
 [ "${FRESH:-0}" = 1 ] && schedule+=(--micro_batch_tokens=4096)
+sets=$#
+seeds=(${SEEDS:-})
+if [ ${#seeds[@]} -gt 0 ]; then  # each set once per seed, set by set
+    expanded=()
+    for flags in "$@"; do
+        for seed in "${seeds[@]}"; do expanded+=("$flags --seed=$seed"); done
+    done
+    set -- "${expanded[@]}"
+fi
 n=0
 for flags in "$@"; do
     n=$((n + 1))
@@ -44,9 +55,9 @@ for flags in "$@"; do
     grep -E "val_loss|^compile_time|step times|peak memory|graphs compiled|error|Error" "$OUT/ml_$n.txt" | cut -c1-200
 done
 # One table of the validation losses, each run's difference to the first run's at the same step after it.
-python3 - "$OUT" "$#" <<'TABLE'
+python3 - "$OUT" "$#" "$sets" <<'TABLE'
 import re, sys
-out, runs = sys.argv[1], int(sys.argv[2])
+out, runs, sets = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 losses = [dict(re.findall(r"^step:(\d+)/\d+ val_loss:([\d.]+)", open(f"{out}/ml_{n}.txt").read(), re.M))
           for n in range(1, runs + 1)]
 steps = sorted({int(s) for run in losses for s in run if int(s) > 0})
@@ -57,6 +68,16 @@ for n, run in enumerate(losses, 1):
         v, first = run.get(str(s)), losses[0].get(str(s))
         cells.append("-" if v is None else v + ("" if n == 1 or first is None else f" ({float(v) - float(first):+.4f})"))
     print(f"[{n}] | " + " | ".join(cells))
+if runs > sets:  # SEEDS: runs come set by set, one per seed; a mean needs every seed's loss at that step
+    per_set = runs // sets
+    means = [{s: sum(float(run[str(s)]) for run in group) / per_set for s in steps
+              if all(str(s) in run for run in group)}
+             for group in (losses[i * per_set:(i + 1) * per_set] for i in range(sets))]
+    print(f"set (mean of {per_set} seeds) | " + " | ".join(str(s) for s in steps))
+    for i, mean in enumerate(means):
+        cells = ["-" if s not in mean else f"{mean[s]:.4f}" + ("" if i == 0 or s not in means[0]
+                                                               else f" ({mean[s] - means[0][s]:+.4f})") for s in steps]
+        print(f"set {i + 1} | " + " | ".join(cells))
 TABLE
 if [ "${PACK_CACHE:-0}" = 1 ]; then
     pack_inductor_cache
