@@ -101,6 +101,8 @@ class Config:
     # The speedrun's code widens the final long window without rescaling its rotary tables (2026-07)
     final_yarn: bool = _run(True, "the final validation's longer window rescales the rotary tables (YaRN); 0: keeps them")
     window_block: int = _run(128, "tokens per unit of the attention windows")
+    # --copy_pointer's reach, a run setting as the windows are: --eval_only can score a checkpoint at another band
+    copy_band: int = _run(2048, "tokens back the copy pointer reaches, a multiple of 128")
     cooldown_frac: float = _run(0.55, "last fraction of the scheduled steps, over which the lr decays linearly")
     final_lr_frac: float = _run(0.1, "lr multiplier at the end of the cooldown, kept by the extension steps")
     val_loss_every: int = _run(250, "steps between validations; 0: validate only at the end")
@@ -157,7 +159,6 @@ class Config:
     # one QK-normed head over the final hidden states puts mass on earlier tokens of the document, and the head's
     # first padding row is the logit of how much of the next token's probability goes to that pointer.
     copy_pointer: bool = _model(False, "mix a pointer over the document's earlier tokens into the next-token loss")
-    copy_band: int = _model(2048, "tokens back the copy pointer reaches, a multiple of 128")
     # the speedrun's 2025-12 records: attn_scale, residual_init, value_embed_init_std and (2025-12-19) head_init_std
     attn_scale: float = _model(0.1, "softmax scale of the QK-normed heads; raised as the long window grows")
     residual_init: float = _model(1.1, "initial scale of the residual in each layer's input")

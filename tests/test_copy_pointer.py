@@ -4,11 +4,12 @@ loss, and the model's pointer and gate learning."""
 import dataclasses
 import re
 
+import numpy as np
 import pytest
 import torch
 
 import train_gpt as tg
-from helpers import BOS, TINY, cu_seqlens_of, fp8_head_reference, random_tiny_model, relative_error
+from helpers import BOS, TINY, cu_seqlens_of, fp8_head_reference, random_tiny_model, relative_error, write_shard
 
 
 def pointer_reference(q, k, sink, tokens, targets, documents, band):
@@ -145,3 +146,33 @@ def test_the_fp8_head_takes_the_copy_mixture():
     torch.testing.assert_close(log_sink_.grad.double(), ref_sink, rtol=1e-4, atol=1e-9)
     plain = tg.fp8_softcapped_head(x, weight, targets, cap, False, (weights, period))
     assert abs(plain.item() - loss.item()) > 1e-2  # the mixture is not the plain loss
+
+
+def long_documents(num_tokens: int, seed: int) -> np.ndarray:
+    """BOS-prefixed documents of 250 tokens, each a random phrase of 40 tokens repeated: past 128 tokens back
+    there is more to point at."""
+    rng = np.random.default_rng(seed)
+    docs = [np.concatenate([[BOS], np.tile(rng.integers(0, 97, 40), 7)[:249]]) for _ in range(num_tokens // 250 + 1)]
+    return np.concatenate(docs)[:num_tokens]
+
+
+def test_eval_only_scores_a_checkpoint_at_another_band(tmp_path):
+    """The band is a run setting, as the windows are: a checkpoint trained at 128 tokens back is validated again at
+    128 (the run's own final validation) and at 256 (another loss: its documents of 250 tokens leave the longer
+    band more to point at)."""
+    from test_train import tiny_config
+    train = write_shard(tmp_path / "long_train_000001.bin", long_documents(40_000, seed=1))
+    val = write_shard(tmp_path / "long_val_000000.bin", long_documents(4_000, seed=2))
+    cfg = tiny_config(str(train), str(val), copy_pointer=1, copy_band=128, micro_batch_tokens=256, num_iterations=3,
+                      val_loss_every=0, log_dir=str(tmp_path), run_id="trained",
+                      save_checkpoint=str(tmp_path / "copy.pt"))
+    trained = tg.train(cfg, tg.Comm(), tg.RunLog(cfg, tg.Comm()))
+    losses = {}
+    for band in (128, 256):
+        eval_cfg = dataclasses.replace(cfg, run_id=f"eval_{band}", eval_only=True, init_from=cfg.save_checkpoint,
+                                       save_checkpoint="", copy_band=band)
+        log = tg.RunLog(eval_cfg, tg.Comm())
+        losses[band] = tg.evaluate_checkpoint(eval_cfg, tg.Comm(), log)
+        log.finish()
+    assert losses[128] == pytest.approx(trained.val_losses[-1][1], rel=1e-5)
+    assert abs(losses[256] - losses[128]) > 1e-5
