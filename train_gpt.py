@@ -4587,8 +4587,7 @@ class _Fp8SoftcappedHead(torch.autograd.Function):
             grad_w = grad.t() @ (x_q.float() * x_scale)
         grad_copy = grad_sink = None
         if pointer_grads:  # the mean's upstream gradient times each row's derivatives
-            grad_copy, grad_sink = (g * (grad_loss.float() / grad_q.size(0)) for g in pointer_grads)
-            grad_copy, grad_sink = grad_copy.to(ctx.copy_dtype), grad_sink.to(ctx.copy_dtype)
+            grad_copy, grad_sink = ((g * (grad_loss.float() / grad_q.size(0))).to(ctx.copy_dtype) for g in pointer_grads)
         return grad_x, grad_w.to(ctx.w_dtype), None, None, None, None, None, None, grad_copy, grad_sink
 
 

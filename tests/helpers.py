@@ -171,6 +171,28 @@ def fp8_head_reference(x, weight, targets, cap: float, grad_loss, offset=0.0, di
     return losses.detach(), grad @ w_q, grad.T @ x_q
 
 
+def pointer_log_masses(rows: int, generator, device="cpu"):
+    """(log_copy, log_sink) per row for the copy mixture's tests: a sink mass below 0.6, a hit mass that fits beside
+    it on about 70% of the rows, and no hit (-1e9) on the others."""
+    import torch
+    sink = torch.rand(rows, generator=generator, device=device) * 0.6
+    hit = torch.rand(rows, generator=generator, device=device) < 0.7
+    copy = torch.rand(rows, generator=generator, device=device) * (1 - sink)
+    return torch.where(hit, copy.log(), torch.full_like(sink, -1e9)), sink.log()
+
+
+def copy_mixture_reference(logits, targets, cap: tuple, slot: int, log_copy, log_sink, mtp):
+    """The copy mixture's losses of softcapped logits in float64 (train_gpt.copy_mixture_losses, autograd): (per-row
+    losses, d sum / d logits, d sum / d log_copy, d sum / d log_sink), the loss kernel's outputs to check."""
+    import torch
+    import train_gpt as tg
+    x, lc, ls = (t.double().requires_grad_() for t in (logits, log_copy, log_sink))
+    z = cap[0] * torch.sigmoid((x + cap[1]) / cap[2])
+    losses = tg.copy_mixture_losses(z, targets, slot, lc, ls, (mtp[0].double(), mtp[1]))
+    losses.sum().backward()
+    return losses.detach(), x.grad, lc.grad, ls.grad
+
+
 def unquantised_head_reference(x, weight, targets, cap: float, grad_loss):
     """The head without FP8, in float64 on the CPU: (per-row losses, grad_x, grad_w) for grad_loss."""
     import torch

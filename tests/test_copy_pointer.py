@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import train_gpt as tg
-from helpers import BOS, TINY, cu_seqlens_of, fp8_head_reference, random_tiny_model, relative_error, write_shard
+from helpers import (BOS, TINY, cu_seqlens_of, fp8_head_reference, pointer_log_masses, random_tiny_model,
+                     relative_error, write_shard)
 
 
 def pointer_reference(q, k, sink, tokens, targets, documents, band):
@@ -128,10 +129,7 @@ def test_the_fp8_head_takes_the_copy_mixture():
     weight = torch.randn(vocab, dim, generator=g) * 0.3
     weight[slot] += 0.5  # a gate that takes a share
     targets = torch.randint(0, slot, (rows,), generator=g)
-    sink = torch.rand(rows, generator=g) * 0.6
-    log_copy = torch.where(torch.rand(rows, generator=g) < 0.7, (torch.rand(rows, generator=g) * (1 - sink)).log(),
-                           torch.tensor(-1e9))
-    log_sink = sink.log()
+    log_copy, log_sink = pointer_log_masses(rows, g)
     weights, period, cap = torch.tensor([1.0, 0.5, 0.25]) / 1.75, 32, (23.0, 5.0, 7.5)
     x_, weight_, log_copy_, log_sink_ = (t.clone().requires_grad_() for t in (x, weight, log_copy, log_sink))
     loss = tg.fp8_softcapped_head(x_, weight_, targets, cap, False, (weights, period), (slot, log_copy_, log_sink_))

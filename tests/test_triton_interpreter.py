@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def run_in_interpreter(script: str) -> str:
     """Run a check script in a fresh process with the interpreter on; its standard output."""
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
@@ -112,30 +112,24 @@ def test_fp8_loss_kernel_with_multi_token_weights_and_a_shifted_cap_in_the_inter
 
 COPY_CHECK = textwrap.dedent("""
     import torch, train_gpt as tg
+    from helpers import copy_mixture_reference, pointer_log_masses
     g = torch.Generator().manual_seed(0)
     rows, vocab, period, cap, slot = 24, 1001, 8, (23.0, 5.0, 7.5), 997
     logits = (torch.randn(rows, vocab, generator=g) * 8).to(torch.bfloat16)
     logits[:, slot] = (torch.randn(rows, generator=g) * 4 + 8).to(torch.bfloat16)  # gates from shut to wide open
     targets = torch.randint(0, 990, (rows,), generator=g)
     targets[5] = targets[6] = targets[7]
-    sink = torch.rand(rows, generator=g) * 0.6
-    copy = torch.rand(rows, generator=g) * (1 - sink)
-    hit = torch.rand(rows, generator=g) < 0.7
-    log_copy = torch.where(hit, copy.log(), torch.tensor(-1e9))
-    log_sink = sink.log()
+    log_copy, log_sink = pointer_log_masses(rows, g)
     weights = torch.tensor([1.0, 0.5, 0.25]) / 1.75
     losses, grad = torch.zeros(rows), torch.zeros(rows, vocab)
     d_copy, d_sink = torch.zeros(rows), torch.zeros(rows)
     tg.CE_FP8_BLOCK, tg.CE_FP8_TAIL = 256, 128
     tg.softcapped_ce_fp8(logits, targets, cap, losses, grad, (weights, period), (slot, log_copy, log_sink, d_copy, d_sink))
-    x = logits.double().requires_grad_()
-    lc, ls = log_copy.double().requires_grad_(), log_sink.double().requires_grad_()
-    z = cap[0] * torch.sigmoid((x + cap[1]) / cap[2])
-    ref = tg.copy_mixture_losses(z, targets, slot, lc, ls, (weights.double(), period))
-    ref.sum().backward()
-    print(((losses.double() - ref.detach()).abs().max() / ref.detach().abs().max()).item(),
-          ((grad.double() / tg.GRAD_E5M2_MAX - x.grad).norm() / x.grad.norm()).item(),
-          max((d_copy.double() - lc.grad).abs().max().item(), (d_sink.double() - ls.grad).abs().max().item()),
+    ref, ref_grad, ref_copy, ref_sink = copy_mixture_reference(logits, targets, cap, slot, log_copy, log_sink,
+                                                               (weights, period))
+    print(((losses.double() - ref).abs().max() / ref.abs().max()).item(),
+          ((grad.double() / tg.GRAD_E5M2_MAX - ref_grad).norm() / ref_grad.norm()).item(),
+          max((d_copy.double() - ref_copy).abs().max().item(), (d_sink.double() - ref_sink).abs().max().item()),
           grad.abs().max().item() <= tg.GRAD_E5M2_MAX)
 """)
 

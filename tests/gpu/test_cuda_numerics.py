@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import train_gpt as tg
-from helpers import BOS, TINY, VOCAB, cu_seqlens_of, relative_error
+from helpers import BOS, TINY, VOCAB, copy_mixture_reference, cu_seqlens_of, pointer_log_masses, relative_error
 from test_train import random_attention_inputs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -393,24 +393,17 @@ def test_fp8_loss_kernel_with_the_copy_mixture_matches_float64():
     logits[:, slot] = (torch.randn(rows, generator=g, device="cuda") * 6 + 4).to(torch.bfloat16)
     targets = torch.randint(0, slot, (rows,), generator=g, device="cuda")
     targets[10:13] = targets[12]
-    sink = torch.rand(rows, generator=g, device="cuda") * 0.6
-    hit = torch.rand(rows, generator=g, device="cuda") < 0.7
-    log_copy = torch.where(hit, (torch.rand(rows, generator=g, device="cuda") * (1 - sink)).log(),
-                           torch.full_like(sink, -1e9))
-    log_sink = sink.log()
+    log_copy, log_sink = pointer_log_masses(rows, g, "cuda")
     weights = torch.tensor([1.0, 0.5, 0.25], device="cuda") / 1.75
     losses, d_copy, d_sink = (torch.empty(rows, device="cuda") for _ in range(3))
     grad = torch.empty(rows, vocab, device="cuda", dtype=torch.float8_e5m2)
     tg.softcapped_ce_fp8(logits, targets, cap, losses, grad, (weights, period), (slot, log_copy, log_sink, d_copy, d_sink))
-    x = logits.double().requires_grad_()
-    lc, ls = log_copy.double().requires_grad_(), log_sink.double().requires_grad_()
-    z = cap[0] * torch.sigmoid((x + cap[1]) / cap[2])
-    ref = tg.copy_mixture_losses(z, targets, slot, lc, ls, (weights.double(), period))
-    ref.sum().backward()
-    assert ((losses.double() - ref.detach()).abs() / ref.detach()).max().item() < 1e-5
-    assert (d_copy.double() - lc.grad).abs().max().item() < 1e-5 and (d_sink.double() - ls.grad).abs().max().item() < 1e-5
+    ref, ref_grad, ref_copy, ref_sink = copy_mixture_reference(logits, targets, cap, slot, log_copy, log_sink,
+                                                               (weights, period))
+    assert ((losses.double() - ref).abs() / ref).max().item() < 1e-5
+    assert (d_copy.double() - ref_copy).abs().max().item() < 1e-5 and (d_sink.double() - ref_sink).abs().max().item() < 1e-5
     got = grad.double() / tg.GRAD_E5M2_MAX
-    assert ((got - x.grad).abs() <= 0.13 * x.grad.abs() + 2.0 ** -16 / tg.GRAD_E5M2_MAX).all()
+    assert ((got - ref_grad).abs() <= 0.13 * ref_grad.abs() + 2.0 ** -16 / tg.GRAD_E5M2_MAX).all()
 
 
 @pytest.mark.parametrize("shape", [(16384, 50304), (1000, 50257)])
