@@ -1575,8 +1575,7 @@ class _LaunchWhenGradsReady:
         self.launch = launch
         self.armed = False
         self.ready: dict = {}  # unit -> parameters whose gradient is complete in this backward
-        for p in self.unit_of:
-            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        self.handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.unit_of]
 
     def _on_grad_ready(self, param: Tensor):
         if self.armed:
@@ -1588,6 +1587,15 @@ class _LaunchWhenGradsReady:
     def disarm(self):
         self.armed = False
         self.ready.clear()
+
+    def remove(self):
+        """Take the hooks off the parameters. A hook makes a cycle (parameter -> hook -> optimizer -> parameter)
+        that the garbage collector does not free through a tensor, so without this the optimizer, and with
+        it DistAdam's gloo group and that group's threads, live on until the interpreter's exit, where
+        tearing them down aborts the process now and then ("terminate called without an active exception")."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
 
 
 class _AdamBucket:
@@ -1808,6 +1816,10 @@ class DistAdam(torch.optim.Optimizer):
         self.launched = []
         self.row_exchanges = {}
         self.grad_hooks.disarm()
+
+    def close(self):
+        """End of training: remove the gradient hooks (_LaunchWhenGradsReady.remove says why)."""
+        self.grad_hooks.remove()
 
     def is_tied(self) -> bool:
         return self.tied is not None and not self.state[self.tied[0]].get("untied", False)
@@ -2045,6 +2057,10 @@ class Muon(torch.optim.Optimizer):
                 if settings["weight_decay"]:  # cautious: only where the update pushes the weight towards zero too
                     p.sub_(p * (update * p >= 0), alpha=lr * settings["weight_decay"] * settings["lr"])
                 p.add_(update, alpha=-lr)
+
+    def close(self):
+        """End of training: remove the gradient hooks (_LaunchWhenGradsReady.remove says why)."""
+        self.grad_hooks.remove()
 
     def matrix_lr(self, p: Tensor, settings: dict) -> float:
         """The lr of one matrix: its group's (scheduled) lr, times its group's lr_mul, times the shape factor."""
@@ -3552,6 +3568,8 @@ class TrainingRun:
             self.watch.flush()
         finally:
             self.batches.close()
+            for optimizer in self.optimizers:
+                optimizer.close()
             self.trainer.recompiles.close()
             self.step_times.close()
             gc.unfreeze()
@@ -4062,6 +4080,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         if comm is not None and dist.is_initialized():
+            gc.collect()  # the run's optimizers, and with them DistAdam's gloo group, go now, not at the exit
             dist.destroy_process_group()
 
 

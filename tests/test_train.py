@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -865,6 +866,23 @@ def test_warm_up_restores_the_initial_model(tiny_data):
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert all(p.grad is None for p in model.parameters())
     assert all(not opt.state for opt in optimizers)
+
+def test_closed_optimizers_are_freed(tiny_data):
+    # Their gradient hooks on the parameters are what keeps them alive while the model lives; a run closes them,
+    # so they and DistAdam's gloo group do not live on to the interpreter's exit.
+    cfg = tiny_config(*tiny_data)
+    model = tg.GPT(cfg, tg.SdpaAttention(), torch.float32)
+    optimizers = tg.build_optimizers(model, cfg)
+    alive = [weakref.ref(opt) for opt in optimizers]
+    del optimizers
+    gc.collect()
+    assert all(ref() is not None for ref in alive)  # held by the hooks
+    for ref in alive:
+        ref().close()
+    gc.collect()
+    assert all(ref() is None for ref in alive)
+    assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
+
 
 
 # ------------------------------------------------------------------------------------------ whole runs
