@@ -635,6 +635,7 @@ class Kernels:
     rows: bool = False  # the embedding rows' gather and gradient kernels (gather_rows, add_rows_)
     loss: bool = False  # the softcapped cross-entropy kernels; with --fp8_head, torch._scaled_mm and its loss kernel
     newton_schulz: bool = False  # Muon's symmetric matmuls (symmetric_matmul)
+    copy_pointer: bool = False  # the copy pointer's banded scores (_CopyScores)
 
 
 PLAIN_TORCH = Kernels()
@@ -644,7 +645,7 @@ def choose_kernels(cfg: Config, device: torch.device) -> Kernels:
     """The Triton kernels of a run on `device`: every one on CUDA when Triton imports and --triton_kernels is on
     (the fused MLP also with --fused_mlp); none on the CPU."""
     on = device.type == "cuda" and triton is not None and cfg.triton_kernels
-    return Kernels(fused_mlp=on and cfg.fused_mlp, rows=on, loss=on, newton_schulz=on)
+    return Kernels(fused_mlp=on and cfg.fused_mlp, rows=on, loss=on, newton_schulz=on, copy_pointer=on)
 
 
 def rms_norm(x: Tensor) -> Tensor:
@@ -1184,9 +1185,9 @@ class CopyPointer(nn.Module):
     last `band` positions and to a learned sink. Its mass on earlier positions holding the target token is the
     pointer's probability of that token; the sink's mass goes back to the LM."""
 
-    def __init__(self, dim: int, head_dim: int, band: int):
+    def __init__(self, dim: int, head_dim: int, band: int, use_triton: bool = False):
         super().__init__()
-        self.band = band
+        self.band, self.use_triton = band, use_triton
         self.q_w = nn.Parameter(torch.empty(head_dim, dim))
         self.k_w = nn.Parameter(torch.empty(head_dim, dim))
         self.q_gain = nn.Parameter(torch.empty(head_dim))
@@ -1206,7 +1207,7 @@ class CopyPointer(nn.Module):
         position's document, increasing."""
         q = rms_norm(h @ self.q_w.to(h.dtype).T) * self.q_gain.to(h.dtype)
         k = rms_norm(h @ self.k_w.to(h.dtype).T)
-        return copy_log_probs(q, k, self.sink, tokens, targets, documents, self.band)
+        return copy_log_probs(q, k, self.sink, tokens, targets, documents, self.band, self.use_triton)
 
 
 class _RowLookup(torch.autograd.Function):
@@ -1285,7 +1286,8 @@ class GPT(nn.Module):
         else:
             self.bigram_signs = None
         self.lm_head = nn.Linear(dim, vocab, bias=False)  # its own weight; tie_embed trains the embedding as a copy
-        self.copy_pointer = CopyPointer(dim, cfg.head_dim, cfg.copy_band) if cfg.copy_pointer else None
+        self.copy_pointer = (CopyPointer(dim, cfg.head_dim, cfg.copy_band, kernels.copy_pointer) if cfg.copy_pointer
+                             else None)
         self.rotary = Rotary(cfg.head_dim, forward_micro_batches * cfg.micro_batch_tokens, period=cfg.micro_batch_tokens,
                              attn_scale=cfg.attn_scale, paired=bool(paired))
         self.replays_cuda_graphs = False  # set when compiled in a CUDA_GRAPH_MODES mode
@@ -4254,13 +4256,16 @@ COPY_BLOCK = 128  # queries per block of the copy pointer's banded scores
 
 
 def copy_log_probs(q: Tensor, k: Tensor, sink: Tensor, tokens: Tensor, targets: Tensor, documents: Tensor,
-                   band: int) -> tuple[Tensor, Tensor]:
+                   band: int, use_triton: bool = False) -> tuple[Tensor, Tensor]:
     """Per query t of q, k [T, d]: softmax over the scores q_t . k_j / sqrt(d) of the positions j <= t of its
     document less than `band` back, and the sink's score; returns (log of the mass on the j with tokens[j] ==
     targets[t], log of the sink's mass), float32 [T] each; the first is about -1e9 where no such j is.
 
     Blocks of COPY_BLOCK queries each score the band before them and themselves, [T, band + COPY_BLOCK] scores in
-    all: no [T, T] matrix."""
+    all: no [T, T] matrix. With use_triton (Kernels.copy_pointer; CUDA) the kernels of _CopyScores, which keep no
+    scores for the backward."""
+    if use_triton:
+        return _CopyScores.apply(*(t.contiguous() for t in (q, k, sink, tokens, targets, documents)), band)
     T, d = q.shape
     blocks, width = T // COPY_BLOCK, band + COPY_BLOCK
     keys = F.pad(k, (0, 0, band, 0)).unfold(0, width, COPY_BLOCK)  # [blocks, d, width], block b's keys from b*B - band
@@ -4629,6 +4634,142 @@ def fp8_softcapped_head(x: Tensor, weight: Tensor, targets: Tensor, cap: tuple, 
     otherwise plain torch."""
     weights, period = mtp if mtp is not None else (None, 0)
     return _Fp8SoftcappedHead.apply(x, weight, targets, cap, use_triton, weights, period, *(copy or ()))
+
+
+if triton is not None:
+    @triton.jit
+    def _copy_tile(q, K, Tokens, Docs, queries, keys, targets, documents, scale, BAND: tl.constexpr, D: tl.constexpr):
+        """The scores [M, N] of queries (rows q [M, D], positions, targets, documents) against the keys at positions
+        `keys`, which of them each query sees (its document, less than BAND back), which of those hold its target,
+        and the keys' rows."""
+        k = tl.load(K + keys[:, None] * D + tl.arange(0, D)[None, :])
+        s = tl.dot(q, tl.trans(k)) * scale
+        back = queries[:, None] - keys[None, :]
+        seen = (back >= 0) & (back < BAND) & (documents[:, None] == tl.load(Docs + keys)[None, :])
+        hit = seen & (targets[:, None] == tl.load(Tokens + keys)[None, :])
+        return s, seen, hit, k
+
+    @triton.jit
+    def _copy_score_grads(s, seen, hit, log_z, log_hits, grad_z, grad_hits):
+        """d loss / d s of a tile: each query's softmax over what it sees (its normaliser log_z takes the sink in)
+        times the gradient of log_z, plus its softmax over the hits times that of log_hits."""
+        p_z = tl.where(seen, tl.exp(tl.minimum(s - log_z[:, None], 0.0)), 0.0)
+        p_hits = tl.where(hit, tl.exp(tl.minimum(s - log_hits[:, None], 0.0)), 0.0)
+        return p_z * grad_z[:, None] + p_hits * grad_hits[:, None]
+
+    @triton.jit
+    def _copy_scores_kernel(Q, K, Tokens, Targets, Docs, Sink, LogZ, LogHits, scale, BAND: tl.constexpr,
+                            D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """One block of BLOCK_M queries: log_z (the scores seen and the sink) and log_hits, both by an online
+        log-sum-exp over the key tiles of the band, in base 2. A tile wholly before the block's first document is
+        skipped (documents only grow along the positions)."""
+        start = tl.program_id(0) * BLOCK_M
+        queries = start + tl.arange(0, BLOCK_M)
+        q = tl.load(Q + queries[:, None] * D + tl.arange(0, D)[None, :])
+        targets, documents = tl.load(Targets + queries), tl.load(Docs + queries)
+        first_document = tl.load(Docs + start)
+        max_z = tl.full([BLOCK_M], -1e30, tl.float32)  # finite: a row with nothing seen yet keeps exp2(0) factors
+        sum_z = tl.zeros([BLOCK_M], tl.float32)
+        max_hits, sum_hits = max_z, sum_z
+        for key_start in range(tl.maximum(start - BAND, 0), start + BLOCK_M, BLOCK_N):
+            if tl.load(Docs + key_start + BLOCK_N - 1) >= first_document:
+                keys = key_start + tl.arange(0, BLOCK_N)
+                s, seen, hit, _ = _copy_tile(q, K, Tokens, Docs, queries, keys, targets, documents, scale, BAND, D)
+                s = s * 1.4426950408889634  # log2(e)
+                new_z = tl.maximum(max_z, tl.max(tl.where(seen, s, -1e30), 1))
+                sum_z = sum_z * tl.exp2(max_z - new_z) + tl.sum(tl.where(seen, tl.exp2(s - new_z[:, None]), 0.0), 1)
+                new_hits = tl.maximum(max_hits, tl.max(tl.where(hit, s, -1e30), 1))
+                sum_hits = (sum_hits * tl.exp2(max_hits - new_hits)
+                            + tl.sum(tl.where(hit, tl.exp2(s - new_hits[:, None]), 0.0), 1))
+                max_z, max_hits = new_z, new_hits
+        seen_lse = (max_z + tl.log2(sum_z)) * 0.6931471805599453  # every query sees itself: sum_z >= 1
+        sink = tl.load(Sink)
+        high = tl.maximum(seen_lse, sink)
+        tl.store(LogZ + queries, high + tl.log(tl.exp(seen_lse - high) + tl.exp(sink - high)))
+        safe_sum = tl.where(sum_hits > 0, sum_hits, 1.0)
+        tl.store(LogHits + queries, tl.where(sum_hits > 0, (max_hits + tl.log2(safe_sum)) * 0.6931471805599453, -1e9))
+
+    @triton.jit
+    def _copy_scores_dq_kernel(Q, K, Tokens, Targets, Docs, LogZ, LogHits, GradZ, GradHits, DQ, scale,
+                               BAND: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """The query gradients of one block of BLOCK_M queries, from the scores recomputed over the same key tiles."""
+        start = tl.program_id(0) * BLOCK_M
+        queries = start + tl.arange(0, BLOCK_M)
+        dims = tl.arange(0, D)
+        q = tl.load(Q + queries[:, None] * D + dims[None, :])
+        targets, documents = tl.load(Targets + queries), tl.load(Docs + queries)
+        log_z, log_hits = tl.load(LogZ + queries), tl.load(LogHits + queries)
+        grad_z, grad_hits = tl.load(GradZ + queries), tl.load(GradHits + queries)
+        first_document = tl.load(Docs + start)
+        dq = tl.zeros([BLOCK_M, D], tl.float32)
+        for key_start in range(tl.maximum(start - BAND, 0), start + BLOCK_M, BLOCK_N):
+            if tl.load(Docs + key_start + BLOCK_N - 1) >= first_document:
+                keys = key_start + tl.arange(0, BLOCK_N)
+                s, seen, hit, k = _copy_tile(q, K, Tokens, Docs, queries, keys, targets, documents, scale, BAND, D)
+                ds = _copy_score_grads(s, seen, hit, log_z, log_hits, grad_z, grad_hits)
+                dq += tl.dot(ds.to(k.dtype), k)
+        tl.store(DQ + queries[:, None] * D + dims[None, :], (dq * scale).to(DQ.dtype.element_ty))
+
+    @triton.jit
+    def _copy_scores_dk_kernel(Q, K, Tokens, Targets, Docs, LogZ, LogHits, GradZ, GradHits, DK, T, scale,
+                               BAND: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """The key gradients of one block of BLOCK_N keys, over the query tiles that can see them: from the key's own
+        tile to BAND past the block. A tile whose first query is in a later document than every key is skipped."""
+        key_start = tl.program_id(0) * BLOCK_N
+        keys = key_start + tl.arange(0, BLOCK_N)
+        dims = tl.arange(0, D)
+        last_document = tl.load(Docs + key_start + BLOCK_N - 1)
+        dk = tl.zeros([BLOCK_N, D], tl.float32)
+        for start in range(key_start // BLOCK_M * BLOCK_M, tl.minimum(key_start + BLOCK_N + BAND, T), BLOCK_M):
+            if tl.load(Docs + start) <= last_document:
+                queries = start + tl.arange(0, BLOCK_M)
+                q = tl.load(Q + queries[:, None] * D + dims[None, :])
+                targets, documents = tl.load(Targets + queries), tl.load(Docs + queries)
+                s, seen, hit, _ = _copy_tile(q, K, Tokens, Docs, queries, keys, targets, documents, scale, BAND, D)
+                ds = _copy_score_grads(s, seen, hit, tl.load(LogZ + queries), tl.load(LogHits + queries),
+                                       tl.load(GradZ + queries), tl.load(GradHits + queries))
+                dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+        tl.store(DK + keys[:, None] * D + dims[None, :], (dk * scale).to(DK.dtype.element_ty))
+
+
+# The copy pointer kernels' launch shapes: the forward's key tiles, and the backward's query and key blocks.
+COPY_FWD_BLOCKS, COPY_BWD_BLOCKS, COPY_WARPS = (128, 64), (64, 64), 8
+
+
+class _CopyScores(torch.autograd.Function):
+    """copy_log_probs with the Triton kernels: the forward keeps two floats per query (log_z and log_hits) and no
+    scores; the backward recomputes each tile's scores twice, once for the query gradients (a kernel over query
+    blocks) and once for the key gradients (a kernel over key blocks), so neither adds into the other's output."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, sink: Tensor, tokens: Tensor, targets: Tensor, documents: Tensor,
+                band: int) -> tuple[Tensor, Tensor]:
+        T, d = q.shape
+        log_z = q.new_empty(T, dtype=torch.float32)
+        log_hits = torch.empty_like(log_z)
+        block_m, block_n = COPY_FWD_BLOCKS
+        _copy_scores_kernel[(T // block_m,)](q, k, tokens, targets, documents, sink, log_z, log_hits, d ** -0.5,
+                                             BAND=band, D=d, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=COPY_WARPS)
+        ctx.save_for_backward(q, k, sink, tokens, targets, documents, log_z, log_hits)
+        ctx.band = band
+        return log_hits - log_z, sink.float() - log_z
+
+    @staticmethod
+    def backward(ctx, grad_copy: Tensor, grad_sink: Tensor):
+        q, k, sink, tokens, targets, documents, log_z, log_hits = ctx.saved_tensors
+        T, d = q.shape
+        grad_copy = grad_copy.float() if grad_copy is not None else torch.zeros_like(log_z)
+        grad_sink = grad_sink.float() if grad_sink is not None else torch.zeros_like(log_z)
+        grad_z = -(grad_copy + grad_sink)  # log_copy = log_hits - log_z, log_sink = sink - log_z
+        dq, dk = torch.empty_like(q), torch.empty_like(k)
+        block_m, block_n = COPY_BWD_BLOCKS
+        args = (tokens, targets, documents, log_z, log_hits, grad_z, grad_copy)
+        _copy_scores_dq_kernel[(T // block_m,)](q, k, *args, dq, d ** -0.5, BAND=ctx.band, D=d, BLOCK_M=block_m,
+                                                BLOCK_N=block_n, num_warps=COPY_WARPS)
+        _copy_scores_dk_kernel[(T // block_n,)](q, k, *args, dk, T, d ** -0.5, BAND=ctx.band, D=d, BLOCK_M=block_m,
+                                                BLOCK_N=block_n, num_warps=COPY_WARPS)
+        d_sink = (grad_sink + grad_z * torch.exp(sink.float() - log_z)).sum().reshape(sink.shape).to(sink.dtype)
+        return dq, dk, d_sink, None, None, None, None
 
 
 if triton is not None:

@@ -1,9 +1,10 @@
 """Device benchmark of the copy pointer's cost (not part of the tests): at a packed forward's tokens, compiled by
 inductor, forward + backward of
-  - pointer: CopyPointer's projections and banded scores (copy_log_probs) at each band,
+  - pointer: CopyPointer's projections and banded scores (copy_log_probs) at each band, in plain torch and with
+    the Triton kernels (_CopyScores),
   - head: the FP8 head's loss with multi-token weights, without and with the copy mixture (the fused kernel),
 each the median of many calls after a warm-up, and the peak memory each adds. The pointer's numbers say whether
-its plain-torch scores need a kernel of their own; the head's whether the mixture costs the fused loss anything.
+the kernels pay; the head's whether the mixture costs the fused loss anything.
 
     python bench/bench_copy_pointer.py [TOKENS]     (default 131072: 8 micro-batches of 16,384)
 """
@@ -44,15 +45,17 @@ def main():
     h, tokens, targets, documents = inputs(T)
     print(f"{torch.cuda.get_device_name()}, {T} tokens, documents of {DOC}")
     for band in (1024, 2048, 4096):
-        pointer = tg.CopyPointer(DIM, HEAD_DIM, band).cuda()
+        for use_triton in (False, True):
+            pointer = tg.CopyPointer(DIM, HEAD_DIM, band, use_triton).cuda()
 
-        def step():
-            log_copy, log_sink = pointer(h, tokens, targets, documents)
-            (log_copy.clamp(min=-30).sum() + log_sink.sum()).backward()
+            def step():
+                log_copy, log_sink = pointer(h, tokens, targets, documents)
+                (log_copy.clamp(min=-30).sum() + log_sink.sum()).backward()
 
-        compiled = torch.compile(step, fullgraph=False, dynamic=False)
-        ms = median_ms(compiled)
-        print(f"pointer band {band}: forward + backward {ms:.2f} ms, peak {peak_gib(compiled):.2f} GiB")
+            compiled = torch.compile(step, fullgraph=False, dynamic=False)
+            ms = median_ms(compiled)
+            print(f"pointer band {band}, {'Triton kernels' if use_triton else 'plain torch'}: forward + backward "
+                  f"{ms:.2f} ms, peak {peak_gib(compiled):.2f} GiB")
     weight = (torch.randn(VOCAB, DIM, device="cuda") * 0.02).requires_grad_()
     mtp = (torch.tensor([1.0, 0.5, 0.25], device="cuda") / 1.75, 16384)
     log_copy = torch.full((T,), -2.0, device="cuda", requires_grad=True)

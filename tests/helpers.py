@@ -181,6 +181,32 @@ def pointer_log_masses(rows: int, generator, device="cpu"):
     return torch.where(hit, copy.log(), torch.full_like(sink, -1e9)), sink.log()
 
 
+def pointer_inputs(T=384, d=16, vocab=6, seed=0, device="cpu"):
+    """(q, k, sink, tokens, targets, documents) for the copy pointer's tests: random queries and keys, a small
+    vocabulary so that many queries find their target, documents from 2 to 254 tokens long (so that a band of 128
+    cuts some), and the first 130."""
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(T, d, generator=g), torch.randn(T, d, generator=g)
+    tokens = torch.randint(0, vocab, (T,), generator=g)
+    starts = torch.zeros(T, dtype=torch.bool)
+    starts[[i for i in (0, 130, 132, 300) if i < T]] = True
+    targets = torch.cat([tokens[1:], tokens[:1]])
+    return tuple(t.to(device) for t in (q, k, torch.tensor([0.7]), tokens, targets, torch.cumsum(starts.long(), 0)))
+
+
+def dense_pointer_reference(q, k, sink, tokens, targets, documents, band):
+    """train_gpt.copy_log_probs from the whole [T, T] score matrix, in float64 with autograd: (log_copy, log_sink)."""
+    import torch
+    q, k, sink = q.double(), k.double(), sink.double()
+    scores = q @ k.T / q.size(1) ** 0.5
+    back = torch.arange(q.size(0), device=q.device)[:, None] - torch.arange(q.size(0), device=q.device)[None, :]
+    seen = (back >= 0) & (back < band) & (documents[:, None] == documents[None, :])
+    hits = seen & (targets[:, None] == tokens[None, :])
+    log_z = torch.logaddexp(torch.logsumexp(scores.masked_fill(~seen, -1e9), 1), sink)
+    return torch.logsumexp(scores.masked_fill(~hits, -1e9), 1) - log_z, sink - log_z
+
+
 def copy_mixture_reference(logits, targets, cap: tuple, slot: int, log_copy, log_sink, mtp):
     """The copy mixture's losses of softcapped logits in float64 (train_gpt.copy_mixture_losses, autograd): (per-row
     losses, d sum / d logits, d sum / d log_copy, d sum / d log_sink), the loss kernel's outputs to check."""

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import train_gpt as tg
-from helpers import (BOS, TINY, cu_seqlens_of, fp8_head_reference, pointer_log_masses, random_tiny_model,
-                     relative_error, write_shard)
+from helpers import (BOS, TINY, cu_seqlens_of, fp8_head_reference, pointer_inputs, pointer_log_masses,
+                     random_tiny_model, relative_error, write_shard)
 
 
 def pointer_reference(q, k, sink, tokens, targets, documents, band):
@@ -24,15 +24,6 @@ def pointer_reference(q, k, sink, tokens, targets, documents, band):
         log_copy.append(torch.log(hit))
         log_sink.append(torch.log(p[-1]))
     return torch.stack(log_copy), torch.stack(log_sink)
-
-
-def pointer_inputs(T=384, d=16, vocab=6, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q, k = torch.randn(T, d, generator=g), torch.randn(T, d, generator=g)
-    tokens = torch.randint(0, vocab, (T,), generator=g)
-    starts = torch.rand(T, generator=g) < 0.02
-    starts[0] = starts[130] = True
-    return q, k, torch.tensor([0.7]), tokens, torch.cat([tokens[1:], tokens[:1]]), torch.cumsum(starts.long(), 0)
 
 
 @pytest.mark.parametrize("band", [128, 256])

@@ -143,6 +143,38 @@ def test_fp8_loss_kernel_with_the_copy_mixture_in_the_interpreter():
     assert bounded == "True"
 
 
+POINTER_CHECK = textwrap.dedent("""
+    import torch, train_gpt as tg
+    from helpers import dense_pointer_reference, pointer_inputs
+    g = torch.Generator().manual_seed(1)
+    for band in (128, 256):
+        q, k, sink, tokens, targets, documents = pointer_inputs()
+        grads = torch.randn(2, q.size(0), generator=g)  # upstream gradients of log_copy and log_sink
+        ref_inputs = [t.double().requires_grad_() for t in (q, k, sink)]
+        ref_copy, ref_sink = dense_pointer_reference(*ref_inputs, tokens, targets, documents, band)
+        ((ref_copy * grads[0]).sum() + (ref_sink * grads[1]).sum()).backward()
+        inputs = [t.clone().requires_grad_() for t in (q, k, sink)]
+        log_copy, log_sink = tg.copy_log_probs(*inputs, tokens, targets, documents, band, use_triton=True)
+        ((log_copy * grads[0]).sum() + (log_sink * grads[1]).sum()).backward()
+        hit = ref_copy > -1e8
+        print(band, int(hit.sum()), (log_copy.double() - ref_copy)[hit].abs().max().item(),
+              bool((log_copy[~hit] < -1e8).all()), (log_sink.double() - ref_sink).abs().max().item(),
+              max(((x.grad.double() - r.grad).norm() / r.grad.norm()).item() for x, r in zip(inputs, ref_inputs)))
+""")
+
+
+def test_copy_pointer_kernels_match_float64_in_the_interpreter():
+    """The pointer's log-masses and the gradients of queries, keys and sink against float64 autograd over the whole
+    score matrix, at two bands (the key tiles before a block's documents skipped), hits and no hits among the rows."""
+    lines = run_in_interpreter(POINTER_CHECK).splitlines()
+    assert len(lines) == 2
+    for line in lines:
+        band, hits, copy_error, missed, sink_error, grad_error = line.split()
+        assert 50 < int(hits) < 384, line
+        assert float(copy_error) < 1e-5 and missed == "True" and float(sink_error) < 1e-5, line
+        assert float(grad_error) < 1e-5, line
+
+
 ROWS_CHECK = textwrap.dedent("""
     import torch, train_gpt as tg
     g = torch.Generator().manual_seed(0)

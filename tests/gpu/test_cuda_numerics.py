@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import train_gpt as tg
-from helpers import BOS, TINY, VOCAB, copy_mixture_reference, cu_seqlens_of, pointer_log_masses, relative_error
+from helpers import (BOS, TINY, VOCAB, copy_mixture_reference, cu_seqlens_of, dense_pointer_reference,
+                     pointer_log_masses, relative_error)
 from test_train import random_attention_inputs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -404,6 +405,36 @@ def test_fp8_loss_kernel_with_the_copy_mixture_matches_float64():
     assert (d_copy.double() - ref_copy).abs().max().item() < 1e-5 and (d_sink.double() - ref_sink).abs().max().item() < 1e-5
     got = grad.double() / tg.GRAD_E5M2_MAX
     assert ((got - ref_grad).abs() <= 0.13 * ref_grad.abs() + 2.0 ** -16 / tg.GRAD_E5M2_MAX).all()
+
+
+@pytest.mark.parametrize("band", [1024, 2048])
+def test_copy_pointer_kernels_match_float64(band):
+    """The pointer's Triton kernels (compiled, as in training) on bf16 queries and keys of the model's head width:
+    log-masses within 1e-4 of float64 over the whole score matrix, gradients of queries, keys and sink within the
+    bf16 rounding of the score gradients; documents of 3,000 tokens (longer than the band) and of 300."""
+    T, d = 8192, 128
+    g = torch.Generator(device="cuda").manual_seed(band)
+    q = (tg.rms_norm(torch.randn(T, d, generator=g, device="cuda")) * 1.5).to(torch.bfloat16)
+    k = tg.rms_norm(torch.randn(T, d, generator=g, device="cuda")).to(torch.bfloat16)
+    sink = torch.tensor([1.3], device="cuda")
+    tokens = torch.randint(0, 300, (T,), generator=g, device="cuda")
+    targets = torch.cat([tokens[1:], tokens[:1]])
+    positions = torch.arange(T, device="cuda")
+    documents = torch.cumsum((positions % 3000 == 0) | ((positions > 6000) & (positions % 300 == 0)), 0)
+    grads = torch.randn(2, T, generator=g, device="cuda")
+    ref_inputs = [t.double().requires_grad_() for t in (q, k, sink)]
+    ref_copy, ref_sink = dense_pointer_reference(*ref_inputs, tokens, targets, documents, band)
+    ((ref_copy * grads[0]).sum() + (ref_sink * grads[1]).sum()).backward()
+    inputs = [t.clone().requires_grad_() for t in (q, k, sink)]
+    pointer = torch.compile(tg.copy_log_probs, fullgraph=True, dynamic=False)
+    log_copy, log_sink = pointer(*inputs, tokens, targets, documents, band, use_triton=True)
+    ((log_copy * grads[0]).sum() + (log_sink * grads[1]).sum()).backward()
+    hit = ref_copy > -1e8
+    assert 1000 < hit.sum() < T - 1000
+    assert (log_copy.double() - ref_copy)[hit].abs().max().item() < 1e-4 and (log_copy[~hit] < -1e8).all()
+    assert (log_sink.double() - ref_sink).abs().max().item() < 1e-4
+    for got, ref in zip(inputs, ref_inputs):
+        assert relative_error(got.grad, ref.grad) < 1e-2, relative_error(got.grad, ref.grad)
 
 
 @pytest.mark.parametrize("shape", [(16384, 50304), (1000, 50257)])
