@@ -159,6 +159,8 @@ class Config:
     # one QK-normed head over the final hidden states puts mass on earlier tokens of the document, and the head's
     # first padding row is the logit of how much of the next token's probability goes to that pointer.
     copy_pointer: bool = _model(False, "mix a pointer over the document's earlier tokens into the next-token loss")
+    copy_sink_key: bool = _model(False, "the pointer's sink scores each query against a learned key (as the pull "
+                                        "request does), not one learned logit for all")
     # the speedrun's 2025-12 records: attn_scale, residual_init, value_embed_init_std and (2025-12-19) head_init_std
     attn_scale: float = _model(0.1, "softmax scale of the QK-normed heads; raised as the long window grows")
     residual_init: float = _model(1.1, "initial scale of the residual in each layer's input")
@@ -1185,13 +1187,15 @@ class CopyPointer(nn.Module):
     last `band` positions and to a learned sink. Its mass on earlier positions holding the target token is the
     pointer's probability of that token; the sink's mass goes back to the LM."""
 
-    def __init__(self, dim: int, head_dim: int, band: int, use_triton: bool = False):
+    def __init__(self, dim: int, head_dim: int, band: int, use_triton: bool = False, sink_key: bool = False):
         super().__init__()
         self.band, self.use_triton = band, use_triton
         self.q_w = nn.Parameter(torch.empty(head_dim, dim))
         self.k_w = nn.Parameter(torch.empty(head_dim, dim))
         self.q_gain = nn.Parameter(torch.empty(head_dim))
-        self.sink = nn.Parameter(torch.empty(1))  # shape [1]: torchft's DiLoCo cannot back up 0-d parameters
+        # the sink's logit, or with sink_key the key each query scores it by; shape [1], not [], as torchft's
+        # DiLoCo cannot back up 0-d parameters
+        self.sink = nn.Parameter(torch.empty(head_dim if sink_key else 1))
         self.reset_parameters()
 
     @torch.no_grad()
@@ -1207,7 +1211,8 @@ class CopyPointer(nn.Module):
         position's document, increasing."""
         q = rms_norm(h @ self.q_w.to(h.dtype).T) * self.q_gain.to(h.dtype)
         k = rms_norm(h @ self.k_w.to(h.dtype).T)
-        return copy_log_probs(q, k, self.sink, tokens, targets, documents, self.band, self.use_triton)
+        sink = (q.float() @ self.sink.float()) * q.size(1) ** -0.5 if self.sink.numel() > 1 else self.sink
+        return copy_log_probs(q, k, sink, tokens, targets, documents, self.band, self.use_triton)
 
 
 class _RowLookup(torch.autograd.Function):
@@ -1286,8 +1291,8 @@ class GPT(nn.Module):
         else:
             self.bigram_signs = None
         self.lm_head = nn.Linear(dim, vocab, bias=False)  # its own weight; tie_embed trains the embedding as a copy
-        self.copy_pointer = (CopyPointer(dim, cfg.head_dim, cfg.copy_band, kernels.copy_pointer) if cfg.copy_pointer
-                             else None)
+        self.copy_pointer = (CopyPointer(dim, cfg.head_dim, cfg.copy_band, kernels.copy_pointer, cfg.copy_sink_key)
+                             if cfg.copy_pointer else None)
         self.rotary = Rotary(cfg.head_dim, forward_micro_batches * cfg.micro_batch_tokens, period=cfg.micro_batch_tokens,
                              attn_scale=cfg.attn_scale, paired=bool(paired))
         self.replays_cuda_graphs = False  # set when compiled in a CUDA_GRAPH_MODES mode
@@ -3102,10 +3107,12 @@ def build_optimizers(model: GPT, cfg: Config) -> list[torch.optim.Optimizer]:
                     # gate MLPs at a tenth, betas 0.9 / 0.99
                     + mix_groups(mixes, cfg.adam_lr * 0.25)
                     + mix_groups(record_gates, cfg.adam_lr * 0.1, betas=(0.9, 0.99))
-                    # the copy pointer's projections at MUDD's quarter lr, its query gain and sink as scalars
-                    + ([dict(params=[pointer.q_w, pointer.k_w], lr=cfg.adam_lr * 0.25, weight_decay=0.0),
-                        dict(params=[pointer.q_gain, pointer.sink], lr=cfg.adam_lr * cfg.scalar_lr_mul,
-                             weight_decay=0.0)] if pointer is not None else [])
+                    # the copy pointer's projections (and sink key) at MUDD's quarter lr, its query gain (and
+                    # sink logit) as scalars
+                    + ([dict(params=[pointer.q_w, pointer.k_w] + [pointer.sink] * cfg.copy_sink_key,
+                             lr=cfg.adam_lr * 0.25, weight_decay=0.0),
+                        dict(params=[pointer.q_gain] + [pointer.sink] * (not cfg.copy_sink_key),
+                             lr=cfg.adam_lr * cfg.scalar_lr_mul, weight_decay=0.0)] if pointer is not None else [])
                     # the smear and skip gates learn slowly (speedrun 2025-12-21: lr x0.01 and x0.05)
                     + ([dict(params=[model.smear_gate_w], lr=cfg.adam_lr * 0.01, weight_decay=0.0)]
                        if model.smear_gate_w is not None else [])
@@ -4258,15 +4265,18 @@ COPY_BLOCK = 128  # queries per block of the copy pointer's banded scores
 def copy_log_probs(q: Tensor, k: Tensor, sink: Tensor, tokens: Tensor, targets: Tensor, documents: Tensor,
                    band: int, use_triton: bool = False) -> tuple[Tensor, Tensor]:
     """Per query t of q, k [T, d]: softmax over the scores q_t . k_j / sqrt(d) of the positions j <= t of its
-    document less than `band` back, and the sink's score; returns (log of the mass on the j with tokens[j] ==
-    targets[t], log of the sink's mass), float32 [T] each; the first is about -1e9 where no such j is.
+    document less than `band` back, and the sink's score (sink: [T], or [1] for all); returns (log of the mass on
+    the j with tokens[j] == targets[t], log of the sink's mass), float32 [T] each; the first is about -1e9 where no
+    such j is.
 
     Blocks of COPY_BLOCK queries each score the band before them and themselves, [T, band + COPY_BLOCK] scores in
     all: no [T, T] matrix. With use_triton (Kernels.copy_pointer; CUDA) the kernels of _CopyScores, which keep no
     scores for the backward."""
+    T, d = q.shape
+    sink = sink.float().expand(T)
     if use_triton:
         return _CopyScores.apply(*(t.contiguous() for t in (q, k, sink, tokens, targets, documents)), band)
-    T, d = q.shape
+    sink = sink.reshape(T // COPY_BLOCK, COPY_BLOCK)
     blocks, width = T // COPY_BLOCK, band + COPY_BLOCK
     keys = F.pad(k, (0, 0, band, 0)).unfold(0, width, COPY_BLOCK)  # [blocks, d, width], block b's keys from b*B - band
     scores = torch.bmm(q.view(blocks, COPY_BLOCK, d), keys).float() * d ** -0.5
@@ -4277,9 +4287,9 @@ def copy_log_probs(q: Tensor, k: Tensor, sink: Tensor, tokens: Tensor, targets: 
     key_tokens = F.pad(tokens, (band, 0), value=-1).unfold(0, width, COPY_BLOCK)[:, None, :]
     hits = seen & (key_tokens == targets.view(blocks, COPY_BLOCK, 1))
     # -1e9, not -inf: a query with no hit keeps finite gradients
-    log_z = torch.logaddexp(torch.logsumexp(scores.masked_fill(~seen, -1e9), -1), sink.float())
+    log_z = torch.logaddexp(torch.logsumexp(scores.masked_fill(~seen, -1e9), -1), sink)
     log_hits = torch.logsumexp(scores.masked_fill(~hits, -1e9), -1)
-    return (log_hits - log_z).reshape(T), (sink.float() - log_z).reshape(T)
+    return (log_hits - log_z).reshape(T), (sink - log_z).reshape(T)
 
 
 def copy_mixture_losses(z: Tensor, targets: Tensor, slot: int, log_copy: Tensor, log_sink: Tensor,
@@ -4683,7 +4693,7 @@ if triton is not None:
                             + tl.sum(tl.where(hit, tl.exp2(s - new_hits[:, None]), 0.0), 1))
                 max_z, max_hits = new_z, new_hits
         seen_lse = (max_z + tl.log2(sum_z)) * 0.6931471805599453  # every query sees itself: sum_z >= 1
-        sink = tl.load(Sink)
+        sink = tl.load(Sink + queries)
         high = tl.maximum(seen_lse, sink)
         tl.store(LogZ + queries, high + tl.log(tl.exp(seen_lse - high) + tl.exp(sink - high)))
         safe_sum = tl.where(sum_hits > 0, sum_hits, 1.0)
@@ -4744,6 +4754,7 @@ class _CopyScores(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, sink: Tensor, tokens: Tensor, targets: Tensor, documents: Tensor,
                 band: int) -> tuple[Tensor, Tensor]:
+        """sink: float32 [T], each query's sink score."""
         T, d = q.shape
         log_z = q.new_empty(T, dtype=torch.float32)
         log_hits = torch.empty_like(log_z)
@@ -4752,7 +4763,7 @@ class _CopyScores(torch.autograd.Function):
                                              BAND=band, D=d, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=COPY_WARPS)
         ctx.save_for_backward(q, k, sink, tokens, targets, documents, log_z, log_hits)
         ctx.band = band
-        return log_hits - log_z, sink.float() - log_z
+        return log_hits - log_z, sink - log_z
 
     @staticmethod
     def backward(ctx, grad_copy: Tensor, grad_sink: Tensor):
@@ -4768,8 +4779,7 @@ class _CopyScores(torch.autograd.Function):
                                                 BLOCK_N=block_n, num_warps=COPY_WARPS)
         _copy_scores_dk_kernel[(T // block_n,)](q, k, *args, dk, T, d ** -0.5, BAND=ctx.band, D=d, BLOCK_M=block_m,
                                                 BLOCK_N=block_n, num_warps=COPY_WARPS)
-        d_sink = (grad_sink + grad_z * torch.exp(sink.float() - log_z)).sum().reshape(sink.shape).to(sink.dtype)
-        return dq, dk, d_sink, None, None, None, None
+        return dq, dk, grad_sink + grad_z * torch.exp(sink - log_z), None, None, None, None
 
 
 if triton is not None:

@@ -14,23 +14,26 @@ from helpers import (BOS, TINY, cu_seqlens_of, fp8_head_reference, pointer_input
 
 
 def pointer_reference(q, k, sink, tokens, targets, documents, band):
-    """(log mass on targets[t], log sink mass) per query, one softmax per query in float64."""
-    q, k, sink = q.double(), k.double(), sink.double().reshape(())
+    """(log mass on targets[t], log sink mass) per query, one softmax per query in float64; sink: [T] or [1]."""
+    q, k, sink = q.double(), k.double(), sink.double().expand(q.size(0))
     log_copy, log_sink = [], []
     for t in range(q.size(0)):
         keys = [j for j in range(max(0, t - band + 1), t + 1) if documents[j] == documents[t]]
-        p = torch.softmax(torch.stack([q[t] @ k[j] / q.size(1) ** 0.5 for j in keys] + [sink]), 0)
+        p = torch.softmax(torch.stack([q[t] @ k[j] / q.size(1) ** 0.5 for j in keys] + [sink[t]]), 0)
         hit = sum((p[i] for i, j in enumerate(keys) if tokens[j] == targets[t]), torch.tensor(0.0, dtype=torch.float64))
         log_copy.append(torch.log(hit))
         log_sink.append(torch.log(p[-1]))
     return torch.stack(log_copy), torch.stack(log_sink)
 
 
-@pytest.mark.parametrize("band", [128, 256])
-def test_the_banded_pointer_is_one_softmax_per_query(band):
-    """Every query's mass on earlier positions of its document holding its target, and on the sink, within 1e-5 of
-    a float64 softmax over exactly those keys; where none holds the target, about -1e9."""
+@pytest.mark.parametrize("band, sink_per_query", [(128, False), (256, False), (128, True)])
+def test_the_banded_pointer_is_one_softmax_per_query(band, sink_per_query):
+    """Every query's mass on earlier positions of its document holding its target, and on the sink (one score for
+    all, or one per query), within 1e-5 of a float64 softmax over exactly those keys; where none holds the target,
+    about -1e9."""
     q, k, sink, tokens, targets, documents = pointer_inputs()
+    if sink_per_query:
+        sink = torch.randn(q.size(0), generator=torch.Generator().manual_seed(5))
     log_copy, log_sink = tg.copy_log_probs(q, k, sink, tokens, targets, documents, band)
     want_copy, want_sink = pointer_reference(q, k, sink, tokens, targets, documents, band)
     hit = torch.isfinite(want_copy)
@@ -103,6 +106,33 @@ def test_the_model_gates_its_pointer_with_the_row_after_the_vocabulary():
     lr_of = {id(p): group["lr"] for group in adam.param_groups for p in group["params"]}
     assert lr_of[id(pointer.q_w)] == lr_of[id(pointer.k_w)] == cfg.adam_lr * 0.25
     assert lr_of[id(pointer.sink)] == lr_of[id(pointer.q_gain)] == cfg.adam_lr * cfg.scalar_lr_mul
+
+
+def test_a_sink_key_scores_each_query():
+    """--copy_sink_key: the sink is a key of the head's width, starting at zero (a sink logit of 0, as the scalar
+    sink starts); its sink mass then differs between queries, its gradient reaches the key, and it trains with the
+    projections."""
+    cfg = copy_config(copy_sink_key=1)
+    model = random_tiny_model(cfg)
+    pointer = model.copy_pointer
+    assert pointer.sink.shape == (cfg.head_dim,) and not pointer.sink.any()
+    g = torch.Generator().manual_seed(4)
+    T = 256
+    h = torch.randn(T, cfg.model_dim, generator=g)
+    tokens = torch.randint(0, 6, (T,), generator=g)
+    targets, documents = torch.cat([tokens[1:], tokens[:1]]), torch.zeros(T, dtype=torch.long)
+    scalar = tg.CopyPointer(cfg.model_dim, cfg.head_dim, 128)
+    scalar.load_state_dict({**pointer.state_dict(), "sink": torch.zeros(1)})
+    for got, want in zip(pointer(h, tokens, targets, documents), scalar(h, tokens, targets, documents)):
+        torch.testing.assert_close(got, want)
+    with torch.no_grad():
+        pointer.sink.normal_(generator=g)
+    log_copy, log_sink = pointer(h, tokens, targets, documents)
+    assert log_sink[1:].std() > 0.1  # the first query sees only itself
+    (log_copy.clamp(min=-30).sum() + log_sink.sum()).backward()
+    assert pointer.sink.grad.abs().sum() > 0
+    lr_of = {id(p): group["lr"] for group in tg.build_optimizers(model, cfg)[1].param_groups for p in group["params"]}
+    assert lr_of[id(pointer.sink)] == lr_of[id(pointer.q_w)] == cfg.adam_lr * 0.25
 
 
 def test_the_copy_band_is_checked():

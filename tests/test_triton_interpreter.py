@@ -147,8 +147,10 @@ POINTER_CHECK = textwrap.dedent("""
     import torch, train_gpt as tg
     from helpers import dense_pointer_reference, pointer_inputs
     g = torch.Generator().manual_seed(1)
-    for band in (128, 256):
+    for band, sink_per_query in ((128, False), (256, True)):
         q, k, sink, tokens, targets, documents = pointer_inputs()
+        if sink_per_query:
+            sink = torch.randn(q.size(0), generator=g)
         grads = torch.randn(2, q.size(0), generator=g)  # upstream gradients of log_copy and log_sink
         ref_inputs = [t.double().requires_grad_() for t in (q, k, sink)]
         ref_copy, ref_sink = dense_pointer_reference(*ref_inputs, tokens, targets, documents, band)
@@ -164,8 +166,9 @@ POINTER_CHECK = textwrap.dedent("""
 
 
 def test_copy_pointer_kernels_match_float64_in_the_interpreter():
-    """The pointer's log-masses and the gradients of queries, keys and sink against float64 autograd over the whole
-    score matrix, at two bands (the key tiles before a block's documents skipped), hits and no hits among the rows."""
+    """The pointer's log-masses and the gradients of queries, keys and sink (one score, or one per query) against
+    float64 autograd over the whole score matrix, at two bands (the key tiles before a block's documents skipped),
+    hits and no hits among the rows."""
     lines = run_in_interpreter(POINTER_CHECK).splitlines()
     assert len(lines) == 2
     for line in lines:

@@ -411,12 +411,13 @@ def test_fp8_loss_kernel_with_the_copy_mixture_matches_float64():
 def test_copy_pointer_kernels_match_float64(band):
     """The pointer's Triton kernels (compiled, as in training) on bf16 queries and keys of the model's head width:
     log-masses within 1e-4 of float64 over the whole score matrix, gradients of queries, keys and sink within the
-    bf16 rounding of the score gradients; documents of 3,000 tokens (longer than the band) and of 300."""
+    bf16 rounding of the score gradients; documents of 3,000 tokens (longer than the band) and of 300; a sink score
+    per query at one band, one for all at the other."""
     T, d = 8192, 128
     g = torch.Generator(device="cuda").manual_seed(band)
     q = (tg.rms_norm(torch.randn(T, d, generator=g, device="cuda")) * 1.5).to(torch.bfloat16)
     k = tg.rms_norm(torch.randn(T, d, generator=g, device="cuda")).to(torch.bfloat16)
-    sink = torch.tensor([1.3], device="cuda")
+    sink = torch.randn(T, generator=g, device="cuda") if band == 1024 else torch.tensor([1.3], device="cuda")
     tokens = torch.randint(0, 300, (T,), generator=g, device="cuda")
     targets = torch.cat([tokens[1:], tokens[:1]])
     positions = torch.arange(T, device="cuda")
