@@ -220,6 +220,8 @@ class Config:
         75.0, "lr multiplier of value and bigram tables (and the token embedding at tie_embed=0)")
     head_lr_mul: float = _optim(1.0, "lr multiplier of the head (and the token embedding at tie_embed=1)")
     scalar_lr_mul: float = _optim(5.0, "lr multiplier of the scalars (layer lambdas, skip, backout, smear scale)")
+    copy_lr_mul: float = _optim(0.25, "lr multiplier of the copy pointer's projections (and sink key); the speedrun's "
+                                      "pull request #379 trains its pointer at 1")
     # NorMuon (Li et al. 2025, arXiv:2510.05491; speedrun 2025-10-24): each orthogonalised update is rescaled per
     # row (or column: per entry of its longer side) by a second-moment estimate with this beta2, keeping its
     # Frobenius norm; 0 is plain Muon (--preset=plain pairs it with lr 0.06 and no shape lr, multiplier or decay).
@@ -3107,10 +3109,10 @@ def build_optimizers(model: GPT, cfg: Config) -> list[torch.optim.Optimizer]:
                     # gate MLPs at a tenth, betas 0.9 / 0.99
                     + mix_groups(mixes, cfg.adam_lr * 0.25)
                     + mix_groups(record_gates, cfg.adam_lr * 0.1, betas=(0.9, 0.99))
-                    # the copy pointer's projections (and sink key) at MUDD's quarter lr, its query gain (and
-                    # sink logit) as scalars
+                    # the copy pointer's projections (and sink key), by default at MUDD's quarter lr, its query
+                    # gain (and sink logit) as scalars
                     + ([dict(params=[pointer.q_w, pointer.k_w] + [pointer.sink] * cfg.copy_sink_key,
-                             lr=cfg.adam_lr * 0.25, weight_decay=0.0),
+                             lr=cfg.adam_lr * cfg.copy_lr_mul, weight_decay=0.0),
                         dict(params=[pointer.q_gain] + [pointer.sink] * (not cfg.copy_sink_key),
                              lr=cfg.adam_lr * cfg.scalar_lr_mul, weight_decay=0.0)] if pointer is not None else [])
                     # the smear and skip gates learn slowly (speedrun 2025-12-21: lr x0.01 and x0.05)

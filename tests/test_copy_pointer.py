@@ -133,6 +133,9 @@ def test_a_sink_key_scores_each_query():
     assert pointer.sink.grad.abs().sum() > 0
     lr_of = {id(p): group["lr"] for group in tg.build_optimizers(model, cfg)[1].param_groups for p in group["params"]}
     assert lr_of[id(pointer.sink)] == lr_of[id(pointer.q_w)] == cfg.adam_lr * 0.25
+    cfg = dataclasses.replace(cfg, copy_lr_mul=1.0)  # the pull request's lr
+    lr_of = {id(p): group["lr"] for group in tg.build_optimizers(model, cfg)[1].param_groups for p in group["params"]}
+    assert lr_of[id(pointer.sink)] == lr_of[id(pointer.k_w)] == cfg.adam_lr
 
 
 def test_the_copy_band_is_checked():
