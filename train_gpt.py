@@ -159,6 +159,11 @@ class Config:
     # one QK-normed head over the final hidden states puts mass on earlier tokens of the document, and the head's
     # first padding row is the logit of how much of the next token's probability goes to that pointer.
     copy_pointer: bool = _model(False, "mix a pointer over the document's earlier tokens into the next-token loss")
+    # The token that followed the longest earlier repeat of the last 1 to 32 tokens in the document, as an input
+    # (the speedrun's pull request #378 of 2026-10-02): its embedding, scaled by how long the repeat is and how
+    # often it came before, enters at the input and again before the head.
+    longest_match: bool = _model(False, "each token also reads the embedding of the token that followed the "
+                                        "longest earlier repeat of its last tokens in its document")
     copy_sink_key: bool = _model(False, "the pointer's sink scores each query against a learned key (as the pull "
                                         "request does), not one learned logit for all")
     # the speedrun's 2025-12 records: attn_scale, residual_init, value_embed_init_std and (2025-12-19) head_init_std
@@ -1217,6 +1222,77 @@ class CopyPointer(nn.Module):
         return copy_log_probs(q, k, sink, tokens, targets, documents, self.band, self.use_triton)
 
 
+MATCH_LENGTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # the repeat lengths looked for (the pull request's)
+MATCH_BUCKETS = 1 + 3 * len(MATCH_LENGTHS)  # no repeat; then per length: seen before once, twice, three times or more
+# Two polynomial hashes modulo primes under 2**31, so no int64 product overflows: a key of about 62 bits
+_MATCH_PRIMES, _MATCH_MULTIPLIERS = (2147483629, 2147483587), (1000003, 999331)
+
+
+def longest_matches(tokens: Tensor, starts: Tensor) -> tuple[Tensor, Tensor]:
+    """For each position t: the longest L of MATCH_LENGTHS whose last L tokens (t-L+1 .. t, all in t's document)
+    came before in the document, ending at some p < t; returns (tokens[p + 1] for the latest such p, the bucket:
+    1 + 3 * (L's index) + (earlier repeats, 1 to 3 or more) - 1, or 0 where no length repeats). starts [T] marks
+    where documents (and packed micro-batches) start. A stable sort of one hashed key per (length, position) puts
+    every position right after its latest earlier repeat (the pull request's method); no host sync."""
+    T = tokens.numel()
+    positions = torch.arange(T, device=tokens.device)
+    documents = torch.cumsum(starts.long(), 0)
+    document_start = torch.cummax(torch.where(starts, positions, 0), 0).values
+    ids = tokens.long() + 1
+    hashes = [torch.zeros_like(ids), torch.zeros_like(ids)]
+    keys = []
+    for length in range(1, MATCH_LENGTHS[-1] + 1):
+        entering = F.pad(ids, (length - 1, 0))[:T]  # the token length-1 back (0 before the first)
+        hashes = [(h * m + entering) % prime for h, m, prime in zip(hashes, _MATCH_MULTIPLIERS, _MATCH_PRIMES)]
+        if length in MATCH_LENGTHS:
+            # the document and the length go into the key: repeats count within one document, at one length
+            mixed = [(h + (documents * 7919 + length) * (i + 1)) % prime
+                     for i, (h, prime) in enumerate(zip(hashes, _MATCH_PRIMES))]
+            key = mixed[0] * _MATCH_PRIMES[1] + mixed[1]
+            # a context reaching before its document never matches: a distinct negative key each
+            keys.append(torch.where(positions - (length - 1) >= document_start, key,
+                                    -1 - (len(keys) * T + positions)))
+    flat = torch.stack(keys).view(-1)
+    ordered, order = torch.sort(flat, stable=True)  # equal keys stay in position order
+    index = torch.arange(flat.numel(), device=tokens.device)
+    repeats = torch.cat([torch.zeros(1, dtype=torch.bool, device=tokens.device), ordered[1:] == ordered[:-1]])
+    previous = torch.where(repeats, torch.cat([order[:1], order[:-1]]), -1)
+    earlier = index - torch.cummax(torch.where(repeats, 0, index), 0).values  # repeats of the key before this one
+    previous = torch.empty_like(previous).scatter_(0, order, previous).view(len(MATCH_LENGTHS), T)
+    earlier = torch.empty_like(earlier).scatter_(0, order, earlier).view(len(MATCH_LENGTHS), T)
+    candidates, buckets = torch.zeros_like(ids), torch.zeros_like(ids)
+    for i in range(len(MATCH_LENGTHS)):  # the longest repeat wins
+        found = previous[i] >= 0
+        following = tokens.long()[(previous[i] % T + 1).clamp(max=T - 1)]
+        candidates = torch.where(found, following, candidates)
+        buckets = torch.where(found, 1 + 3 * i + earlier[i].clamp(max=3) - 1, buckets)
+    return candidates, buckets
+
+
+class LongestMatch(nn.Module):
+    """The feature of longest_matches (the speedrun's pull request #378): the embedding of each position's
+    candidate token times a learned scale of its bucket, plus a learned vector of its bucket. Both start at zero, so
+    the model starts as it would without; it is added at the input (gain 0.5) and before the head (gain 1)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.scale = nn.Parameter(torch.zeros(MATCH_BUCKETS))
+        self.bucket_embed = nn.Parameter(torch.zeros(MATCH_BUCKETS, dim))
+        self.gains = nn.Parameter(torch.empty(2))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        self.scale.zero_()
+        self.bucket_embed.zero_()
+        self.gains.copy_(torch.tensor([0.5, 1.0]))
+
+    def forward(self, rows: Tensor, buckets: Tensor) -> Tensor:
+        """The feature [T, dim] from the candidates' embedding rows; none from a candidate where nothing repeats."""
+        scale = torch.where(buckets > 0, self.scale[buckets], 0.0).to(rows.dtype)
+        return scale[:, None] * rows + self.bucket_embed[buckets].to(rows.dtype)
+
+
 class _RowLookup(torch.autograd.Function):
     """The rows of one or more [rows, dim] tables at the same indices (the token table and the value-embedding
     tables all look up the tokens), each in its own dtype. The backward adds each table's row gradients
@@ -1295,6 +1371,8 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(dim, vocab, bias=False)  # its own weight; tie_embed trains the embedding as a copy
         self.copy_pointer = (CopyPointer(dim, cfg.head_dim, cfg.copy_band, kernels.copy_pointer, cfg.copy_sink_key)
                              if cfg.copy_pointer else None)
+        self.longest_match = LongestMatch(dim) if cfg.longest_match else None
+        self.find_matches = longest_matches  # compile_model compiles it on its own: the lookups around it stay eager
         self.rotary = Rotary(cfg.head_dim, forward_micro_batches * cfg.micro_batch_tokens, period=cfg.micro_batch_tokens,
                              attn_scale=cfg.attn_scale, paired=bool(paired))
         self.replays_cuda_graphs = False  # set when compiled in a CUDA_GRAPH_MODES mode
@@ -1322,7 +1400,7 @@ class GPT(nn.Module):
         for table in self.value_embeds:
             table.weight.normal_(std=self.cfg.value_embed_init_std)
         gates = (self.token_gates.pre, self.token_gates.post) if self.token_gates is not None else ()
-        for mix in (self.mudd_layer, self.mudd_head, self.copy_pointer, *gates):
+        for mix in (self.mudd_layer, self.mudd_head, self.copy_pointer, self.longest_match, *gates):
             if mix is not None:
                 mix.reset_parameters()
 
@@ -1379,6 +1457,9 @@ class GPT(nn.Module):
         and bigram rows are [T]; without targets the [T, padded vocab] soft-capped logits. Call prepare_grads()
         before a step's first backward."""
         token_tables = [self.embed.weight] + [ve.weight for ve in self.value_embeds]
+        match = None
+        if self.longest_match is not None:
+            candidates, buckets = self.find_matches(tokens, self.starts_of(tokens))
         if self.cfg.row_embedding_grads:
             use_triton = self.kernels.rows
             # The value and bigram rows go straight into the compute dtype, as the trunk would convert them
@@ -1389,30 +1470,44 @@ class GPT(nn.Module):
             bigram_rows = None
             if self.bigram_embed is not None:
                 bigram_rows, = _RowLookup.apply(bigrams, use_triton, (self.compute_dtype,), self.bigram_embed.weight)
+            if self.longest_match is not None:
+                match = _RowLookup.apply(candidates, use_triton, (self.compute_dtype,), self.embed.weight) + (buckets,)
         else:
             token_rows, *value_rows = [F.embedding(tokens, table) for table in token_tables]
             bigram_rows = F.embedding(bigrams, self.bigram_embed.weight) if self.bigram_embed is not None else None
-        return self.trunk(tokens, token_rows, value_rows, bigram_rows, targets, masks)
+            if self.longest_match is not None:
+                match = (F.embedding(candidates, self.embed.weight), buckets)
+        return self.trunk(tokens, token_rows, value_rows, bigram_rows, targets, masks, match)
+
+    def starts_of(self, tokens: Tensor) -> Tensor:
+        """Where a document (BOS) or a packed micro-batch starts: nothing reaches across (smear, key offset, the
+        copy pointer, longest matches)."""
+        positions = torch.arange(tokens.numel(), device=tokens.device)
+        return (tokens == self.cfg.bos_token) | (positions % self.cfg.micro_batch_tokens == 0)
 
     def trunk(self, tokens: Tensor, token_rows: Tensor, value_rows: list[Tensor], bigram_rows: Tensor | None, targets: Tensor,
-              masks: dict) -> Tensor:
+              masks: dict, match: tuple | None = None) -> Tensor:
         """Everything after the embedding lookups: the first cfg.front_layers layers (trunk_front), then the others and
         the loss (trunk_back). One graph when this is compiled whole; --compile_scope=split compiles the two halves
         apart, so that the back half's backward ends first and hands its parameters their gradients (starting their
-        reduce-scatters) while the front half's backward still runs."""
-        state = self.trunk_front(tokens, token_rows, value_rows, bigram_rows, masks)
+        reduce-scatters) while the front half's backward still runs. match: (the candidates' embedding rows, their
+        buckets) of longest_matches, with --longest_match."""
+        state = self.trunk_front(tokens, token_rows, value_rows, bigram_rows, masks, match)
         return self.trunk_back(state, targets, masks)
 
     def trunk_front(self, tokens: Tensor, token_rows: Tensor, value_rows: list[Tensor], bigram_rows: Tensor | None,
-                    masks: dict) -> dict:
+                    masks: dict, match: tuple | None = None) -> dict:
         """The streams entering layer 0, then the first cfg.front_layers layers; returns what the later layers read."""
         cfg = self.cfg
-        # where a document (BOS) or a packed micro-batch starts: nothing reaches across (smear, key offset)
-        starts = (tokens == cfg.bos_token) | (torch.arange(tokens.numel(), device=tokens.device) % cfg.micro_batch_tokens == 0)
+        starts = self.starts_of(tokens)
         if self.smear_scale is not None:
             previous = torch.cat([token_rows[:1] * 0, token_rows[:-1]])
             gate = self.smear_scale * torch.sigmoid(token_rows[:, : cfg.gate_dims] @ self.smear_gate_w.to(token_rows.dtype))
             token_rows = token_rows + (gate * ~starts)[:, None] * previous
+        matched = None
+        if match is not None:  # after the smear, as the pull request adds it
+            matched = self.longest_match(*match).float()
+            token_rows = token_rows + self.longest_match.gains[0] * matched
         x0 = rms_norm(token_rows).to(self.compute_dtype)
         value_embeds = [rows.to(self.compute_dtype) for rows in value_rows]
         # Every attention block should call its compiled graph with inputs that look alike to dynamo's
@@ -1430,7 +1525,7 @@ class GPT(nn.Module):
             x, first_bigram = x0 + gates.lane(0, "inject", pre, None)[:, 1:] * bigram, None
         state = dict(x=x, x0=x0, x_in=x, tokens=tokens, starts=starts, value_embeds=value_embeds, no_value_embed=no_value_embed,
                      bigram=bigram, first_bigram=first_bigram, pre=pre, post=None, skip=None, attn_input=None,
-                     backout=None, previous=None)
+                     backout=None, previous=None, matched=matched)
         return self.run_layers(state, range(self.cfg.front_layers), masks)
 
     def trunk_back(self, state: dict, targets: Tensor, masks: dict) -> Tensor:
@@ -1442,6 +1537,8 @@ class GPT(nn.Module):
                                             state["skip"]))
         elif self.backout is not None:
             x = x - self.backout.to(x.dtype) * state["backout"]
+        if state["matched"] is not None:  # and again before the head's norm
+            x = x + (self.longest_match.gains[1] * state["matched"]).to(x.dtype)
         return self.loss_head(x, targets, state["tokens"], state["starts"])
 
     def run_layers(self, state: dict, layers: range, masks: dict) -> dict:
@@ -3115,6 +3212,9 @@ def build_optimizers(model: GPT, cfg: Config) -> list[torch.optim.Optimizer]:
                              lr=cfg.adam_lr * cfg.copy_lr_mul, weight_decay=0.0),
                         dict(params=[pointer.q_gain] + [pointer.sink] * (not cfg.copy_sink_key),
                              lr=cfg.adam_lr * cfg.scalar_lr_mul, weight_decay=0.0)] if pointer is not None else [])
+                    # the longest-match feature's scales, bucket vectors and gains at the base lr
+                    + ([dict(params=list(model.longest_match.parameters()), lr=cfg.adam_lr, weight_decay=0.0)]
+                       if model.longest_match is not None else [])
                     # the smear and skip gates learn slowly (speedrun 2025-12-21: lr x0.01 and x0.05)
                     + ([dict(params=[model.smear_gate_w], lr=cfg.adam_lr * 0.01, weight_decay=0.0)]
                        if model.smear_gate_w is not None else [])
@@ -3426,6 +3526,7 @@ def compile_model(model: GPT, cfg: Config, comm: Comm, device: torch.device) -> 
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         if cfg.row_embedding_grads:  # the lookups' backward writes .grad outside autograd: they stay eager
             model.trunk = torch.compile(model.trunk, dynamic=False, fullgraph=True, mode=mode)
+            model.find_matches = torch.compile(model.find_matches, dynamic=False, fullgraph=True)
         else:
             model.compile(dynamic=False, fullgraph=True, mode=mode)
     elif cfg.compile and scope == "split":
@@ -3782,6 +3883,8 @@ def diloco_fragments(model: GPT, count: int) -> list[nn.Module]:
         fragment.blocks = nn.ModuleList(model.blocks[lo:hi])
         fragments.append(fragment)
     fragments[0].embed, fragments[0].value_embeds = model.embed, model.value_embeds
+    if model.longest_match is not None:
+        fragments[0].longest_match = model.longest_match
     if model.bigram_embed is not None:
         fragments[0].bigram_embed = model.bigram_embed
     fragments[-1].lm_head = model.lm_head

@@ -359,7 +359,7 @@ def test_unreachable_lighthouse_is_one_clear_error(monkeypatch):
 
 @pytest.mark.parametrize("copy_pointer", [False, True])
 def test_diloco_fragments_cover_the_model_once(copy_pointer):
-    cfg = dataclasses.replace(tiny_diloco_config(), copy_pointer=copy_pointer)
+    cfg = dataclasses.replace(tiny_diloco_config(), copy_pointer=copy_pointer, longest_match=copy_pointer)
     model = tg.GPT(cfg, tg.SdpaAttention(), torch.float32)
     fragments = tg.diloco_fragments(model, 3)
     ids = [id(p) for f in fragments for p in f.parameters()]
@@ -368,6 +368,7 @@ def test_diloco_fragments_cover_the_model_once(copy_pointer):
     assert any(p is model.lm_head.weight for p in fragments[-1].parameters())
     if copy_pointer:
         assert any(p is model.copy_pointer.sink for p in fragments[-1].parameters())
+        assert any(p is model.longest_match.scale for p in fragments[0].parameters())
 
 
 def start_replica(tmp_path, data, lighthouse, replica: int, run_id: str, *extra) -> subprocess.Popen:
