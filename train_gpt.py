@@ -162,10 +162,9 @@ class Config:
     # The token that followed the longest earlier repeat of the last 1 to 32 tokens in the document, as an input
     # (the speedrun's pull request #378 of 2026-10-02): its embedding, scaled by how long the repeat is and how
     # often it came before, enters at the input and again before the head.
-    longest_match: bool = _model(False, "each token also reads the embedding of the token that followed the "
-                                        "longest earlier repeat of its last tokens in its document")
-    copy_sink_key: bool = _model(False, "the pointer's sink scores each query against a learned key (as the pull "
-                                        "request does), not one learned logit for all")
+    longest_match: bool = _model(False, "each token also reads the token after the longest earlier repeat of its "
+                                        "last tokens")
+    copy_sink_key: bool = _model(False, "the pointer's sink is a learned key each query scores, not one learned logit")
     # the speedrun's 2025-12 records: attn_scale, residual_init, value_embed_init_std and (2025-12-19) head_init_std
     attn_scale: float = _model(0.1, "softmax scale of the QK-normed heads; raised as the long window grows")
     residual_init: float = _model(1.1, "initial scale of the residual in each layer's input")
@@ -225,8 +224,7 @@ class Config:
         75.0, "lr multiplier of value and bigram tables (and the token embedding at tie_embed=0)")
     head_lr_mul: float = _optim(1.0, "lr multiplier of the head (and the token embedding at tie_embed=1)")
     scalar_lr_mul: float = _optim(5.0, "lr multiplier of the scalars (layer lambdas, skip, backout, smear scale)")
-    copy_lr_mul: float = _optim(0.25, "lr multiplier of the copy pointer's projections (and sink key); the speedrun's "
-                                      "pull request #379 trains its pointer at 1")
+    copy_lr_mul: float = _optim(0.25, "lr multiplier of the copy pointer's projections and sink key (#379: 1)")
     # NorMuon (Li et al. 2025, arXiv:2510.05491; speedrun 2025-10-24): each orthogonalised update is rescaled per
     # row (or column: per entry of its longer side) by a second-moment estimate with this beta2, keeping its
     # Frobenius norm; 0 is plain Muon (--preset=plain pairs it with lr 0.06 and no shape lr, multiplier or decay).
