@@ -214,6 +214,16 @@ class Config:
     head_betas: tuple[float, float] = _optim(
         (0.5, 0.95), "Adam betas of the head (and the token embedding at tie_embed=1)")
     adam_eps: float = _optim(1e-10, "Adam's epsilon")
+    # An average of the weights over the run's tail, blended into them before the final validation: of the embedding
+    # and head (TailEMA, the speedrun's pull request #347: from step 848 of 1300, decay 0.9933, 65%), or of every
+    # parameter (tail_ema_all). The speedrun's 2026-08-30 record blends such averages into all its matrices and then
+    # scales each back to the norm it had before the blend (tail_ema_keep_norms): an average of weights that turned
+    # over the tail is shorter than each of them.
+    tail_ema_from: float = _optim(0.0, "fraction of the scheduled steps after which the tail average starts; 0: off")
+    tail_ema_decay: float = _optim(0.9933, "per-step decay of the tail average")
+    tail_ema_blend: float = _optim(0.65, "share of the tail average in the final weights")
+    tail_ema_all: bool = _optim(False, "the tail average covers every parameter, not only the embedding and head")
+    tail_ema_keep_norms: bool = _optim(False, "after the blend each matrix is scaled back to its norm before it")
     # The speedrun steps Adam on odd steps only, on two steps' gradients (since its 2025-09-30 record): half the
     # Adam updates and, on several GPUs, half its communication.
     adam_period: int = _optim(0, "Adam steps every this many steps, on their summed gradients; 0: 2, or 1 with --diloco")
@@ -550,6 +560,11 @@ def validate_config(cfg: Config) -> None:
     need(0 <= cfg.bigram_dims <= cfg.model_dim and cfg.bigram_signs >= 0,
          f"--bigram_dims={cfg.bigram_dims} --bigram_signs={cfg.bigram_signs}: use 0 .. model_dim ({cfg.model_dim}) "
          "channels (0: all) and 0 or more sign vectors")
+    need(0.0 <= cfg.tail_ema_from < 1.0 and 0.0 < cfg.tail_ema_decay < 1.0 and 0.0 <= cfg.tail_ema_blend <= 1.0,
+         f"--tail_ema_from={cfg.tail_ema_from} --tail_ema_decay={cfg.tail_ema_decay} --tail_ema_blend="
+         f"{cfg.tail_ema_blend}: use a fraction in [0, 1), a decay in (0, 1) and a share in [0, 1]")
+    need(not (cfg.diloco and cfg.tail_ema_from), "--tail_ema_from with --diloco=1: replicas would average apart; "
+         "use one of them")
     need(cfg.val_tokens % cfg.micro_batch_tokens == 0,
          f"--val_tokens={cfg.val_tokens} must be a multiple of --micro_batch_tokens={cfg.micro_batch_tokens}")
     batches, lrs, windows = cfg.stage_batches, cfg.stage_lr_multipliers, cfg.stage_window_blocks
@@ -3583,6 +3598,44 @@ def train(cfg: Config, comm: Comm, log: RunLog) -> TrainResult:
     return run.report()
 
 
+class TailEMA:
+    """--tail_ema_from: a float32 exponential moving average of the token embedding and the head (--tail_ema_all: of
+    every parameter), started from their weights after step `start` and updated after every later step, then
+    blended into them before the final validation; with keep_norms each blended matrix (two or more dims) is then
+    scaled back to its norm before the blend. Nothing is sent: every rank holds the same weights, so the same
+    average."""
+
+    def __init__(self, model: GPT, cfg: Config):
+        self.params = list(model.parameters()) if cfg.tail_ema_all else [model.embed.weight, model.lm_head.weight]
+        self.start = max(1, round(cfg.tail_ema_from * cfg.num_iterations))
+        self.decay, self.blend, self.keep_norms = cfg.tail_ema_decay, cfg.tail_ema_blend, cfg.tail_ema_keep_norms
+        self.average: list[Tensor] | None = None
+
+    def after_step(self, done: int):
+        """`done` steps are done."""
+        if done < self.start:
+            return
+        weights = [p.detach() for p in self.params]
+        if self.average is None:
+            self.average = [w.float().clone() for w in weights]
+        else:
+            torch._foreach_lerp_(self.average, [w.float() for w in weights], 1.0 - self.decay)
+
+    @torch.no_grad()
+    def blend_into_weights(self):
+        for p, average in zip(self.params, self.average or []):
+            norm = p.float().norm()
+            p.lerp_(average.to(p.dtype), self.blend)
+            if self.keep_norms and p.ndim >= 2:
+                p.mul_((norm / p.float().norm().clamp(min=1e-30)).to(p.dtype))
+
+    def state_dict(self) -> list[Tensor] | None:
+        return None if self.average is None else [a.cpu().clone() for a in self.average]
+
+    def load_state_dict(self, state: list[Tensor] | None):
+        self.average = None if state is None else [a.to(p.device) for a, p in zip(state, self.params)]
+
+
 class TrainingRun:
     """The timed loop and what it keeps between steps. Between two steps it may validate and write a checkpoint,
     with the clock paused: train_time counts the steps only."""
@@ -3594,6 +3647,7 @@ class TrainingRun:
                                                                    trainer.schedule, trainer.device)
         self.train_paths, self.val_paths = train_paths, val_paths
         self.diloco = StreamingDiLoCo(cfg, self.model, self.optimizers, self.device, log) if cfg.diloco else None
+        self.tail_ema = TailEMA(self.model, cfg) if cfg.tail_ema_from else None
         self.watch = LossWatch(comm, self.device)
         self.val_losses: list[tuple[int, float]] = []
         self.reported = 0  # training losses already averaged into a validation line
@@ -3615,6 +3669,10 @@ class TrainingRun:
         self.val_losses = [tuple(entry) for entry in checkpoint["val_losses"]]
         if self.diloco is not None:
             self.diloco.load_state_dict(checkpoint["diloco"], self.start_step)
+        if self.tail_ema is not None:
+            self.tail_ema.load_state_dict(checkpoint.get("tail_ema"))
+            if self.tail_ema.average is None and self.start_step > self.tail_ema.start:
+                self.log(f"note: the checkpoint holds no tail average; it starts at step {self.start_step}")
         self.log(f"resumed from {self.cfg.resume} at step {self.start_step}")
 
     def batches_from(self, step: int) -> Prefetcher:
@@ -3666,6 +3724,11 @@ class TrainingRun:
                 last = step == N
                 if last and self.diloco is not None:
                     self.diloco.sync_every_fragment()
+                if last and self.tail_ema is not None and step != self.start_step:
+                    self.tail_ema.blend_into_weights()
+                    what = "every parameter" if self.cfg.tail_ema_all else "the embedding and head"
+                    self.log(f"tail average of steps {self.tail_ema.start}..{step} blended into {what}: "
+                             f"{self.tail_ema.blend:.0%} of it" + (", norms kept" if self.tail_ema.keep_norms else ""))
                 if schedule.validates(step) and not (cfg.resume and step == self.start_step):  # else it is logged
                     self.validate(step)
                 periodic = cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and 0 < step < N
@@ -3709,6 +3772,7 @@ class TrainingRun:
         save_checkpoint(path, self.model, self.optimizers, self.cfg, self.comm, self.device, step,
                         dict(train_time_ms=self.train_time_ms, train_losses=self.watch.losses, reported=self.reported,
                              val_losses=self.val_losses, data=data_fingerprint(self.train_paths),
+                             **({"tail_ema": self.tail_ema.state_dict()} if self.tail_ema is not None else {}),
                              **({"diloco": self.diloco.state_dict()} if self.diloco is not None else {})))
         self.log(f"checkpoint: {path} at step {step}")
         self.start_clock()
@@ -3733,6 +3797,8 @@ class TrainingRun:
             step = diloco.step - 1
             self.batches.close()  # a restarted replica read from the start of its share: go on where the peer is
             self.batches = self.batches_from(diloco.step)
+        if self.tail_ema is not None:
+            self.tail_ema.after_step(step + 1)
         self.watch.push(step, loss)
         elapsed_ms = self.train_time_ms + 1000 * (time.perf_counter() - self.clock)
         self.step_times.add(step + 1, elapsed_ms - self.previous_ms, launch_ms)
