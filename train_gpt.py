@@ -1251,7 +1251,8 @@ def longest_matches(tokens: Tensor, starts: Tensor) -> tuple[Tensor, Tensor]:
     positions = torch.arange(T, device=tokens.device)
     documents = torch.cumsum(starts.long(), 0)
     document_start = torch.cummax(torch.where(starts, positions, 0), 0).values
-    ids = tokens.long() + 1
+    tokens = tokens.long()
+    ids = tokens + 1
     hashes = [torch.zeros_like(ids), torch.zeros_like(ids)]
     keys = []
     for length in range(1, MATCH_LENGTHS[-1] + 1):
@@ -1276,7 +1277,7 @@ def longest_matches(tokens: Tensor, starts: Tensor) -> tuple[Tensor, Tensor]:
     candidates, buckets = torch.zeros_like(ids), torch.zeros_like(ids)
     for i in range(len(MATCH_LENGTHS)):  # the longest repeat wins
         found = previous[i] >= 0
-        following = tokens.long()[(previous[i] % T + 1).clamp(max=T - 1)]
+        following = tokens[(previous[i] % T + 1).clamp(max=T - 1)]
         candidates = torch.where(found, following, candidates)
         buckets = torch.where(found, 1 + 3 * i + earlier[i].clamp(max=3) - 1, buckets)
     return candidates, buckets
@@ -3624,9 +3625,9 @@ class TailEMA:
     @torch.no_grad()
     def blend_into_weights(self):
         for p, average in zip(self.params, self.average or []):
-            norm = p.float().norm()
+            norm = p.float().norm() if self.keep_norms and p.ndim >= 2 else None
             p.lerp_(average.to(p.dtype), self.blend)
-            if self.keep_norms and p.ndim >= 2:
+            if norm is not None:
                 p.mul_((norm / p.float().norm().clamp(min=1e-30)).to(p.dtype))
 
     def state_dict(self) -> list[Tensor] | None:
@@ -3938,8 +3939,9 @@ def import_torchft():
 
 
 def diloco_fragments(model: GPT, count: int) -> list[nn.Module]:
-    """`count` contiguous groups of blocks; the input side (token, value and bigram embeddings) syncs
-    with the first, the output side (head, skip gate, copy pointer) with the last. Every parameter is in exactly one."""
+    """`count` contiguous groups of blocks; the input side (token, value and bigram embeddings, the longest-match
+    feature) syncs with the first, the output side (head, skip gate, copy pointer) with the last. Every parameter is
+    in exactly one."""
     bounds = [round(i * len(model.blocks) / count) for i in range(count + 1)]
     fragments = []
     for lo, hi in zip(bounds, bounds[1:]):
@@ -4862,9 +4864,7 @@ if triton is not None:
                             + tl.sum(tl.where(hit, tl.exp2(s - new_hits[:, None]), 0.0), 1))
                 max_z, max_hits = new_z, new_hits
         seen_lse = (max_z + tl.log2(sum_z)) * 0.6931471805599453  # every query sees itself: sum_z >= 1
-        sink = tl.load(Sink + queries)
-        high = tl.maximum(seen_lse, sink)
-        tl.store(LogZ + queries, high + tl.log(tl.exp(seen_lse - high) + tl.exp(sink - high)))
+        tl.store(LogZ + queries, _logaddexp(seen_lse, tl.load(Sink + queries)))
         safe_sum = tl.where(sum_hits > 0, sum_hits, 1.0)
         tl.store(LogHits + queries, tl.where(sum_hits > 0, (max_hits + tl.log2(safe_sum)) * 0.6931471805599453, -1e9))
 

@@ -867,6 +867,7 @@ def test_warm_up_restores_the_initial_model(tiny_data):
     assert all(p.grad is None for p in model.parameters())
     assert all(not opt.state for opt in optimizers)
 
+
 def test_closed_optimizers_are_freed(tiny_data):
     # Their gradient hooks on the parameters are what keeps them alive while the model lives; a run closes them,
     # so they and DistAdam's gloo group do not live on to the interpreter's exit.
@@ -882,7 +883,6 @@ def test_closed_optimizers_are_freed(tiny_data):
     gc.collect()
     assert all(ref() is None for ref in alive)
     assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
-
 
 
 # ------------------------------------------------------------------------------------------ whole runs
