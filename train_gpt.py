@@ -4615,6 +4615,7 @@ if triton is not None:
         weight = 0.0  # the softmax's multiple in the gradient
         lse_lm = lse  # the log-sum-exp the LM's terms take
         q = 1.0  # d lse_lm / d lse
+        q_less_1 = 0.0
         pointed = 1.0  # the next token's target: its share of the mixture that comes from the LM
         gate_coef = 0.0  # the gradient's amount at the gate's column, besides the softmax's
         if COPY:
@@ -4622,10 +4623,13 @@ if triton is not None:
             gate = cap * _softcap_sigmoid(x_gate, offset, divisor, PTX)
             lse_lm = cap + tl.log(tl.maximum(summed - tl.exp(gate - cap), summed * 1e-7))
             q = tl.exp(lse - lse_lm)  # 1 / (1 - alpha)
+            # q - 1 and 1 - r straight from their logs: as differences from 1 they lose every digit below fp32's
+            # 6e-8, as much as the gate's whole gradient where alpha is small
+            q_less_1 = tl.exp(gate - lse_lm)
             log_copy = tl.load(LogCopy + row)
             log_sink = tl.load(LogSink + row)
             kept = _logaddexp(lse_lm, gate + log_sink)
-            r = tl.exp(lse_lm - kept)
+            sink_share = tl.exp(gate + log_sink - kept)  # 1 - r, r = the LM's share of what the pointer keeps
             w0 = tl.load(Weights)
             x_next = tl.load(Logits + tl.load(Targets + row)).to(tl.float32)
             from_lm = cap * _softcap_sigmoid(x_next, offset, divisor, PTX) - lse_lm + kept
@@ -4634,17 +4638,17 @@ if triton is not None:
             pointed = tl.exp(from_lm - mixed)
             copied = tl.exp(from_copy - mixed)
             loss = w0 * (lse - mixed)
-            weight = w0 * (1.0 + pointed * (1.0 - r) * q)
-            gate_coef = -w0 * (pointed * (1.0 - r) * q + copied)
+            weight = w0 * (1.0 + pointed * sink_share * q)
+            gate_coef = -w0 * (pointed * sink_share * q + copied)
             tl.store(DCopy + row, -w0 * copied)
-            tl.store(DSink + row, -w0 * pointed * (1.0 - r))
+            tl.store(DSink + row, -w0 * pointed * sink_share)
         for k in tl.static_range(FIRST, K):  # FIRST: 1 with COPY, whose next token's term is above
             inside_batch = position + k < period
             w = tl.where(inside_batch, tl.load(Weights + k), 0.0)
             x_target = tl.load(Logits + tl.load(Targets + row + k, mask=inside_batch, other=0)).to(tl.float32)
             loss += w * (lse_lm - cap * _softcap_sigmoid(x_target, offset, divisor, PTX))
             weight += w * q
-            gate_coef += w * (1.0 - q)
+            gate_coef -= w * q_less_1
         tl.store(Loss + row, loss)
         shift = (0.5 * cap - lse) * 1.4426950408889634 + tl.log2(weight) + GRAD_EXP
         for start in range(0, full, BLOCK):
@@ -4819,12 +4823,13 @@ def fp8_softcapped_head(x: Tensor, weight: Tensor, targets: Tensor, cap: tuple, 
 
 if triton is not None:
     @triton.jit
-    def _copy_tile(q, K, Tokens, Docs, queries, keys, targets, documents, scale, BAND: tl.constexpr, D: tl.constexpr):
+    def _copy_tile(q, K, Tokens, Docs, queries, keys, targets, documents, SCALE: tl.constexpr, BAND: tl.constexpr,
+                  D: tl.constexpr):
         """The scores [M, N] of queries (rows q [M, D], positions, targets, documents) against the keys at positions
         `keys`, which of them each query sees (its document, less than BAND back), which of those hold its target,
         and the keys' rows."""
         k = tl.load(K + keys[:, None] * D + tl.arange(0, D)[None, :])
-        s = tl.dot(q, tl.trans(k)) * scale
+        s = tl.dot(q, tl.trans(k)) * SCALE
         back = queries[:, None] - keys[None, :]
         seen = (back >= 0) & (back < BAND) & (documents[:, None] == tl.load(Docs + keys)[None, :])
         hit = seen & (targets[:, None] == tl.load(Tokens + keys)[None, :])
@@ -4839,7 +4844,7 @@ if triton is not None:
         return p_z * grad_z[:, None] + p_hits * grad_hits[:, None]
 
     @triton.jit
-    def _copy_scores_kernel(Q, K, Tokens, Targets, Docs, Sink, LogZ, LogHits, scale, BAND: tl.constexpr,
+    def _copy_scores_kernel(Q, K, Tokens, Targets, Docs, Sink, LogZ, LogHits, SCALE: tl.constexpr, BAND: tl.constexpr,
                             D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         """One block of BLOCK_M queries: log_z (the scores seen and the sink) and log_hits, both by an online
         log-sum-exp over the key tiles of the band, in base 2. A tile wholly before the block's first document is
@@ -4855,7 +4860,7 @@ if triton is not None:
         for key_start in range(tl.maximum(start - BAND, 0), start + BLOCK_M, BLOCK_N):
             if tl.load(Docs + key_start + BLOCK_N - 1) >= first_document:
                 keys = key_start + tl.arange(0, BLOCK_N)
-                s, seen, hit, _ = _copy_tile(q, K, Tokens, Docs, queries, keys, targets, documents, scale, BAND, D)
+                s, seen, hit, _ = _copy_tile(q, K, Tokens, Docs, queries, keys, targets, documents, SCALE, BAND, D)
                 s = s * 1.4426950408889634  # log2(e)
                 new_z = tl.maximum(max_z, tl.max(tl.where(seen, s, -1e30), 1))
                 sum_z = sum_z * tl.exp2(max_z - new_z) + tl.sum(tl.where(seen, tl.exp2(s - new_z[:, None]), 0.0), 1)
@@ -4869,7 +4874,7 @@ if triton is not None:
         tl.store(LogHits + queries, tl.where(sum_hits > 0, (max_hits + tl.log2(safe_sum)) * 0.6931471805599453, -1e9))
 
     @triton.jit
-    def _copy_scores_dq_kernel(Q, K, Tokens, Targets, Docs, LogZ, LogHits, GradZ, GradHits, DQ, scale,
+    def _copy_scores_dq_kernel(Q, K, Tokens, Targets, Docs, LogZ, LogHits, GradZ, GradHits, DQ, SCALE: tl.constexpr,
                                BAND: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         """The query gradients of one block of BLOCK_M queries, from the scores recomputed over the same key tiles."""
         start = tl.program_id(0) * BLOCK_M
@@ -4884,13 +4889,13 @@ if triton is not None:
         for key_start in range(tl.maximum(start - BAND, 0), start + BLOCK_M, BLOCK_N):
             if tl.load(Docs + key_start + BLOCK_N - 1) >= first_document:
                 keys = key_start + tl.arange(0, BLOCK_N)
-                s, seen, hit, k = _copy_tile(q, K, Tokens, Docs, queries, keys, targets, documents, scale, BAND, D)
+                s, seen, hit, k = _copy_tile(q, K, Tokens, Docs, queries, keys, targets, documents, SCALE, BAND, D)
                 ds = _copy_score_grads(s, seen, hit, log_z, log_hits, grad_z, grad_hits)
                 dq += tl.dot(ds.to(k.dtype), k)
-        tl.store(DQ + queries[:, None] * D + dims[None, :], (dq * scale).to(DQ.dtype.element_ty))
+        tl.store(DQ + queries[:, None] * D + dims[None, :], (dq * SCALE).to(DQ.dtype.element_ty))
 
     @triton.jit
-    def _copy_scores_dk_kernel(Q, K, Tokens, Targets, Docs, LogZ, LogHits, GradZ, GradHits, DK, T, scale,
+    def _copy_scores_dk_kernel(Q, K, Tokens, Targets, Docs, LogZ, LogHits, GradZ, GradHits, DK, T, SCALE: tl.constexpr,
                                BAND: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         """The key gradients of one block of BLOCK_N keys, over the query tiles that can see them: from the key's own
         tile to BAND past the block. A tile whose first query is in a later document than every key is skipped."""
@@ -4904,11 +4909,11 @@ if triton is not None:
                 queries = start + tl.arange(0, BLOCK_M)
                 q = tl.load(Q + queries[:, None] * D + dims[None, :])
                 targets, documents = tl.load(Targets + queries), tl.load(Docs + queries)
-                s, seen, hit, _ = _copy_tile(q, K, Tokens, Docs, queries, keys, targets, documents, scale, BAND, D)
+                s, seen, hit, _ = _copy_tile(q, K, Tokens, Docs, queries, keys, targets, documents, SCALE, BAND, D)
                 ds = _copy_score_grads(s, seen, hit, tl.load(LogZ + queries), tl.load(LogHits + queries),
                                        tl.load(GradZ + queries), tl.load(GradHits + queries))
                 dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
-        tl.store(DK + keys[:, None] * D + dims[None, :], (dk * scale).to(DK.dtype.element_ty))
+        tl.store(DK + keys[:, None] * D + dims[None, :], (dk * SCALE).to(DK.dtype.element_ty))
 
 
 # The copy pointer kernels' launch shapes: the forward's key tiles, and the backward's query and key blocks.
