@@ -379,15 +379,16 @@ PRESETS["plain"] = dict(
     attn_out_scale=False, value_embed_scale_init=0.5,
 )
 
-# The speedrun records' ideas of 2026-02-03 to 2026-05-27 that are built here and paid on bench2, on top of the
-# defaults. They learn faster while the data is fresh and end worse where it repeats (docs/performance.md), so they
-# are not defaults. XSA on layers 1, 3, 4 and 7 goes with the per-token gates, as in the 2026-05-27 record. The
-# cooldown is 0.7 of the scheduled steps, not the records' 0.6: it ended lower on two seeds on bench2.
+# The speedrun records' ideas of 2026-02-03 to 2026-05-27, and the copy pointer and longest-match feature of its pull
+# requests #379 and #378, that are built here and paid on bench2, on top of the defaults. They learn faster while the
+# data is fresh and end worse where it repeats (docs/performance.md), so they are not defaults. XSA on layers 1, 3, 4
+# and 7 goes with the per-token gates, as in the 2026-05-27 record. The cooldown is 0.7 of the scheduled steps, not
+# the records' 0.6: it ended lower on two seeds on bench2.
 PRESETS["record_ideas"] = dict(
     final_lr_frac=0.15, doc_len_schedule="896,2048,2048", value_gate_reads_embed=True, value_embed_init_std=0.01,
     value_embed_layout=".01.....234", normuon_beta2=0.9, sublayer_scales=True, attn_input_from=7, cooldown_frac=0.7,
     xsa_layers="1,3,4,7", muon_qk_blocks=3, bigram_rows=15 * 50304, bigram_dims=192, bigram_signs=8192,
-    mudd=True, token_gates=True,
+    mudd=True, token_gates=True, copy_pointer=True, longest_match=True,
 )
 
 CLI_ONLY_FLAGS = ("preset", "check", "help")

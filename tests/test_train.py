@@ -87,6 +87,8 @@ def test_the_record_ideas_preset_builds_the_full_size_model():
     assert [i for i, lanes in enumerate(model.token_gates.lanes) if "xsa" in lanes] == [1, 3, 4, 7]
     assert model.mudd_layer is not None and model.mudd_head is not None
     assert model.bigram_embed.weight.shape == (3 * 5 * 50304, 192) and model.bigram_signs.shape == (8192, 192)
+    # the pull requests' copy pointer at its full band, and the longest-match feature
+    assert model.copy_pointer is not None and model.copy_pointer.band == 2048 and model.longest_match is not None
 
 
 def test_preset_and_overrides():
