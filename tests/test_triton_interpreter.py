@@ -98,8 +98,7 @@ MTP_CHECK = textwrap.dedent("""
     ref.sum().backward()
     print(((losses.double() - ref.detach()).abs().max() / ref.detach().abs().max()).item(),
           ((grad.double() / tg.GRAD_E5M2_MAX - x.grad).norm() / x.grad.norm()).item(),
-          grad.abs().max().item() <= tg.GRAD_E5M2_MAX,
-          ((grad[:, slot].double() / tg.GRAD_E5M2_MAX - ref_grad[:, slot]).abs() / ref_grad[:, slot].abs()).max().item())
+          grad.abs().max().item() <= tg.GRAD_E5M2_MAX)
 """)
 
 
