@@ -24,11 +24,13 @@ import os
 import platform
 import queue
 import random
+import re
 import subprocess
 import sys
 import threading
 import time
 import typing
+import unicodedata
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -201,6 +203,10 @@ class Config:
     bigram_dims: int = _model(0, "leading channels of the residual stream the bigram embedding adds into; 0: all")
     bigram_signs: int = _model(0, "random +-1 vectors multiplying the bigram rows, picked per (previous token, token); "
                                   "0: none")
+    # The speedrun's pull request #375 (after DeepSeek's Engram): the bigram hash and its sign read each GPT-2 token's
+    # class of tokens that differ only in case, accents and surrounding whitespace (" The", "THE" and "the" are one),
+    # so that a row learns from every spelling of a pair.
+    bigram_normalize: bool = _model(False, "hash bigrams of GPT-2 token classes (case, accents, spaces folded)")
     # ---- optimizers
     # Adam's groups (betas, weight decay multipliers: speedrun 2025-12 records): the value-embedding and bigram
     # tables ("table"), the token embedding, the head, and the scalars (adam_betas). Weight decay is cautious and
@@ -561,6 +567,7 @@ def validate_config(cfg: Config) -> None:
     need(0 <= cfg.bigram_dims <= cfg.model_dim and cfg.bigram_signs >= 0,
          f"--bigram_dims={cfg.bigram_dims} --bigram_signs={cfg.bigram_signs}: use 0 .. model_dim ({cfg.model_dim}) "
          "channels (0: all) and 0 or more sign vectors")
+    need(not cfg.bigram_normalize or cfg.bigram_rows, "--bigram_normalize=1 needs --bigram_rows above 0")
     need(0.0 <= cfg.tail_ema_from < 1.0 and 0.0 < cfg.tail_ema_decay < 1.0 and 0.0 <= cfg.tail_ema_blend <= 1.0,
          f"--tail_ema_from={cfg.tail_ema_from} --tail_ema_decay={cfg.tail_ema_decay} --tail_ema_blend="
          f"{cfg.tail_ema_blend}: use a fraction in [0, 1), a decay in (0, 1) and a share in [0, 1]")
@@ -1383,6 +1390,8 @@ class GPT(nn.Module):
             self.register_buffer("bigram_signs", (2 * signs - 1).float(), persistent=False)
         else:
             self.bigram_signs = None
+        classes = bigram_token_classes(cfg) if self.bigram_signs is not None else None
+        self.register_buffer("token_classes", None if classes is None else torch.from_numpy(classes), persistent=False)
         self.lm_head = nn.Linear(dim, vocab, bias=False)  # its own weight; tie_embed trains the embedding as a copy
         self.copy_pointer = (CopyPointer(dim, cfg.head_dim, cfg.copy_band, kernels.copy_pointer, cfg.copy_sink_key)
                              if cfg.copy_pointer else None)
@@ -1602,6 +1611,8 @@ class GPT(nn.Module):
         bigram_dims."""
         bigram = rows.to(self.compute_dtype)
         if self.bigram_signs is not None:
+            if self.token_classes is not None:  # --bigram_normalize: the signs of the classes' pair, as the row
+                tokens = self.token_classes[tokens]
             previous = torch.cat([tokens[:1], tokens[:-1]])
             index = torch.where(starts, 0, torch.bitwise_xor(previous, tokens) % self.bigram_signs.size(0))
             bigram = bigram * self.bigram_signs[index].to(bigram.dtype)
@@ -2399,11 +2410,12 @@ def val_batches_for_rank(paths: list[str], cfg: Config, comm: Comm):
         yield np.asarray(stream[index * T: index * T + T + 1])
 
 
-def bigram_hash(tokens: np.ndarray, rows: int, bos: int) -> np.ndarray:
+def bigram_hash(tokens: np.ndarray, rows: int, bos: int, classes: np.ndarray | None = None) -> np.ndarray:
     """Row of the bigram embedding for each position: a multiplicative (Fibonacci) hash of the pair
-    (previous token, token) into rows - 1 buckets. Positions without a previous token of their own
-    document (the window's first position, and every BOS) get the reserved last row."""
-    t = tokens.astype(np.uint64)
+    (previous token, token) into rows - 1 buckets, of the tokens' classes where given (--bigram_normalize).
+    Positions without a previous token of their own document (the window's first position, and every BOS) get
+    the reserved last row."""
+    t = (tokens if classes is None else classes[tokens]).astype(np.uint64)
     pairs = t[:-1] * np.uint64(65536) + t[1:]
     mixed = (pairs * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(32)  # wraps mod 2**64, as intended
     out = np.empty(len(tokens), dtype=np.int32)
@@ -2441,9 +2453,10 @@ class ForwardBatch:
 class _Slot:
     """Host buffers for one forward: `packed` micro-batches of seq_len tokens, one after the other."""
 
-    def __init__(self, seq_len: int, pin: bool, bos: int, bigram_rows: int = 0, packed: int = 1):
+    def __init__(self, seq_len: int, pin: bool, bos: int, bigram_rows: int = 0, packed: int = 1,
+                 token_classes: np.ndarray | None = None):
         length = seq_len * packed
-        self.bos = bos
+        self.bos, self.token_classes = bos, token_classes
         self.inputs = torch.empty(length, dtype=torch.int32, pin_memory=pin)
         self.targets = torch.empty(length, dtype=torch.int64, pin_memory=pin)
         self.cu_seqlens = torch.empty(max_documents(length) + 1, dtype=torch.int32, pin_memory=pin)
@@ -2464,7 +2477,7 @@ class _Slot:
             self.inputs.numpy()[offset:end] = inputs
             self.targets.numpy()[offset:end] = window[1:]
             if self.bigram_rows:
-                self.bigrams.numpy()[offset:end] = bigram_hash(inputs, self.bigram_rows, self.bos)
+                self.bigrams.numpy()[offset:end] = bigram_hash(inputs, self.bigram_rows, self.bos, self.token_classes)
             starts.append(micro_batch_document_starts(inputs, self.bos) + offset)
             offset = end
         if self.bigram_rows:
@@ -2489,11 +2502,12 @@ class Prefetcher:
     """
 
     def __init__(self, batches, seq_len: int, device: torch.device, slots: int = 4, bigram_rows: int = 0,
-                 packed: int = 1, *, bos: int):
+                 packed: int = 1, *, bos: int, token_classes: np.ndarray | None = None):
         self.device = device
         self.free, self.ready = queue.Queue(), queue.Queue()
         for _ in range(slots):
-            self.free.put(_Slot(seq_len, pin=device.type == "cuda", bos=bos, bigram_rows=bigram_rows, packed=packed))
+            self.free.put(_Slot(seq_len, pin=device.type == "cuda", bos=bos, bigram_rows=bigram_rows, packed=packed,
+                                token_classes=token_classes))
         self.closed = False
         self.source = batches
         self.thread = threading.Thread(target=self._fill, args=(batches, packed), daemon=True)
@@ -2550,7 +2564,40 @@ def prefetch(windows, cfg: Config, device: torch.device, packed: int) -> Prefetc
     """The one way a run loads its batches (training, validation and the warm-up's stand-ins): token windows in,
     forwards of `packed` micro-batches of the run's length, bigram rows and BOS token out."""
     return Prefetcher(windows, cfg.micro_batch_tokens, device, bigram_rows=cfg.bigram_rows, packed=packed,
-                      bos=cfg.bos_token)
+                      bos=cfg.bos_token, token_classes=bigram_token_classes(cfg))
+
+
+def normalized_token_classes(token_bytes: list[bytes], vocab_size: int) -> np.ndarray:
+    """Each token id's class for --bigram_normalize: the smallest id whose text is the same after NFKC, accents
+    stripped (NFD without its non-spacing marks), lower case, and runs of spaces, tabs and newlines as one space,
+    stripped at both ends unless that is all there is (pull request #375's normaliser). Tokens that are not whole
+    UTF-8, or whose text normalizes to nothing, and ids past token_bytes (the padding) are classes of their own."""
+    classes = np.arange(vocab_size, dtype=np.int64)
+    first: dict[str, int] = {}
+    for token, raw in enumerate(token_bytes[:vocab_size]):
+        try:
+            text = unicodedata.normalize("NFD", unicodedata.normalize("NFKC", raw.decode("utf-8")))
+        except UnicodeDecodeError:
+            continue
+        text = re.sub(r"[ \t\r\n]+", " ", "".join(c for c in text if unicodedata.category(c) != "Mn").lower())
+        text = text if text == " " else text.strip()
+        if text:
+            classes[token] = first.setdefault(text, token)
+    return classes
+
+
+_TOKEN_CLASSES: dict[int, np.ndarray] = {}  # vocab_size -> normalized_token_classes of GPT-2's tokens
+
+
+def bigram_token_classes(cfg: Config) -> np.ndarray | None:
+    """GPT-2's token classes with --bigram_normalize (built once per process: the loader's hash and the model's
+    sign vectors both read them), else None."""
+    if not cfg.bigram_normalize:
+        return None
+    if cfg.vocab_size not in _TOKEN_CLASSES:
+        _TOKEN_CLASSES[cfg.vocab_size] = normalized_token_classes(gpt2_token_bytes("--bigram_normalize=1"),
+                                                                  cfg.vocab_size)
+    return _TOKEN_CLASSES[cfg.vocab_size]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -3865,7 +3912,7 @@ def generate(model: GPT, cfg: Config, prompt: list[int], windows: tuple[int, int
     The text sits at the start of one micro-batch, padded after it with token 0, which causal attention keeps
     from changing the text's logits."""
     length = cfg.micro_batch_tokens
-    slot = _Slot(length, pin=False, bos=cfg.bos_token, bigram_rows=cfg.bigram_rows)
+    slot = _Slot(length, pin=False, bos=cfg.bos_token, bigram_rows=cfg.bigram_rows, token_classes=bigram_token_classes(cfg))
     generator = torch.Generator().manual_seed(seed)
     tokens = list(prompt)
     while len(tokens) < min(len(prompt) + count, length):
@@ -3886,14 +3933,20 @@ def generate(model: GPT, cfg: Config, prompt: list[int], windows: tuple[int, int
     return tokens[len(prompt):]
 
 
-def gpt2_encoding():
-    """tiktoken's GPT-2 BPE, or one line saying that --sample needs it."""
+def gpt2_encoding(needed_by: str = "--sample"):
+    """tiktoken's GPT-2 BPE, or one line saying that `needed_by` needs it."""
     try:
         import tiktoken
         return tiktoken.get_encoding("gpt2")
     except Exception as e:  # no package, no network, no cached files
-        raise UserError(f"--sample needs tiktoken's gpt2 encoding, which did not load ({type(e).__name__}): "
+        raise UserError(f"{needed_by} needs tiktoken's gpt2 encoding, which did not load ({type(e).__name__}): "
                         "pip install tiktoken; offline, see data/tokenize_text.py's help") from None
+
+
+def gpt2_token_bytes(needed_by: str) -> list[bytes]:
+    """The bytes of each GPT-2 token, by id."""
+    encoding = gpt2_encoding(needed_by)
+    return [encoding.decode_single_token_bytes(token) for token in range(encoding.n_vocab)]
 
 
 def gpt2_codec():

@@ -1,4 +1,6 @@
 """The bigram hash embedding: the loader's hash, and the sparse gradient exchange against the dense one."""
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -153,3 +155,64 @@ def test_signed_narrow_bigram_rows_enter_the_first_channels_times_their_sign_vec
 def test_bigram_dims_and_signs_are_checked():
     with pytest.raises(tg.UserError, match="--bigram_dims=800 --bigram_signs=0: use 0 .. model_dim"):
         tg.validate_config(tg.parse_cli(["--bigram_dims=800"])[0])
+
+
+def test_token_classes_fold_case_accents_and_spaces():
+    """--bigram_normalize's classes (the speedrun's pull request #375): the smallest id of the same text after NFKC,
+    accents stripped, lower case and whitespace runs as one space stripped at the ends; broken UTF-8, text that
+    normalizes to nothing and the padding past the tokenizer keep their own ids."""
+    vocabulary = [b" The", b"THE", b"the", "caf\u00e9".encode(), b"cafe", b"\n\n", b" ", b"\xc3", "\u0301".encode(),
+                  b"<|endoftext|>", " Cafe\u0301 ".encode(), b"\tthe\n"]
+    classes = tg.normalized_token_classes(vocabulary, 14)
+    assert classes.tolist() == [0, 0, 0, 3, 3, 5, 5, 7, 8, 9, 3, 0, 12, 13]
+    assert tg.normalized_token_classes(vocabulary, 4).tolist() == [0, 0, 0, 3]  # a smaller model vocabulary
+
+
+def spelling_vocabulary(monkeypatch):
+    """GPT-2's bytes replaced by VOCAB tokens in pairs that differ only in case ("w5", "W5"), BOS its own, and the
+    classes built afresh from them."""
+    words = [(f"w{i // 2}" if i % 2 == 0 else f"W{i // 2}").encode() for i in range(VOCAB)]
+    words[BOS] = b"<|endoftext|>"
+    monkeypatch.setattr(tg, "gpt2_token_bytes", lambda needed_by: words)
+    monkeypatch.setattr(tg, "_TOKEN_CLASSES", {})
+
+
+def test_normalized_bigrams_read_the_same_row_and_sign_for_every_spelling(monkeypatch):
+    """With --bigram_normalize, a window and the same window with every token's case flipped look up the same rows
+    (the hash of the classes) and take the same bigram input, sign vectors included; without it they differ."""
+    spelling_vocabulary(monkeypatch)
+    rng = np.random.default_rng(3)
+    window = rng.integers(0, BOS - 1, 257)
+    window[[0, 60]] = BOS
+    flipped = np.where(window == BOS, BOS, window ^ 1)  # w5 <-> W5
+    inputs = {}
+    for normalize in (0, 1):
+        cfg, _ = tg.parse_cli(TINY + ["--micro_batch_tokens=256", "--bigram_dims=24", "--bigram_signs=16",
+                                      f"--bigram_normalize={normalize}"])
+        batches = tg.prefetch(iter([window, flipped]), cfg, torch.device("cpu"), packed=1)
+        rows = [batches.next().bigrams for _ in range(2)]
+        batches.close()
+        torch.manual_seed(0)
+        model = tg.GPT(cfg, tg.SdpaAttention(), torch.float32)
+        with torch.no_grad():
+            model.bigram_embed.weight.normal_()
+        starts = torch.from_numpy(window[:-1] == BOS)
+        inputs[normalize] = [model.bigram_input(torch.from_numpy(w[:-1]).int(), starts, model.bigram_embed(r.long()))
+                             for w, r in zip((window, flipped), rows)]
+        if normalize:
+            assert torch.equal(rows[0], rows[1])
+            classes = window[:-1] & ~1  # each pair's class is its even id
+            assert rows[0].tolist() == tg.bigram_hash(np.where(window[:-1] == BOS, BOS, classes), cfg.bigram_rows,
+                                                      BOS).tolist()
+        else:
+            assert not torch.equal(rows[0], rows[1])
+    assert torch.equal(inputs[1][0], inputs[1][1]) and not torch.equal(inputs[0][0], inputs[0][1])
+
+
+def test_bigram_normalize_needs_the_table_and_the_tokenizer(monkeypatch):
+    with pytest.raises(tg.UserError, match="--bigram_normalize=1 needs --bigram_rows above 0"):
+        tg.validate_config(tg.parse_cli(TINY + ["--bigram_normalize=1", "--bigram_rows=0"])[0])
+    monkeypatch.setitem(sys.modules, "tiktoken", None)  # import tiktoken fails
+    monkeypatch.setattr(tg, "_TOKEN_CLASSES", {})
+    with pytest.raises(tg.UserError, match="--bigram_normalize=1 needs tiktoken's gpt2 encoding"):
+        tg.bigram_token_classes(tg.parse_cli(TINY + ["--bigram_normalize=1"])[0])
