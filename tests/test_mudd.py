@@ -151,3 +151,57 @@ def test_mudd_trains_with_adam_at_a_quarter_of_its_lr_and_is_checked():
     for flags in (["--mudd=1"], ["--mudd=1", "--sublayer_scales=1", "--backout_from=-1"]):
         with pytest.raises(tg.UserError, match="--mudd=1 needs --sublayer_scales=1, --backout_from below the last"):
             tg.validate_config(tg.parse_cli(["--device=cpu", *TINY, *flags])[0])
+
+
+def test_the_wide_head_mix_starts_as_the_narrow_one_and_weighs_each_group_of_channels():
+    """--mudd_head_wide: at zero init the model is the one without it; with every weight random, the head's input
+    is the stream plus each source times its per-token weight plus its per-token delta for its group of 64
+    channels: the five narrow sources, the other value embeddings, the normed output of layer attn_input_from and
+    the last layer's normed MLP input (both recorded in the forward)."""
+    cfg = mudd_config(value_embed_init_std=0.5, backout_from=0, attn_input_from=1, model_dim=128, head_dim=32,
+                      num_heads=4)
+    narrow, wide = dataclasses.replace(cfg, mudd_head_wide=False), dataclasses.replace(cfg, mudd_head_wide=True)
+    tg.validate_config(wide)
+    plain, model = random_tiny_model(narrow), random_tiny_model(wide)
+    state = plain.state_dict()
+    for name in ("mudd_head.w2", "mudd_head.bias"):  # the narrow weights first, the new sources' at zero
+        state[name] = torch.cat([state[name], torch.zeros(3, *state[name].shape[1:])])
+    with torch.no_grad():
+        model.mudd_head.w2_groups.zero_()
+    assert model.load_state_dict(state, strict=False).missing_keys == ["mudd_head.w2_groups"]
+    batch = random_batch(cfg)
+    torch.testing.assert_close(loss_of(model, wide, batch), loss_of(plain, narrow, batch), rtol=1e-6, atol=0)
+
+    with torch.no_grad():
+        model.mudd_head.bias.normal_()
+        model.mudd_head.w2.normal_()
+        model.mudd_head.w2_groups.normal_()
+    seen = {}
+
+    def record(key, value):
+        seen[key] = value
+    last = cfg.num_layers - 1
+    model.blocks[0].register_forward_pre_hook(lambda _, args: record("x_in", args[0]))
+    for i, block in enumerate(model.blocks[:last]):
+        block.register_forward_hook(lambda _, args, out, i=i: record(i, out))
+    model.blocks[last].register_forward_hook(lambda _, args, out: record(last, out[0]))
+    model.blocks[last].mlp.register_forward_pre_hook(lambda _, args: record("mlp_input", args[0]))
+    head = model.loss_head
+    model.loss_head = lambda x, targets, *context: (record("head", x), head(x, targets, *context))[1]
+    tokens = batch[0]
+    loss_of(model, wide, batch)
+
+    value_embeds = [torch.nn.functional.embedding(tokens, table.weight) for table in model.value_embeds]
+    assert len(value_embeds) == 2
+    sources = [seen["x_in"], seen[cfg.backout_from], seen[last - 1], value_embeds[0], seen[cfg.skip_from],
+               value_embeds[1], tg.rms_norm(seen[cfg.attn_input_from]), seen["mlp_input"]]
+    c = model.mudd_head(seen[last])
+    assert c.shape == (len(tokens), len(sources), cfg.model_dim // 64)
+    channels = torch.arange(cfg.model_dim) // 64  # each channel's group
+    want = seen[last] + sum(c[:, k, channels] * source for k, source in enumerate(sources))
+    torch.testing.assert_close(seen["head"], want)
+    groups = tg.build_optimizers(model, wide)[1].param_groups
+    assert any(any(p is model.mudd_head.w2_groups for p in g["params"]) and g["lr"] == cfg.adam_lr * 0.25
+               for g in groups)
+    with pytest.raises(tg.UserError, match="--mudd_head_wide=1 needs --mudd=1"):
+        tg.validate_config(dataclasses.replace(wide, mudd=False))
