@@ -259,6 +259,12 @@ class Config:
     muon_momentum_start: float = _optim(0.85, "Muon's momentum at the first step and at the end")
     muon_momentum_warmup: int = _optim(300, "first steps, over which the momentum rises linearly to muon_momentum")
     muon_momentum_cooldown: int = _optim(50, "last steps, over which the momentum falls linearly to the start's")
+    # The speedrun's 2026-08-30 record (ANVIL2's two rails): a slow momentum buffer runs beside the usual one from the
+    # first step; from muon_slow_from of the scheduled steps on, the momentum the Nesterov step moves towards is
+    # muon_slow_share of the slow buffer and the rest of the usual one, whose beta drops to muon_momentum_start.
+    muon_slow_momentum: float = _optim(0.0, "beta of Muon's slow momentum buffer; 0: none")
+    muon_slow_from: float = _optim(0.43, "fraction of the scheduled steps from which the slow buffer joins in")
+    muon_slow_share: float = _optim(0.56, "the slow buffer's share of Muon's momentum once it joins in")
     # Cautious weight decay (Chen et al. 2025; speedrun 2025-11-10): where update and weight agree in sign the
     # weight shrinks by lr_eff * muon_weight_decay * lr each step, lr_eff the matrix's lr and lr its group's
     # scheduled one: the decay follows the lr squared.
@@ -539,6 +545,9 @@ def validate_config(cfg: Config) -> None:
     need(not cfg.token_gates or (cfg.sublayer_scales and 0 <= cfg.skip_from < cfg.num_layers - 1),
          "--token_gates=1 needs --sublayer_scales=1 and --skip_from below the last layer (the second MLP reads the "
          "stream after it)")
+    need(0.0 <= cfg.muon_slow_momentum < 1.0 and 0.0 <= cfg.muon_slow_from <= 1.0 and 0.0 <= cfg.muon_slow_share <= 1.0,
+         f"--muon_slow_momentum={cfg.muon_slow_momentum} --muon_slow_from={cfg.muon_slow_from} --muon_slow_share="
+         f"{cfg.muon_slow_share}: use a beta in [0, 1), a fraction in [0, 1] and a share in [0, 1]")
     need(not cfg.mudd_head_wide or (cfg.mudd and cfg.model_dim % DenseMix.GROUP == 0),
          f"--mudd_head_wide=1 needs --mudd=1 and a model_dim ({cfg.model_dim}) that is a multiple of {DenseMix.GROUP}")
     need(not cfg.mudd or (cfg.sublayer_scales and 0 <= cfg.backout_from < cfg.num_layers - 1 and cfg.num_layers >= 3
@@ -2107,7 +2116,8 @@ class Muon(torch.optim.Optimizer):
     is NorMuon: the orthogonalised update is rescaled per entry of its longer side by the inverse root of a
     running mean of that entry's squared update (normuon_), keeping the update's Frobenius norm. Weight decay is
     cautious (only where update and weight agree in sign) and scales with lr_eff * lr. With shape_lr a matrix's
-    lr is multiplied by sqrt(max(1, rows/cols)) of its (split) shape; a group's "lr_mul" multiplies it too.
+    lr is multiplied by sqrt(max(1, rows/cols)) of its (split) shape; a group's "lr_mul" multiplies it too. With
+    slow_momentum a second momentum buffer runs, mixed in by the groups' scheduled "slow_share" (muon_momentum_).
 
     Each param group may set "split": its matrices are stacks of that many row blocks, each
     orthogonalised on its own (a [4d, d] QKVO weight is Q, K, V and O), or runs of blocks of differing
@@ -2132,9 +2142,10 @@ class Muon(torch.optim.Optimizer):
     """
 
     def __init__(self, params, lr: float, momentum: float, weight_decay: float = 0.0, beta2: float = 0.0,
-                 shape_lr: bool = False, use_triton: bool = False, layers: list[int] | None = None):
+                 shape_lr: bool = False, use_triton: bool = False, layers: list[int] | None = None,
+                 slow_momentum: float = 0.0):
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, split=1, lr_mul=1.0))
-        self.beta2, self.shape_lr = beta2, shape_lr
+        self.beta2, self.shape_lr, self.slow_momentum = beta2, shape_lr, slow_momentum
         self.use_triton = use_triton  # Kernels.newton_schulz: orthogonalize's Triton kernel, else plain torch
         self.rank, self.world_size = current_rank_and_world()
         self.distributed = self.world_size > 1
@@ -2171,7 +2182,9 @@ class Muon(torch.optim.Optimizer):
         directions = []
         for i, p in enumerate(owned):
             settings = self.param_groups[self.group_index_of[p]]
-            directions.append(muon_momentum_(grads[i], self.state[p], settings["momentum"]))
+            directions.append(muon_momentum_(grads[i], self.state[p], settings["momentum"],
+                                             settings.get("fast_momentum"), self.slow_momentum,
+                                             settings.get("slow_share", 0.0)))
             first_row = 0
             for run, (height, count) in enumerate(row_blocks(p, settings)):
                 by_run.setdefault((first_row, height, count, run), []).append(i)
@@ -2269,13 +2282,22 @@ def normuon_(ortho: Tensor, states: list[dict], split: int, beta2: float, key: s
     return (update * factor).to(ortho.dtype)
 
 
-def muon_momentum_(grad: Tensor, state: dict, momentum: float) -> Tensor:
-    """Update the momentum buffer in `state`; return the Nesterov-style update direction."""
+def muon_momentum_(grad: Tensor, state: dict, momentum: float, fast: float | None = None, slow: float = 0.0,
+                   slow_share: float = 0.0) -> Tensor:
+    """Update the momentum buffer in `state` (its beta `fast`, else `momentum`); return the Nesterov-style update
+    direction, grad moved `momentum` of the way towards the momentum. With slow > 0 a second buffer of beta `slow`
+    updates too and the momentum is slow_share of it and the rest of the first (ANVIL2's two rails)."""
     if "momentum_buffer" not in state:
         state["momentum_buffer"] = torch.zeros_like(grad)
     buf = state["momentum_buffer"]
-    buf.lerp_(grad, 1 - momentum)
-    return grad.lerp(buf, momentum)
+    buf.lerp_(grad, 1 - (momentum if fast is None else fast))
+    if not slow:
+        return grad.lerp(buf, momentum)
+    if "slow_momentum_buffer" not in state:
+        state["slow_momentum_buffer"] = torch.zeros_like(grad)
+    slow_buf = state["slow_momentum_buffer"]
+    slow_buf.lerp_(grad, 1 - slow)
+    return grad.lerp(buf.lerp(slow_buf, slow_share), momentum)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -2734,6 +2756,15 @@ class Schedule:
         if steps_left < cfg.muon_momentum_cooldown:
             return low + (high - low) * steps_left / cfg.muon_momentum_cooldown
         return high
+
+    def muon_rails(self, step: int) -> tuple[float, float]:
+        """(beta of Muon's usual momentum buffer, the slow buffer's share of the momentum) at a step: the scheduled
+        momentum and 0 until the slow buffer joins in (muon_slow_from), then muon_momentum_start and
+        muon_slow_share."""
+        cfg = self.cfg
+        if cfg.muon_slow_momentum and step >= round(cfg.muon_slow_from * cfg.num_iterations):
+            return cfg.muon_momentum_start, cfg.muon_slow_share
+        return self.muon_momentum(step), 0.0
 
     def windows(self, step: int) -> tuple[int, int]:
         """(short, long) attention windows in tokens; the final validation gets the extended pair."""
@@ -3257,7 +3288,8 @@ def build_optimizers(model: GPT, cfg: Config) -> list[torch.optim.Optimizer]:
                  dict(params=matrices["mlp_out"], lr_mul=cfg.muon_proj_lr_mul)],
                 lr=cfg.muon_lr, momentum=cfg.muon_momentum, weight_decay=cfg.muon_weight_decay,
                 beta2=cfg.normuon_beta2, shape_lr=cfg.muon_shape_lr, use_triton=model.kernels.newton_schulz,
-                layers=[layer_of[p] for kind in ("attn", "mlp_in", "mlp_out") for p in matrices[kind]])
+                layers=[layer_of[p] for kind in ("attn", "mlp_in", "mlp_out") for p in matrices[kind]],
+                slow_momentum=cfg.muon_slow_momentum)
     bigram = [model.bigram_embed.weight] if model.bigram_embed is not None else []
     tables = [ve.weight for ve in model.value_embeds] + bigram
     scalars = [model.skip_gate] + [block.value_scales for block in model.blocks]
@@ -3347,6 +3379,7 @@ def set_hyperparameters(optimizers, schedule: Schedule, step: int):
             group["lr"] = group["initial_lr"] * lr_multiplier
             if isinstance(opt, Muon):
                 group["momentum"] = schedule.muon_momentum(step)
+                group["fast_momentum"], group["slow_share"] = schedule.muon_rails(step)
 
 
 def forward_loss(model: GPT, batch: ForwardBatch, windows: tuple[int, int]) -> Tensor:

@@ -80,19 +80,37 @@ def rank_grads(rank, step, params):
 PAIRS = ((4, 4), (8, 2))  # the attention-like stack's Q and K in 2 blocks each, V and O whole
 
 
-def reference_params(world_size, attn_split=4):
-    """Muon written plainly, one matrix at a time, on the gradient averaged over all ranks."""
+RAILS = (0.98, 2, 0.6, 0.85)  # slow beta, the step it joins in at, its share then, the usual buffer's beta then
+
+
+def rails_at(step, rails):
+    """(the usual buffer's beta, the slow buffer's share) at a step, as Schedule.muon_rails gives them."""
+    slow, joins, share, fast = rails
+    return (fast, share) if step >= joins else (MOMENTUM, 0.0)
+
+
+def reference_params(world_size, attn_split=4, rails=None):
+    """Muon written plainly, one matrix at a time, on the gradient averaged over all ranks; with rails, ANVIL2's
+    slow second momentum buffer."""
     attn, mlp, other = make_params()
     params = attn + mlp + other
     buffers = [torch.zeros_like(p) for p in params]
+    slow_buffers = [torch.zeros_like(p) for p in params]
     moments = {}  # (matrix, block) -> NorMuon's running mean square
     with torch.no_grad():
         for step in range(STEPS):
             per_rank = [rank_grads(r, step, params) for r in range(world_size)]
             for i, p in enumerate(params):
                 grad = sum(g[i] for g in per_rank) / world_size
-                buffers[i] = MOMENTUM * buffers[i] + (1 - MOMENTUM) * grad
-                direction = (1 - MOMENTUM) * grad + MOMENTUM * buffers[i]
+                if rails is None:
+                    buffers[i] = MOMENTUM * buffers[i] + (1 - MOMENTUM) * grad
+                    direction = (1 - MOMENTUM) * grad + MOMENTUM * buffers[i]
+                else:
+                    fast, share = rails_at(step, rails)
+                    buffers[i] = fast * buffers[i] + (1 - fast) * grad
+                    slow_buffers[i] = rails[0] * slow_buffers[i] + (1 - rails[0]) * grad
+                    momentum = (1 - share) * buffers[i] + share * slow_buffers[i]
+                    direction = (1 - MOMENTUM) * grad + MOMENTUM * momentum
                 heights = [8] * 4 if attn_split == 4 else [h for h, count in attn_split for _ in range(count)]
                 blocks = direction.split(heights) if i < ATTN else [direction]
                 ortho = []
@@ -111,13 +129,14 @@ def reference_params(world_size, attn_split=4):
     return [p.detach() for p in params]
 
 
-def muon_params(rank, world_size, from_backward=False, attn_split=4):
+def muon_params(rank, world_size, from_backward=False, attn_split=4, rails=None):
     """from_backward: gradients come from a backward with the hooks armed, so the reduce-scatters are
     launched inside the backward instead of in step()."""
     attn, mlp, other = make_params()
     params = attn + mlp + other
     opt = tg.Muon([dict(params=attn, split=attn_split), dict(params=mlp, lr_mul=MLP_LR_MUL), dict(params=other)], lr=LR,
-                  momentum=MOMENTUM, weight_decay=WD, beta2=BETA2, shape_lr=True)
+                  momentum=MOMENTUM, weight_decay=WD, beta2=BETA2, shape_lr=True,
+                  slow_momentum=rails[0] if rails else 0.0)
     calls = {"all_reduce": 0, "reduce_scatter_tensor": 0, "all_gather_into_tensor": 0}
     for name in calls:
         if hasattr(dist, name):
@@ -128,6 +147,9 @@ def muon_params(rank, world_size, from_backward=False, attn_split=4):
                 return _original(*args, **kwargs)
             setattr(dist, name, counted)
     for step in range(STEPS):
+        if rails is not None:  # as set_hyperparameters writes them
+            for group in opt.param_groups:
+                group["fast_momentum"], group["slow_share"] = rails_at(step, rails)
         if from_backward:
             opt.before_last_backward()
             sum((p * g).sum() for p, g in zip(params, rank_grads(rank, step, params))).backward()
@@ -167,6 +189,31 @@ def test_two_ranks_match_single_process_on_the_full_gradient(from_backward, attn
         assert calls["all_reduce"] == 0
         assert calls["reduce_scatter_tensor"] == calls["all_gather_into_tensor"] == groups * STEPS
     assert sum(r[1] for r in results) == total  # each momentum buffer lives on exactly one rank
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_two_momentum_rails_match_the_reference_at_one_and_two_ranks(world_size):
+    """--muon_slow_momentum (ANVIL2's two rails): the slow buffer runs from the first step and joins the momentum at
+    its step, the usual buffer's beta changing then; one and two ranks give the plain reference's weights, and the
+    slow buffers live with their matrices' owners."""
+    results = run_on_ranks(muon_params, world_size, False, 4, RAILS) if world_size > 1 else [muon_params(0, 1, False, 4,
+                                                                                                      RAILS)]
+    want = reference_params(world_size, 4, RAILS)
+    for params, *_ in results:
+        assert_close(params, want)
+    assert max(float((p - w).abs().max()) for p, w in zip(want, reference_params(world_size))) > 1e-3  # it matters
+
+
+def test_the_schedule_brings_the_slow_rail_in_at_its_fraction():
+    cfg, _ = tg.parse_cli(["--num_iterations=100", "--muon_slow_momentum=0.98", "--muon_slow_from=0.43",
+                           "--muon_slow_share=0.56", "--muon_momentum_start=0.85", "--muon_momentum_warmup=20"])
+    schedule = tg.Schedule(cfg)
+    assert schedule.muon_rails(10) == (schedule.muon_momentum(10), 0.0) and schedule.muon_momentum(10) < 0.95
+    assert schedule.muon_rails(42) == (0.95, 0.0) and schedule.muon_rails(43) == (0.85, 0.56)
+    off = tg.Schedule(tg.parse_cli(["--num_iterations=100"])[0])
+    assert off.muon_rails(60) == (off.muon_momentum(60), 0.0)
+    with pytest.raises(tg.UserError, match="--muon_slow_momentum=1.0"):
+        tg.parse_cli(["--muon_slow_momentum=1.0"])
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
