@@ -4886,12 +4886,10 @@ class _Fp8SoftcappedHead(torch.autograd.Function):
             if log_copy is None:
                 losses = multi_token_losses(z, targets, mtp)
                 d = multi_token_grad(z, targets, mtp)
-            else:  # the mixture's gradient by autograd, from the same formulas as the bf16 head's
-                with torch.enable_grad():
-                    z_, log_copy_, log_sink_ = (t.detach().float().requires_grad_() for t in (z, log_copy, log_sink))
-                    losses = copy_mixture_losses(z_, targets, slot, log_copy_, log_sink_, mtp)
-                    d, d_copy, d_sink = torch.autograd.grad(losses.sum(), [z_, log_copy_, log_sink_])
-                losses = losses.detach()
+            else:
+                log_copy, log_sink = log_copy.float(), log_sink.float()
+                losses = copy_mixture_losses(z, targets, slot, log_copy, log_sink, mtp)
+                d, d_copy, d_sink = copy_mixture_grad(z, targets, slot, log_copy, log_sink, mtp)
             grad_q = (GRAD_E5M2_MAX * d * (cap[0] / cap[2]) * s * (1.0 - s)).to(torch.float8_e5m2)
         ctx.save_for_backward(x_q, w_q, x_scale, w_scale, grad_q,
                               *((d_copy, d_sink) if log_copy is not None else ()))
@@ -4929,6 +4927,33 @@ def multi_token_grad(z: Tensor, targets: Tensor, mtp: tuple | None) -> Tensor:
         d += w[:, None] * softmax
         d[rows, ahead] -= w
     return d
+
+
+def copy_mixture_grad(z: Tensor, targets: Tensor, slot: int, log_copy: Tensor, log_sink: Tensor,
+                      mtp: tuple | None) -> tuple[Tensor, Tensor, Tensor]:
+    """d copy_mixture_losses summed over the rows / d (z, log_copy, log_sink), in closed form (the FP8 loss kernel's
+    formulas; autograd inside the head's forward would not trace whole): a per-row multiple of softmax(z), minus
+    per-row amounts at the targets and at the gate's column. The parts of the gate's amount that are differences
+    from 1 come from their logarithms, as small as alpha where the gate is shut."""
+    lse = torch.logsumexp(z, dim=1)
+    gate = z[:, slot]
+    u = torch.minimum(gate - lse, torch.full_like(lse, -1e-7))
+    lse_lm = lse + torch.where(u > -0.6931, torch.log(-torch.expm1(u)), torch.log1p(-torch.exp(u)))
+    q, q_less_1 = torch.exp(lse - lse_lm), torch.exp(gate - lse_lm)  # 1 / (1 - alpha) and alpha / (1 - alpha)
+    kept = torch.logaddexp(lse_lm, gate + log_sink)
+    sink_share = torch.exp(gate + log_sink - kept)  # the sink's share of what the pointer keeps of the LM
+    (w0, next_tokens), *ahead = multi_token_targets(targets, mtp)
+    from_lm = z.gather(1, next_tokens[:, None])[:, 0] - lse_lm + kept
+    mixed = torch.logaddexp(from_lm, gate + log_copy)
+    pointed, copied = torch.exp(from_lm - mixed), torch.exp(gate + log_copy - mixed)
+    weight = w0 * (1 + pointed * sink_share * q) + sum(w * q for w, _ in ahead)
+    d = weight[:, None] * torch.softmax(z, dim=1)
+    rows = torch.arange(z.size(0), device=z.device)
+    d[rows, next_tokens] -= w0 * pointed
+    for w, tokens in ahead:
+        d[rows, tokens] -= w
+    d[:, slot] -= w0 * (pointed * sink_share * q + copied) + sum(w * q_less_1 for w, _ in ahead)
+    return d, -w0 * copied, -w0 * pointed * sink_share
 
 
 def fp8_softcapped_head(x: Tensor, weight: Tensor, targets: Tensor, cap: tuple, use_triton: bool,

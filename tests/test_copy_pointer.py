@@ -198,3 +198,48 @@ def test_eval_only_scores_a_checkpoint_at_another_band(tmp_path):
         log.finish()
     assert losses[128] == pytest.approx(trained.val_losses[-1][1], rel=1e-5)
     assert abs(losses[256] - losses[128]) > 1e-5
+
+
+@pytest.mark.parametrize("multi_token", [False, True])
+def test_the_mixture_gradient_in_closed_form_is_autograd_of_its_losses(multi_token):
+    """copy_mixture_grad (the FP8 head's plain-torch path; the loss kernel's formulas) in float64 against autograd
+    of copy_mixture_losses: gates from shut tight to wide open, rows with and without a hit for the pointer, a
+    repeated target, with and without multi-token weights."""
+    g = torch.Generator().manual_seed(6)
+    rows, vocab, slot = 48, 300, 299
+    z = (torch.rand(rows, vocab, generator=g, dtype=torch.float64) * 23.0)
+    z[:, slot] = torch.linspace(-2.0, 23.0, rows, dtype=torch.float64)  # alpha from about 1e-13 to near 1
+    targets = torch.randint(0, slot, (rows,), generator=g)
+    targets[5:8] = targets[7]
+    log_copy, log_sink = (t.double() for t in pointer_log_masses(rows, g))
+    mtp = (torch.tensor([1.0, 0.5, 0.25], dtype=torch.float64) / 1.75, 16) if multi_token else None
+    inputs = [t.clone().requires_grad_() for t in (z, log_copy, log_sink)]
+    tg.copy_mixture_losses(inputs[0], targets, slot, inputs[1], inputs[2], mtp).sum().backward()
+    got = tg.copy_mixture_grad(z, targets, slot, log_copy, log_sink, mtp)
+    for g_, ref in zip(got, inputs):
+        torch.testing.assert_close(g_, ref.grad, rtol=1e-9, atol=1e-15)
+    shut = (z[:, slot] < 5.0) & (log_copy < -1e8)  # a shut gate and no hit: a tiny gradient, matched closely
+    assert shut.sum() >= 3 and (got[0][shut, slot].abs() < 1e-6).all()
+
+
+def test_the_fp8_head_with_the_mixture_compiles_whole_on_the_cpu():
+    """The plain-torch FP8 head with the copy mixture traces into one graph (fullgraph), as the whole-model compile
+    needs on a machine without the kernels, and gives the eager loss and gradients."""
+    g = torch.Generator().manual_seed(8)
+    rows, dim, vocab, slot = 64, 32, 200, 199
+    x = tg.rms_norm(torch.randn(rows, dim, generator=g))
+    weight = torch.randn(vocab, dim, generator=g) * 0.3
+    targets = torch.randint(0, slot, (rows,), generator=g)
+    log_copy, log_sink = pointer_log_masses(rows, g)
+    mtp, cap = (torch.tensor([1.0, 0.5]) / 1.5, 16), (23.0, 5.0, 7.5)
+
+    def head(x, weight, log_copy, log_sink):
+        return tg.fp8_softcapped_head(x, weight, targets, cap, False, mtp, (slot, log_copy, log_sink))
+    results = []
+    for fn in (head, torch.compile(head, fullgraph=True, backend="aot_eager")):
+        inputs = [t.clone().requires_grad_() for t in (x, weight, log_copy, log_sink)]
+        loss = fn(*inputs)
+        loss.backward()
+        results.append([loss.detach()] + [t.grad for t in inputs])
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want)
