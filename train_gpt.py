@@ -4583,18 +4583,23 @@ def copy_log_probs(q: Tensor, k: Tensor, sink: Tensor, tokens: Tensor, targets: 
     return (log_hits - log_z).reshape(T), (sink - log_z).reshape(T)
 
 
+def gated_log_sum_exps(z: Tensor, slot: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(log-sum-exp of each row of z, its gate z[:, slot], the log-sum-exp of its other columns): the last from the
+    same pass over z, lse + log(1 - alpha), log(1 - e^u) computed stably on both sides of u = -ln 2 (Maechler
+    2012)."""
+    lse = torch.logsumexp(z, dim=1)
+    gate = z[:, slot]
+    u = torch.minimum(gate - lse, torch.full_like(lse, -1e-7))
+    return lse, gate, lse + torch.where(u > -0.6931, torch.log(-torch.expm1(u)), torch.log1p(-torch.exp(u)))
+
+
 def copy_mixture_losses(z: Tensor, targets: Tensor, slot: int, log_copy: Tensor, log_sink: Tensor,
                         mtp: tuple | None) -> Tensor:
     """Per-row losses of softcapped logits z [rows, vocab] whose column `slot` is the copy gate (CPLM, the
     speedrun's pull request #379): with alpha its softmax share, a the pointer's sink mass and p_lm the softmax of
     the other columns, the next token's probability is p_lm(y) (1 - alpha (1 - a)) + alpha p_copy(y), p_copy(y) =
     exp(log_copy) for y = the target; which sums to 1 over y. The tokens further ahead (mtp) take p_lm's loss."""
-    lse = torch.logsumexp(z, dim=1)
-    gate = z[:, slot]
-    # the other columns' log-sum-exp from the same pass over z: lse + log(1 - alpha), log(1 - e^u) computed
-    # stably on both sides of u = -ln 2 (Maechler 2012)
-    u = torch.minimum(gate - lse, torch.full_like(lse, -1e-7))
-    lse_lm = lse + torch.where(u > -0.6931, torch.log(-torch.expm1(u)), torch.log1p(-torch.exp(u)))
+    lse, gate, lse_lm = gated_log_sum_exps(z, slot)
     losses = []
     for k, (w, ahead) in enumerate(multi_token_targets(targets, mtp)):
         picked = z.gather(1, ahead[:, None])[:, 0]
@@ -4935,10 +4940,7 @@ def copy_mixture_grad(z: Tensor, targets: Tensor, slot: int, log_copy: Tensor, l
     formulas; autograd inside the head's forward would not trace whole): a per-row multiple of softmax(z), minus
     per-row amounts at the targets and at the gate's column. The parts of the gate's amount that are differences
     from 1 come from their logarithms, as small as alpha where the gate is shut."""
-    lse = torch.logsumexp(z, dim=1)
-    gate = z[:, slot]
-    u = torch.minimum(gate - lse, torch.full_like(lse, -1e-7))
-    lse_lm = lse + torch.where(u > -0.6931, torch.log(-torch.expm1(u)), torch.log1p(-torch.exp(u)))
+    lse, gate, lse_lm = gated_log_sum_exps(z, slot)
     q, q_less_1 = torch.exp(lse - lse_lm), torch.exp(gate - lse_lm)  # 1 / (1 - alpha) and alpha / (1 - alpha)
     kept = torch.logaddexp(lse_lm, gate + log_sink)
     sink_share = torch.exp(gate + log_sink - kept)  # the sink's share of what the pointer keeps of the LM
