@@ -4892,9 +4892,9 @@ class _Fp8SoftcappedHead(torch.autograd.Function):
                 losses = multi_token_losses(z, targets, mtp)
                 d = multi_token_grad(z, targets, mtp)
             else:
-                log_copy, log_sink = log_copy.float(), log_sink.float()
-                losses = copy_mixture_losses(z, targets, slot, log_copy, log_sink, mtp)
-                d, d_copy, d_sink = copy_mixture_grad(z, targets, slot, log_copy, log_sink, mtp)
+                masses = (log_copy.float(), log_sink.float())
+                losses = copy_mixture_losses(z, targets, slot, *masses, mtp)
+                d, d_copy, d_sink = copy_mixture_grad(z, targets, slot, *masses, mtp)
             grad_q = (GRAD_E5M2_MAX * d * (cap[0] / cap[2]) * s * (1.0 - s)).to(torch.float8_e5m2)
         ctx.save_for_backward(x_q, w_q, x_scale, w_scale, grad_q,
                               *((d_copy, d_sink) if log_copy is not None else ()))
