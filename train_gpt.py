@@ -1593,9 +1593,8 @@ class GPT(nn.Module):
         if self.mudd_head is not None:
             sources = [state["x_in"], state["backout"], state["previous"], state["value_embeds"][0], state["skip"]]
             if self.cfg.mudd_head_wide:
-                sources += state["value_embeds"][1:] + [state["mlp_input"]]
-                if state["attn_input"] is not None:
-                    sources.insert(-1, rms_norm(state["attn_input"]))
+                attn_input = [] if state["attn_input"] is None else [rms_norm(state["attn_input"])]
+                sources += state["value_embeds"][1:] + attn_input + [state["mlp_input"]]
             x = self.mudd_head.mix_into(x, sources)
         elif self.backout is not None:
             x = x - self.backout.to(x.dtype) * state["backout"]
@@ -3978,7 +3977,8 @@ def generate(model: GPT, cfg: Config, prompt: list[int], windows: tuple[int, int
     The text sits at the start of one micro-batch, padded after it with token 0, which causal attention keeps
     from changing the text's logits."""
     length = cfg.micro_batch_tokens
-    slot = _Slot(length, pin=False, bos=cfg.bos_token, bigram_rows=cfg.bigram_rows, token_classes=bigram_token_classes(cfg))
+    slot = _Slot(length, pin=False, bos=cfg.bos_token, bigram_rows=cfg.bigram_rows,
+                 token_classes=bigram_token_classes(cfg))
     generator = torch.Generator().manual_seed(seed)
     tokens = list(prompt)
     while len(tokens) < min(len(prompt) + count, length):
