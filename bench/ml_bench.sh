@@ -18,10 +18,13 @@ python3 bench/unpack_bench.py .bench2 /tmp/bench2
 restore_inductor_cache
 schedule=(--train_files='/tmp/bench2/docs_train_*.bin' --val_files=/tmp/bench2/docs_val_000000.bin
           --val_tokens=2097152 --train_repeat=1 --num_iterations=480 --extension_steps=40 --val_loss_every=160)
-# PARALLEL=1 runs the sets at the same time on the one GPU, each packing 2 micro-batches per forward (two warm-ups
-# at 8 ran out of an H200's memory, three runs at 4 out of an H100's): the losses are those of separate runs, the
-# step times are not.
+# PARALLEL=1 runs the sets at the same time, each packing 2 micro-batches per forward (two warm-ups at 8 ran out of an
+# H200's memory, three runs at 4 out of an H100's; at 2 a run reserves about 20 GiB): the losses are those of separate
+# runs, the step times are not. On a machine of several GPUs the runs take the GPUs in turn (run n on GPU (n-1) mod
+# the GPU count), so 12 runs on 4 GPUs run 3 to a GPU.
 [ "${PARALLEL:-0}" = 1 ] && schedule+=(--forward_micro_batches=2)
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU" || true)
+[ "${gpus:-0}" -ge 1 ] || gpus=1
 # FRESH=1 cuts micro-batches to 4,096 tokens: the same 520 steps read 35.4M tokens, within the stream's 51.3M, so
 # no token repeats and the late losses measure learning, not memorisation (four runs side by side take about 400 s on
 # an H200, compile included).
@@ -41,7 +44,7 @@ for flags in "$@"; do
     split_flag_set "$flags"
     (
         start=$(date +%s)
-        env "${settings[@]}" bash -c 'timeout "${RUN_LIMIT_S:-580}" python3 "${TRAINER:-train_gpt.py}" "$@"' _ \
+        env CUDA_VISIBLE_DEVICES=$(( (n - 1) % gpus )) "${settings[@]}" bash -c 'timeout "${RUN_LIMIT_S:-580}" python3 "${TRAINER:-train_gpt.py}" "$@"' _ \
             "${schedule[@]}" --run_id="ml_$n" "${options[@]}" > "$OUT/ml_$n.txt" 2>&1
         echo "exit $? after $(( $(date +%s) - start ))s" >> "$OUT/ml_$n.txt"
     ) &
