@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
-# One device call on a 2-GPU machine (repo root), results in $OUT:
-#   OUT=/some/dir [BENCHES="sparse dense world1"] bash bench/multi_gpu_bench.sh STEPS [all|bench|diloco]
-# 1. bench/bench_step.py at world size 2 with sparse bigram comms on (sparse), then off (dense), then
-#    at world size 1 on the same machine (world1); BENCHES picks which, and may add "graphs" (world size 2
-#    under CUDA graphs, which --compile_mode=auto leaves off there: no faster on 2xH200, docs/performance.md), "split"
-#    (world size 2 in two graphs, --compile_scope=split, whose backward overlaps the last layers' reduce-scatters) and
-#    "split1" (the same at world size 1, for the graph cut's own cost). The
+# One device call on a machine of several GPUs (repo root), results in $OUT:
+#   OUT=/some/dir [NPROC=N] [BENCHES="sparse dense world1"] bash bench/multi_gpu_bench.sh STEPS [all|bench|diloco|record]
+# 1. bench/bench_step.py at world size N (NPROC, default every GPU of the machine) with sparse bigram comms on
+#    (sparse), then off (dense), then at world size 1 on the same machine (world1); BENCHES picks which, and may add
+#    "graphs" (world size N under CUDA graphs, which --compile_mode=auto leaves off there: no faster on 2xH200,
+#    docs/performance.md), "split" (world size N in two graphs, --compile_scope=split, whose backward overlaps the last
+#    layers' reduce-scatters), "split1" (the same at world size 1, for the graph cut's own cost), and "fa3" / "fa3_1"
+#    (FlashAttention-3 at world size N / 1, carrying .fa3: bench/fa3_build.sh). The
 #    benches read the bench stream (real document lengths and bigram rows);
 # 2. DiLoCo against data parallelism at equal tokens on bench2, on data that does not repeat (micro-batches of
 #    4,096 tokens; up to STEPS=300 read under the stream's 51.3M tokens): data parallelism on 2 GPUs with a replica's
 #    batch doubled (16/32/48 micro-batches) and Adam on every step, as DiLoCo's inner Adam steps, then streaming
 #    DiLoCo with 2 replicas of one GPU each (8/16/24 each; a lighthouse on this machine, torchft from .whl/) and the
 #    default outer step: final validation loss of each, wall time, syncs, replica digests.
-# "bench" runs step 1 only; "diloco" step 2 only (its DiLoCo runs are skipped when torchft does not import).
+# "bench" runs step 1 only; "diloco" step 2 only (its DiLoCo runs are skipped when torchft does not import);
+# "record" only the full default run at world size N on bench2 (validation every 250 steps), its log in $OUT.
 # Expects .bench2/*.bin.xz (copies of ../shared/bench2) and, for DiLoCo, .whl/ (torchft and its dependencies for
 # py3.12: pip download torchft==0.2.0 -d .whl --python-version 3.12 --only-binary=:all:
 #         --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64).
@@ -26,10 +28,24 @@ source bench/inductor_cache.sh
 restore_inductor_cache  # .cache/inductor.tar.xz.part* when carried: kernels compiled by an earlier call
 [ -d .whl ] && python3 -m pip install -q --no-index --find-links .whl torchft 2>&1 | tail -2
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+nproc=${NPROC:-$(nvidia-smi -L | grep -c "^GPU")}
+if [ -d .fa3 ] && [[ " ${BENCHES:-} " == *" fa3"* ]]; then source bench/fa3_build.sh site; fi
+
+if [ "$what" = record ]; then  # the default configuration's whole schedule
+    start=$SECONDS
+    timeout 580 torchrun --nproc_per_node="$nproc" train_gpt.py --train_files='/tmp/bench2/docs_train_*.bin' \
+        --val_files=/tmp/bench2/docs_val_000000.bin --val_tokens=2097152 --train_repeat=1 --val_loss_every=250 \
+        --run_id="default_x$nproc" > "$OUT/default_x$nproc.stdout" 2>&1
+    echo "== default run, $nproc GPUs: exit $? after $((SECONDS - start))s"
+    grep -E "^compile_time|val_loss|^(rank [0-9]+: )?(step times|slow step|peak memory)|train_time|graphs" \
+        "$OUT/default_x$nproc.stdout" | cut -c1-220
+    cp "logs/default_x$nproc.txt" "$OUT/" 2>/dev/null
+    exit 0
+fi
 
 bench() {  # bench NAME NPROC [flags...]
     local name=$1 nproc=$2; shift 2
-    BENCH_SYNC_DEBUG=1 timeout 240 torchrun --nproc_per_node="$nproc" bench/bench_step.py --bench_steps=8 \
+    BENCH_SYNC_DEBUG=1 timeout "${BENCH_LIMIT_S:-240}" torchrun --nproc_per_node="$nproc" bench/bench_step.py --bench_steps=8 \
         --train_files='/tmp/bench2/docs_train_*.bin' "$@" \
         > "$OUT/$name.txt" 2>&1
     echo "== $name (exit $?)"
@@ -38,12 +54,14 @@ bench() {  # bench NAME NPROC [flags...]
 if [ "$what" = all ] || [ "$what" = bench ]; then
     for b in ${BENCHES:-sparse dense world1}; do
         case $b in
-        sparse) bench bench_sparse 2 ;;
-        dense) bench bench_dense 2 --sparse_bigram_comms=0 ;;
-        graphs) bench bench_graphs 2 --compile_mode=reduce-overhead ;;  # CUDA graphs (auto: only at world size 1)
-        world1) bench bench_world1 1 ;;  # scaling efficiency: tokens/s at 2 GPUs over twice this
-        split) bench bench_split 2 --compile_scope=split ;;
+        sparse) bench bench_sparse "$nproc" ;;
+        dense) bench bench_dense "$nproc" --sparse_bigram_comms=0 ;;
+        graphs) bench bench_graphs "$nproc" --compile_mode=reduce-overhead ;;  # CUDA graphs (auto: world size 1 only)
+        world1) bench bench_world1 1 ;;  # scaling efficiency: tokens/s at N GPUs over N times this
+        split) bench bench_split "$nproc" --compile_scope=split ;;
         split1) bench bench_split1 1 --compile_scope=split ;;
+        fa3) bench bench_fa3 "$nproc" --attn_backend=fa3 --tune_kernels=0 ;;
+        fa3_1) bench bench_fa3_1 1 --attn_backend=fa3 --tune_kernels=0 ;;
         esac
     done
 fi
