@@ -143,10 +143,6 @@ class Config:
     # small per-token MLPs of the residual stream mix earlier streams into the last layer (its values, its residual
     # and per-token versions of its sublayer scales) and into the residual before the head (in place of the backout).
     mudd: bool = _model(False, "dynamic dense connections into the last layer and the head; needs sublayer_scales")
-    # The speedrun's 2026-08-30 record (ANVIL2, worth 6 millinats in its ablation): the mix before the head also reads
-    # the other value embeddings, the normed input of the layers after attn_input_from and the last layer's normed MLP
-    # input, each weight per group of 64 channels (a per-token delta per group on top of the per-token weight).
-    mudd_head_wide: bool = _model(False, "MUDD's mix before the head reads more streams, weighted per 64 channels")
     # The speedrun 2026-05-27 record's per-token gates (TokenGates): two small MLPs, of x0 and of the stream after layer skip_from,
     # give each layer's x0 and bigram scales, XSA strengths, the output gates of two layers and the skip's gate.
     token_gates: bool = _model(False, "per-token x0/bigram scales, XSA strengths, output and skip gates from two MLPs")
@@ -548,8 +544,6 @@ def validate_config(cfg: Config) -> None:
     need(0.0 <= cfg.muon_slow_momentum < 1.0 and 0.0 <= cfg.muon_slow_from <= 1.0 and 0.0 <= cfg.muon_slow_share <= 1.0,
          f"--muon_slow_momentum={cfg.muon_slow_momentum} --muon_slow_from={cfg.muon_slow_from} --muon_slow_share="
          f"{cfg.muon_slow_share}: use a beta in [0, 1), a fraction in [0, 1] and a share in [0, 1]")
-    need(not cfg.mudd_head_wide or (cfg.mudd and cfg.model_dim % DenseMix.GROUP == 0),
-         f"--mudd_head_wide=1 needs --mudd=1 and a model_dim ({cfg.model_dim}) that is a multiple of {DenseMix.GROUP}")
     need(not cfg.mudd or (cfg.sublayer_scales and 0 <= cfg.backout_from < cfg.num_layers - 1 and cfg.num_layers >= 3
                           and cfg.num_heads % 2 == 0 and cfg.attn_layout[-1] != "-"
                           and any(c != "." for c in cfg.value_embed_layout)),
@@ -1105,8 +1099,7 @@ class Block(nn.Module):
 
     def forward(self, x: Tensor, x0: Tensor, value_embed: Tensor, rope, mask, bigram: Tensor | None,
                 starts: Tensor, attn_input: Tensor | None = None, mix: "LayerMix | None" = None,
-                token: "LayerGates | None" = None, mlp_input: bool = False):
-        """The block's output; with mlp_input, (output, the MLP's normed input)."""
+                token: "LayerGates | None" = None) -> Tensor:
         value_scales = self.value_scales.to(x.dtype)
         if self.lambdas is not None:
             lambdas = self.lambdas.to(x.dtype)
@@ -1116,8 +1109,7 @@ class Block(nn.Module):
             if self.attn is not None:
                 source = x if attn_input is None else attn_input
                 x = x + self.attn(rms_norm(source), value_embed, value_scales, rope, mask, self.attend, starts)
-            normed = rms_norm(x)
-            return (x + self.mlp(normed), normed) if mlp_input else x + self.mlp(normed)
+            return x + self.mlp(rms_norm(x))
         if mix is not None:
             scales = mix.scales
         else:
@@ -1135,9 +1127,7 @@ class Block(nn.Module):
             x = residual_attn * x + output_attn * y + x0_scale * x0
             if bigram is not None:
                 x = x + bigram_scale * bigram
-        normed = rms_norm(x)
-        out = residual_mlp * x + output_mlp * self.mlp(normed)
-        return (out, normed) if mlp_input else out
+        return residual_mlp * x + output_mlp * self.mlp(rms_norm(x))
 
 
 class DenseMix(nn.Module):
@@ -1145,16 +1135,14 @@ class DenseMix(nn.Module):
     (W2 gelu(W1 x) + b) * 0.1, with W2 zero at the start, so that each weight starts at its given initial value for
     every token and learns from there (the speedrun's 2026-04-22 record: 64 hidden units, output scale 0.1)."""
 
-    HIDDEN, SCALE, GROUP = 64, 0.1, 64
+    HIDDEN, SCALE = 64, 0.1
 
-    def __init__(self, dim: int, initial: list[float], grouped: bool = False):
+    def __init__(self, dim: int, initial: list[float]):
         super().__init__()
         self.initial = initial
         self.w1 = nn.Parameter(torch.empty(self.HIDDEN, dim))
         self.w2 = nn.Parameter(torch.empty(len(initial), self.HIDDEN))
         self.bias = nn.Parameter(torch.empty(len(initial)))
-        # grouped: each weight also gets a per-token delta for each group of GROUP channels (ANVIL2), zero at first
-        self.w2_groups = nn.Parameter(torch.empty(len(initial), dim // self.GROUP, self.HIDDEN)) if grouped else None
         self.reset_parameters()
 
     @torch.no_grad()
@@ -1163,25 +1151,15 @@ class DenseMix(nn.Module):
         self.w1.uniform_(-bound, bound)
         self.w2.zero_()
         self.bias.copy_(torch.tensor(self.initial) / self.SCALE)
-        if self.w2_groups is not None:
-            self.w2_groups.zero_()
 
     def forward(self, x: Tensor) -> Tensor:
-        """[T, dim] -> [T, len(initial)], or grouped [T, len(initial), dim // GROUP]."""
+        """[T, dim] -> [T, len(initial)]."""
         hidden = F.gelu(x @ self.w1.to(x.dtype).T)
-        weights = hidden @ self.w2.to(x.dtype).T + self.bias.to(x.dtype)
-        if self.w2_groups is not None:
-            weights = weights[:, :, None] + torch.einsum("th,kgh->tkg", hidden, self.w2_groups.to(x.dtype))
-        return weights * self.SCALE
+        return (hidden @ self.w2.to(x.dtype).T + self.bias.to(x.dtype)) * self.SCALE
 
     def mix_into(self, x: Tensor, sources) -> Tensor:
-        """x plus the sources ([T, dim] each, one per weight) weighted per token (and group) by this MLP of x."""
-        weights = self(x)
-        if self.w2_groups is None:
-            return x + sum(w * source for w, source in zip(weights.split(1, dim=1), sources))
-        T, groups = x.size(0), weights.size(2)
-        mixed = sum(weights[:, k, :, None] * source.view(T, groups, -1) for k, source in enumerate(sources))
-        return x + mixed.view_as(x)
+        """x plus the sources ([T, dim] each, one per weight) weighted per token by this MLP of x."""
+        return x + sum(w * source for w, source in zip(self(x).split(1, dim=1), sources))
 
 
 class LayerMix(typing.NamedTuple):
@@ -1411,10 +1389,7 @@ class GPT(nn.Module):
             # prev, the value embedding, skip_from's output; mid's starts as the backout (-0.5).
             half_residual = cfg.residual_init ** 0.5
             self.mudd_layer = DenseMix(dim, [0.0] * 6 + [2.0, 2.0] + [half_residual, 1.0, 0.0, 0.05, half_residual, 1.0])
-            # --mudd_head_wide adds the other value embeddings, the normed input of the layers after attn_input_from
-            # (if any) and the last layer's normed MLP input, each at zero
-            extra = num_value_embeds - 1 + (cfg.attn_input_from >= 0) + 1 if cfg.mudd_head_wide else 0
-            self.mudd_head = DenseMix(dim, [0.0, -0.5, 0.0, 0.0, 0.0] + [0.0] * extra, grouped=cfg.mudd_head_wide)
+            self.mudd_head = DenseMix(dim, [0.0, -0.5, 0.0, 0.0, 0.0])
         else:
             self.mudd_layer = self.mudd_head = None
         bigram_dims = cfg.bigram_dims or dim
@@ -1591,11 +1566,8 @@ class GPT(nn.Module):
         state = self.run_layers(state, range(self.cfg.front_layers, len(self.blocks)), masks)
         x = state["x"]
         if self.mudd_head is not None:
-            sources = [state["x_in"], state["backout"], state["previous"], state["value_embeds"][0], state["skip"]]
-            if self.cfg.mudd_head_wide:
-                attn_input = [] if state["attn_input"] is None else [rms_norm(state["attn_input"])]
-                sources += state["value_embeds"][1:] + attn_input + [state["mlp_input"]]
-            x = self.mudd_head.mix_into(x, sources)
+            x = self.mudd_head.mix_into(x, (state["x_in"], state["backout"], state["previous"], state["value_embeds"][0],
+                                            state["skip"]))
         elif self.backout is not None:
             x = x - self.backout.to(x.dtype) * state["backout"]
         if state["matched"] is not None:  # and again before the head's norm
@@ -1631,11 +1603,8 @@ class GPT(nn.Module):
                 state["previous"] = x
                 x, mix = self.mix_into_last_layer(x, state["x_in"], state["backout"])
             token = gates.layer(i, pre, post) if gates is not None else None
-            wide = cfg.mudd_head_wide and i == last  # the head's mix reads the last MLP's input
             x = block(x, x0, value_embed, layer_rope, mask, state["first_bigram"] if i == 0 else state["bigram"],
-                      state["starts"], state["attn_input"], mix, token, mlp_input=wide)
-            if wide:
-                x, state["mlp_input"] = x
+                      state["starts"], state["attn_input"], mix, token)
             if i == cfg.attn_input_from:  # the layers after it attend to this output (speedrun 2026-03-06)
                 state["attn_input"] = x
             if i == cfg.skip_from:
@@ -3308,8 +3277,7 @@ def build_optimizers(model: GPT, cfg: Config) -> list[torch.optim.Optimizer]:
 
     def mix_groups(mixes: list[DenseMix], lr: float, **betas) -> list[dict]:
         """Adam groups of DenseMix MLPs: their weights with weight decay, their biases without."""
-        return [dict(params=[p for mix in mixes for p in (mix.w1, mix.w2, mix.w2_groups) if p is not None], lr=lr,
-                     weight_decay=wd, **betas),
+        return [dict(params=[p for mix in mixes for p in (mix.w1, mix.w2)], lr=lr, weight_decay=wd, **betas),
                 dict(params=[mix.bias for mix in mixes], lr=lr, weight_decay=0.0, **betas)] if mixes else []
 
     adam = DistAdam([dict(params=tables, lr=cfg.adam_lr * cfg.embed_lr_mul, betas=cfg.table_betas,

@@ -957,7 +957,7 @@ def _train_on_rank(rank, world_size, cfg):
                                     dict(paired_head_layers="0,1"),
                                     dict(xsa_layers="1,3", value_gate_reads_embed=1, doc_len_schedule="32,64,128"),
                                     dict(sublayer_scales=1, attn_input_from=1, muon_qk_blocks=2, mudd=1, bigram_dims=24,
-                                         bigram_signs=16, mudd_head_wide=1),
+                                         bigram_signs=16),
                                     dict(copy_pointer=1, copy_band=128, fp8_head=1, copy_sink_key=1, longest_match=1)],
                          ids=["plain", "adam_period_3_slow_momentum", "paired_short_and_long", "xsa_ve_gate_doc_lens",
                               "sublayer_scales_mudd_bigram_signs", "copy_pointer_fp8_head_longest_match"])

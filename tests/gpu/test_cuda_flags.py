@@ -13,7 +13,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 FLAG_SETS = {
     "record_ideas": ["--sublayer_scales=1", "--attn_input_from=1", "--xsa_layers=1,3", "--value_gate_reads_embed=1",
                      "--doc_len_schedule=64,128,128", "--muon_qk_blocks=2", "--mudd=1", "--bigram_dims=24",
-                     "--bigram_signs=16", "--token_gates=1", "--mudd_head_wide=1"],
+                     "--bigram_signs=16", "--token_gates=1"],
     "copy_pointer_with_record_ideas": ["--copy_pointer=1", "--copy_band=128", "--fp8_head=1", "--longest_match=1",
                                        "--copy_sink_key=1", "--sublayer_scales=1",
                                        "--mudd=1", "--token_gates=1", "--xsa_layers=1,3", "--bigram_dims=24",
