@@ -532,3 +532,30 @@ def test_fused_mlp_matches_float64(rows, compiled):
                           zip((y, xin.grad, mlp.fc_w.grad, mlp.proj_w.grad), (y_ref, ref[0].grad, ref[1].grad, ref[2].grad))]
     for fused_error, plain_error in zip(results[True], results[False]):
         assert fused_error < max(2 * plain_error, 1e-2), (results, rows, compiled)
+
+
+def test_fused_mlp_and_fp8_head_give_the_same_bits_every_time():
+    """Neither kernel adds with atomics, so the same inputs must give the same bits on every call: a difference is a
+    race or a read of memory the kernel did not write (bench/race_check.py runs the same beside busy processes)."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    rows, dim, hidden, vocab = 8192, 768, 3072, 50304
+    x = torch.randn(rows, dim, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
+    fc_w = (torch.randn(hidden, dim, device="cuda", generator=g) * dim ** -0.5).to(torch.bfloat16).requires_grad_()
+    proj_w = (torch.randn(hidden, dim, device="cuda", generator=g) * hidden ** -0.5).to(torch.bfloat16).requires_grad_()
+    head = (torch.randn(vocab, dim, device="cuda", generator=g) * 0.005).requires_grad_()
+    targets = torch.randint(0, 50257, (rows,), device="cuda", generator=g)
+    mtp = (torch.tensor([1.0, 0.5, 0.25], device="cuda"), rows // 2)
+
+    def run():
+        for leaf in (x, fc_w, proj_w, head):
+            leaf.grad = None
+        y = tg._FusedReLU2MLP.apply(x, fc_w, proj_w)
+        loss = tg.fp8_softcapped_head(tg.rms_norm(y), head, targets, (23.0, 5.0, 7.5), True, mtp)
+        loss.backward()
+        return [t.detach().clone() for t in (y, loss, x.grad, fc_w.grad, proj_w.grad, head.grad)]
+
+    first = run()
+    assert all(torch.isfinite(t).all() for t in first)
+    for _ in range(30):
+        for got, want in zip(run(), first):
+            assert torch.equal(got, want), (got - want).abs().max()
