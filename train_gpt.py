@@ -230,6 +230,11 @@ class Config:
     tail_ema_blend: float = _optim(0.65, "share of the tail average in the final weights")
     tail_ema_all: bool = _optim(False, "the tail average covers every parameter, not only the embedding and head")
     tail_ema_keep_norms: bool = _optim(False, "after the blend each matrix is scaled back to its norm before it")
+    # The record's blends per kind of weight (TAIL_KIND_BLENDS): a slow (tail_ema_decay) and a fast average, each kind
+    # its own shares of them; the value and output rows and the MLP end as averages only, the value tables as the fast.
+    tail_ema_kinds: bool = _optim(False, "blend a slow and a fast tail average per kind of weight as the 2026-08-30 "
+                                         "record does")
+    tail_ema_fast_decay: float = _optim(0.9811, "per-step decay of the fast tail average (--tail_ema_kinds)")
     # The speedrun steps Adam on odd steps only, on two steps' gradients (since its 2025-09-30 record): half the
     # Adam updates and, on several GPUs, half its communication.
     adam_period: int = _optim(0, "Adam steps every this many steps, on their summed gradients; 0: 2, or 1 with --diloco")
@@ -580,6 +585,9 @@ def validate_config(cfg: Config) -> None:
     need(0.0 <= cfg.tail_ema_from < 1.0 and 0.0 < cfg.tail_ema_decay < 1.0 and 0.0 <= cfg.tail_ema_blend <= 1.0,
          f"--tail_ema_from={cfg.tail_ema_from} --tail_ema_decay={cfg.tail_ema_decay} --tail_ema_blend="
          f"{cfg.tail_ema_blend}: use a fraction in [0, 1), a decay in (0, 1) and a share in [0, 1]")
+    need(not cfg.tail_ema_kinds or (cfg.tail_ema_from and not cfg.tail_ema_all and 0.0 < cfg.tail_ema_fast_decay < 1.0),
+         f"--tail_ema_kinds=1 needs --tail_ema_from above 0, --tail_ema_all=0 (it picks its own weights) and a "
+         f"--tail_ema_fast_decay in (0, 1), not {cfg.tail_ema_fast_decay}")
     need(not (cfg.diloco and cfg.tail_ema_from), "--tail_ema_from with --diloco=1: replicas would average apart; "
          "use one of them")
     need(cfg.val_tokens % cfg.micro_batch_tokens == 0,
@@ -3680,42 +3688,91 @@ def train(cfg: Config, comm: Comm, log: RunLog) -> TrainResult:
     return run.report()
 
 
+# --tail_ema_kinds: the speedrun's 2026-08-30 record's shares of the slow and the fast tail average in the final
+# weights of each kind (the rest is the weights as trained); the other parameters are left as they are.
+TAIL_KIND_BLENDS = {"embedding and head": (0.65, 0.0), "query and key rows": (0.55, 0.0),
+                    "value and output rows, MLP": (0.35, 0.65), "value embeddings": (0.0, 1.0)}
+
+
+def tail_parts_by_kind(model: "GPT") -> list[tuple[Tensor, float, float]]:
+    """(a view of some weights, its slow share, its fast share) for --tail_ema_kinds: the attention matrix in two
+    parts, its query and key rows and its value and output rows."""
+    blends = TAIL_KIND_BLENDS
+    parts = [(p.detach(), *blends["embedding and head"]) for p in (model.embed.weight, model.lm_head.weight)]
+    for block in model.blocks:
+        if block.attn is not None:
+            w = block.attn.qkvo_w.detach()
+            half = 2 * w.size(1)
+            parts += [(w[:half], *blends["query and key rows"]), (w[half:], *blends["value and output rows, MLP"])]
+        parts += [(p.detach(), *blends["value and output rows, MLP"]) for p in (block.mlp.fc_w, block.mlp.proj_w)]
+    return parts + [(table.weight.detach(), *blends["value embeddings"]) for table in model.value_embeds]
+
+
 class TailEMA:
     """--tail_ema_from: a float32 exponential moving average of the token embedding and the head (--tail_ema_all: of
     every parameter), started from their weights after step `start` and updated after every later step, then
     blended into them before the final validation; with keep_norms each blended matrix (two or more dims) is then
-    scaled back to its norm before the blend. Nothing is sent: every rank holds the same weights, so the same
-    average."""
+    scaled back to its norm before the blend. With --tail_ema_kinds, a slow (tail_ema_decay) and a fast average
+    (tail_ema_fast_decay) of the weights of tail_parts_by_kind, blended by each kind's shares. Nothing is sent: every
+    rank holds the same weights, so the same averages."""
 
     def __init__(self, model: GPT, cfg: Config):
-        self.params = list(model.parameters()) if cfg.tail_ema_all else [model.embed.weight, model.lm_head.weight]
         self.start = max(1, round(cfg.tail_ema_from * cfg.num_iterations))
-        self.decay, self.blend, self.keep_norms = cfg.tail_ema_decay, cfg.tail_ema_blend, cfg.tail_ema_keep_norms
+        self.keep_norms, self.kinds, self.all = cfg.tail_ema_keep_norms, cfg.tail_ema_kinds, cfg.tail_ema_all
+        if cfg.tail_ema_kinds:
+            parts = tail_parts_by_kind(model)
+        else:
+            params = list(model.parameters()) if cfg.tail_ema_all else [model.embed.weight, model.lm_head.weight]
+            parts = [(p.detach(), cfg.tail_ema_blend, 0.0) for p in params]
+        self.params = [w for w, _, _ in parts]
+        self.shares = [(slow, fast) for _, slow, fast in parts]
+        self.blend = cfg.tail_ema_blend
+        # one average per (part, "slow" or "fast", decay) that has a share, the slow ones first
+        self.entries = [(i, which, decay) for which, column, decay in (("slow", 0, cfg.tail_ema_decay),
+                                                                      ("fast", 1, cfg.tail_ema_fast_decay))
+                        for i, shares in enumerate(self.shares) if shares[column]]
         self.average: list[Tensor] | None = None
 
     def after_step(self, done: int):
         """`done` steps are done."""
         if done < self.start:
             return
-        weights = [p.detach() for p in self.params]
+        weights = [self.params[i].float() for i, _, _ in self.entries]
         if self.average is None:
-            self.average = [w.float().clone() for w in weights]
-        else:
-            torch._foreach_lerp_(self.average, [w.float() for w in weights], 1.0 - self.decay)
+            self.average = [w.clone() for w in weights]
+            return
+        for decay in sorted({decay for _, _, decay in self.entries}):
+            picked = [k for k, (_, _, d) in enumerate(self.entries) if d == decay]
+            torch._foreach_lerp_([self.average[k] for k in picked], [weights[k] for k in picked], 1.0 - decay)
 
     @torch.no_grad()
     def blend_into_weights(self):
-        for p, average in zip(self.params, self.average or []):
-            norm = p.float().norm() if self.keep_norms and p.ndim >= 2 else None
-            p.lerp_(average.to(p.dtype), self.blend)
+        if self.average is None:
+            return
+        averages = {(i, which): average for (i, which, _), average in zip(self.entries, self.average)}
+        for i, (w, (slow, fast)) in enumerate(zip(self.params, self.shares)):
+            norm = w.float().norm() if self.keep_norms and w.ndim >= 2 else None
+            blended = w.float() * (1.0 - slow - fast)
+            for which, share in (("slow", slow), ("fast", fast)):
+                if share:
+                    blended += share * averages[i, which]
+            w.copy_(blended)
             if norm is not None:
-                p.mul_((norm / p.float().norm().clamp(min=1e-30)).to(p.dtype))
+                w.mul_((norm / w.float().norm().clamp(min=1e-30)).to(w.dtype))
+
+    def describe(self, step: int) -> str:
+        """The log's line on the blend after `step`."""
+        what = ("each kind of weight, slow and fast average by the record's shares" if self.kinds else
+                f"{'every parameter' if self.all else 'the embedding and head'}: {self.blend:.0%} of it")
+        return f"tail average of steps {self.start}..{step} blended into {what}" + (
+            ", norms kept" if self.keep_norms else "")
 
     def state_dict(self) -> list[Tensor] | None:
         return None if self.average is None else [a.cpu().clone() for a in self.average]
 
     def load_state_dict(self, state: list[Tensor] | None):
-        self.average = None if state is None else [a.to(p.device) for a, p in zip(state, self.params)]
+        self.average = None if state is None else [a.to(self.params[i].device)
+                                                   for a, (i, _, _) in zip(state, self.entries)]
 
 
 class TrainingRun:
@@ -3808,9 +3865,7 @@ class TrainingRun:
                     self.diloco.sync_every_fragment()
                 if last and self.tail_ema is not None and step != self.start_step:
                     self.tail_ema.blend_into_weights()
-                    what = "every parameter" if self.cfg.tail_ema_all else "the embedding and head"
-                    self.log(f"tail average of steps {self.tail_ema.start}..{step} blended into {what}: "
-                             f"{self.tail_ema.blend:.0%} of it" + (", norms kept" if self.tail_ema.keep_norms else ""))
+                    self.log(self.tail_ema.describe(step))
                 if schedule.validates(step) and not (cfg.resume and step == self.start_step):  # else it is logged
                     self.validate(step)
                 periodic = cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and 0 < step < N

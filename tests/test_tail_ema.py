@@ -55,10 +55,11 @@ def averaged_runs(module_tiny_data, tmp_path_factory):
     checkpoint may follow each."""
     tmp = tmp_path_factory.mktemp("tail")
     runs = {}
-    for name, frac, every in (("with", 0.5, 0), ("all", 0.5, 1), ("norms", 0.5, 1), ("without", 0.0, 0)):
+    for name, frac, every in (("with", 0.5, 0), ("all", 0.5, 1), ("norms", 0.5, 1), ("kinds", 0.5, 0),
+                              ("without", 0.0, 0)):
         cfg = config(module_tiny_data, tmp, run_id=name, save_checkpoint=tmp / f"{name}.pt", checkpoint_every=1,
                      tail_ema_from=frac, tail_ema_decay=0.7, adam_period=1, tail_ema_all=every,
-                     tail_ema_keep_norms=name == "norms")
+                     tail_ema_keep_norms=name == "norms", tail_ema_kinds=name == "kinds", tail_ema_fast_decay=0.4)
         runs[name] = (cfg, run(cfg))
     return runs
 
@@ -95,9 +96,26 @@ def test_a_run_ends_with_its_weights_blended_with_their_tail_average(averaged_ru
     assert f"blended into {what}: 65% of it{kept}\n" in open(os.path.join(cfg.log_dir, f"{run_name}.txt")).read()
 
 
-def test_a_resumed_run_keeps_its_tail_average(averaged_runs, tmp_path):
+def test_a_run_with_the_kinds_blends_only_their_weights(averaged_runs):
+    """--tail_ema_kinds in a run: the same training, another final validation, the log's line, and the scalars,
+    gates and bigram table as without the average."""
+    (cfg, result), (plain_cfg, plain) = averaged_runs["kinds"], averaged_runs["without"]
+    assert result.train_losses == plain.train_losses and result.val_losses[-1] != plain.val_losses[-1]
+    last, final = weights_at(plain_cfg)["model"], weights_at(cfg)["model"]
+    moved = {name for name in last if not torch.equal(final[name], last[name])}
+    assert moved == {name for name in last if name in NAMES or name.endswith(("qkvo_w", "fc_w", "proj_w"))
+                     or name.startswith("value_embeds.")}
+    # slow: embedding, head, query-key rows, value-output rows, MLP; fast: value-output rows, MLP, value tables
+    assert len(weights_at(cfg)["tail_ema"]) == 2 + 3 * len([n for n in last if n.endswith("qkvo_w")]) + 2 * len(
+        [n for n in last if n.endswith(("fc_w", "proj_w"))]) + len([n for n in last if n.startswith("value_embeds.")])
+    log = open(os.path.join(cfg.log_dir, "kinds.txt")).read()
+    assert "blended into each kind of weight, slow and fast average by the record's shares\n" in log
+
+
+@pytest.mark.parametrize("run_name", ["with", "kinds"])
+def test_a_resumed_run_keeps_its_tail_average(averaged_runs, tmp_path, run_name):
     """Resumed after step 6, inside the averaged tail: the same losses and final weights, bit for bit."""
-    cfg, whole = averaged_runs["with"]
+    cfg, whole = averaged_runs[run_name]
     resumed_cfg = dataclasses.replace(cfg, run_id="resumed", resume=tg.checkpoint_path_at(cfg.save_checkpoint, 6),
                                       save_checkpoint="", checkpoint_every=0, log_dir=str(tmp_path))
     resumed = run(resumed_cfg)
@@ -109,7 +127,65 @@ def test_a_resumed_run_keeps_its_tail_average(averaged_runs, tmp_path):
     (["--tail_ema_from=1"], "--tail_ema_from=1.0 --tail_ema_decay=0.9933 --tail_ema_blend=0.65: use a fraction"),
     (["--tail_ema_from=0.6", "--tail_ema_decay=1"], "use a fraction in \\[0, 1\\), a decay in \\(0, 1\\)"),
     (["--tail_ema_from=0.6", "--diloco=1"], "--tail_ema_from with --diloco=1"),
+    (["--tail_ema_kinds=1"], "--tail_ema_kinds=1 needs --tail_ema_from above 0"),
+    (["--tail_ema_kinds=1", "--tail_ema_from=0.6", "--tail_ema_all=1"], "--tail_ema_all=0 \\(it picks its own"),
+    (["--tail_ema_kinds=1", "--tail_ema_from=0.6", "--tail_ema_fast_decay=1"], "in \\(0, 1\\), not 1.0"),
 ])
 def test_tail_ema_flags_are_checked(flags, message):
     with pytest.raises(tg.UserError, match=message):
         tg.validate_config(tg.parse_cli(["--device=cpu", *TINY, *flags])[0])
+
+
+@pytest.mark.parametrize("keep_norms", [False, True])
+def test_the_kinds_blend_a_slow_and_a_fast_average_by_their_shares(keep_norms):
+    """--tail_ema_kinds on a model with attention, an MLP and value tables: a slow and a fast average of the record's
+    parts, each after its formula; at the blend the embedding and head take 0.65 of the slow, the query and key rows
+    0.55 of it, the value and output rows and the MLP 0.35 slow + 0.65 fast, the value tables the fast one; nothing
+    else moves (float64 reference)."""
+    cfg = tg.Config(num_iterations=10, tail_ema_from=0.3, tail_ema_decay=0.8, tail_ema_fast_decay=0.5,
+                    tail_ema_kinds=True, tail_ema_keep_norms=keep_norms)
+    model = tg.GPT(dataclasses.replace(cfg, **dict(zip(("num_layers", "model_dim", "num_heads", "head_dim"),
+                                                       (2, 32, 1, 32)), attn_layout="SL", value_embed_layout="0.",
+                                                   paired_head_layers="", skip_from=0, skip_to=1, backout_from=-1,
+                                                   bigram_rows=0, vocab_size=64)), tg.SdpaAttention(), torch.float32)
+    ema = tg.TailEMA(model, cfg)
+    g = torch.Generator().manual_seed(1)
+    history = []
+    for done in range(1, 6):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn(p.shape, generator=g))
+        history.append({name: p.detach().double().clone() for name, p in model.named_parameters()})
+        ema.after_step(done)
+
+    def average(name, decay, rows=slice(None)):
+        a = history[2][name][rows].clone()
+        for weights in history[3:]:
+            a += (1 - decay) * (weights[name][rows] - a)
+        return a
+
+    last = history[-1]
+    ema.blend_into_weights()
+    d = 32
+    expected = {}  # (name, first row, end row) -> the blended weights
+    for name in ("embed.weight", "lm_head.weight"):
+        expected[name, None, None] = last[name] + 0.65 * (average(name, 0.8) - last[name])
+    for i in range(2):
+        name = f"blocks.{i}.attn.qkvo_w"
+        qk, vo = slice(0, 2 * d), slice(2 * d, 4 * d)
+        expected[name, 0, 2 * d] = last[name][qk] + 0.55 * (average(name, 0.8, qk) - last[name][qk])
+        expected[name, 2 * d, 4 * d] = 0.35 * average(name, 0.8, vo) + 0.65 * average(name, 0.5, vo)
+        for part in ("fc_w", "proj_w"):
+            name = f"blocks.{i}.mlp.{part}"
+            expected[name, None, None] = 0.35 * average(name, 0.8) + 0.65 * average(name, 0.5)
+    expected["value_embeds.0.weight", None, None] = average("value_embeds.0.weight", 0.5)
+    params = dict(model.named_parameters())
+    for (name, first, end), want in expected.items():
+        rows = slice(first, end)
+        if keep_norms:
+            want = want * last[name][rows].norm() / want.norm()
+        torch.testing.assert_close(params[name].detach()[rows].double(), want, rtol=1e-5, atol=1e-6)
+    untouched = [name for name in params if not any(name == n for n, _, _ in expected)]
+    assert untouched and all(torch.equal(params[name].detach().double(), last[name]) for name in untouched)
+    assert ema.describe(5) == ("tail average of steps 3..5 blended into each kind of weight, slow and fast average "
+                               "by the record's shares" + (", norms kept" if keep_norms else ""))
