@@ -3694,7 +3694,7 @@ TAIL_KIND_BLENDS = {"embedding and head": (0.65, 0.0), "query and key rows": (0.
                     "value and output rows, MLP": (0.35, 0.65), "value embeddings": (0.0, 1.0)}
 
 
-def tail_parts_by_kind(model: "GPT") -> list[tuple[Tensor, float, float]]:
+def tail_parts_by_kind(model: GPT) -> list[tuple[Tensor, float, float]]:
     """(a view of some weights, its slow share, its fast share) for --tail_ema_kinds: the attention matrix in two
     parts, its query and key rows and its value and output rows."""
     blends = TAIL_KIND_BLENDS
