@@ -1,4 +1,4 @@
-"""Device check, not part of the tests: do the Triton kernels give the same result every time on the same inputs?
+"""Device check, not part of the tests: do the Triton kernels and flex attention give the same result every time?
 
 A kernel without atomics that returns different bits for the same inputs has a race (or reads memory it did not
 write), and a race is a candidate for runs that end in NaN or "unspecified launch failure" at random steps. Each
@@ -73,6 +73,18 @@ def paths(tokens: int, device: torch.device):
     yield ("copy pointer scores", lambda: leaves_grads(
         lambda: tg.copy_log_probs(q, k, sink, toks, nexts, docs, 2048, True), [q, k, sink]), True)
 
+    # flex attention as the model calls it (compiled, the block masks of FlexAttention.prepare, documents of about 700
+    # tokens, the last stage's long window), forward and backward
+    flex = tg.FlexAttention(tokens, device)
+    starts = torch.nonzero(torch.rand(tokens, generator=g, device=device) < 1 / 700).flatten().int()
+    cu = torch.cat([torch.zeros(1, dtype=torch.int32, device=device), starts, torch.full((1,), tokens, device=device,
+                                                                                         dtype=torch.int32)])
+    masks = flex.prepare(tokens, cu.unique(), {"L": 11 * 128})
+    attend = torch.compile(flex.__call__, dynamic=False, fullgraph=True)
+    hq, hk, hv = (torch.randn(tokens, 6, 128, generator=g, **bf).requires_grad_() for _ in range(3))
+    yield ("flex attention, compiled", lambda: leaves_grads(lambda: attend(hq, hk, hv, masks["L"]), [hq, hk, hv]),
+           True)
+
     table = torch.randn(vocab, dim, generator=g, device=device)
     indices = torch.randint(0, vocab, (tokens,), generator=g, device=device)
     row_grads = torch.randn(tokens, dim, generator=g, device=device)
@@ -101,7 +113,12 @@ def main() -> int:
             time.sleep(20)  # their CUDA start
         failed = False
         for name, run, exact in paths(args.tokens, device):
-            first = run()
+            try:
+                first = run()
+            except Exception as e:  # one path's failure should not hide the others' results
+                print(f"{name}: failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
+                failed = True
+                continue
             differ, largest, non_finite = 0, 0.0, sum(int(not torch.isfinite(t).all()) for t in first)
             for _ in range(args.repeats - 1):
                 results = run()
