@@ -71,6 +71,14 @@ for n, run in enumerate(losses, 1):
         v, first = run.get(str(s)), losses[0].get(str(s))
         cells.append("-" if v is None else v + ("" if n == 1 or first is None else f" ({float(v) - float(first):+.4f})"))
     print(f"[{n}] | " + " | ".join(cells))
+# Runs that stopped before their last validation: the last step they logged and the first error line.
+for n in range(1, runs + 1):
+    text = open(f"{out}/ml_{n}.txt").read()
+    if re.search(r"^step:(\d+)/\1 val_loss", text, re.M):
+        continue
+    last = re.findall(r"^step:(\d+)/\d+", text, re.M)
+    error = re.search(r"^(?:error: .*|\S*Error: .*)$", text, re.M)
+    print(f"[{n}] stopped after step {last[-1] if last else 0}: {error.group(0)[:150] if error else 'no error line'}")
 if runs > sets:  # SEEDS: runs come set by set, one per seed; a mean needs every seed's loss at that step
     per_set = runs // sets
     means = [{s: sum(float(run[str(s)]) for run in group) / per_set for s in steps
