@@ -44,7 +44,8 @@ for flags in "$@"; do
     split_flag_set "$flags"
     (
         start=$(date +%s)
-        env CUDA_VISIBLE_DEVICES=$(( (n - 1) % gpus )) "${settings[@]}" bash -c 'timeout "${RUN_LIMIT_S:-580}" python3 "${TRAINER:-train_gpt.py}" "$@"' _ \
+        env CUDA_VISIBLE_DEVICES=$(( (n - 1) % gpus )) "${settings[@]}" \
+            bash -c 'timeout "${RUN_LIMIT_S:-580}" python3 "${TRAINER:-train_gpt.py}" "$@"' _ \
             "${schedule[@]}" --run_id="ml_$n" "${options[@]}" > "$OUT/ml_$n.txt" 2>&1
         echo "exit $? after $(( $(date +%s) - start ))s" >> "$OUT/ml_$n.txt"
     ) &

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call on a machine of several GPUs (repo root), results in $OUT:
-#   OUT=/some/dir [NPROC=N] [BENCHES="sparse dense world1"] bash bench/multi_gpu_bench.sh STEPS [all|bench|diloco|record]
+#   OUT=/some/dir [NPROC=N] [BENCHES="sparse dense world1"] bash bench/multi_gpu_bench.sh STEPS \
+#       [all|bench|diloco|record]
 # 1. bench/bench_step.py at world size N (NPROC, default every GPU of the machine) with sparse bigram comms on
 #    (sparse), then off (dense), then at world size 1 on the same machine (world1); BENCHES picks which, and may add
 #    "graphs" (world size N under CUDA graphs, which --compile_mode=auto leaves off there: no faster on 2xH200,
@@ -45,8 +46,8 @@ fi
 
 bench() {  # bench NAME NPROC [flags...]
     local name=$1 nproc=$2; shift 2
-    BENCH_SYNC_DEBUG=1 timeout "${BENCH_LIMIT_S:-240}" torchrun --nproc_per_node="$nproc" bench/bench_step.py --bench_steps=8 \
-        --train_files='/tmp/bench2/docs_train_*.bin' "$@" \
+    BENCH_SYNC_DEBUG=1 timeout "${BENCH_LIMIT_S:-240}" torchrun --nproc_per_node="$nproc" bench/bench_step.py \
+        --bench_steps=8 --train_files='/tmp/bench2/docs_train_*.bin' "$@" \
         > "$OUT/$name.txt" 2>&1
     echo "== $name (exit $?)"
     grep -E "^compile_time|^ +[0-9]+ +[0-9]+ +\(|^graphs|^profile|synchroniz" "$OUT/$name.txt" | grep -v "prototype"

@@ -13,8 +13,8 @@ if [ -f .cache/gpt2/vocab.bpe ]; then
     mkdir -p "$TIKTOKEN_CACHE_DIR"
     cp .cache/gpt2/vocab.bpe "$TIKTOKEN_CACHE_DIR/6d1cbeee0f20b3d9449abfede4726ed8212e3aee"
     cp .cache/gpt2/encoder.json "$TIKTOKEN_CACHE_DIR/6c7ea1a7e38e3a7f062df639a5b80947f075ffe6"
-    python3 -c 'import tiktoken; print("tiktoken", tiktoken.__version__, "gpt2:", tiktoken.get_encoding("gpt2").n_vocab)' \
-        2>&1 | tail -1
+    python3 -c 'import tiktoken; print("tiktoken", tiktoken.__version__, "gpt2:",
+                                      tiktoken.get_encoding("gpt2").n_vocab)' 2>&1 | tail -1
 fi
 nvidia-smi --query-gpu=name --format=csv,noheader
 
