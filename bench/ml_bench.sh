@@ -21,10 +21,11 @@ schedule=(--train_files='/tmp/bench2/docs_train_*.bin' --val_files=/tmp/bench2/d
 # PARALLEL=1 runs the sets at the same time, each packing 2 micro-batches per forward (two warm-ups at 8 ran out of an
 # H200's memory, three runs at 4 out of an H100's; at 2 a run reserves about 20 GiB): the losses are those of separate
 # runs, the step times are not. On a machine of several GPUs the runs take the GPUs in turn (run n on GPU (n-1) mod
-# the GPU count), so 12 runs on 4 GPUs run 3 to a GPU.
+# the GPU count), so 12 runs on 4 GPUs run 3 to a GPU. GPUS="1 2 3" takes only those GPUs, in that order (one is
+# left free for something else, e.g. bench/ab_step.sh).
 [ "${PARALLEL:-0}" = 1 ] && schedule+=(--forward_micro_batches=2)
-gpus=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU" || true)
-[ "${gpus:-0}" -ge 1 ] || gpus=1
+read -ra gpu_list <<< "${GPUS:-$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | tr "\n" " ")}"
+[ ${#gpu_list[@]} -ge 1 ] || gpu_list=(0)
 # FRESH=1 cuts micro-batches to 4,096 tokens: the same 520 steps read 35.4M tokens, within the stream's 51.3M, so
 # no token repeats and the late losses measure learning, not memorisation (four runs side by side take about 400 s on
 # an H200, compile included).
@@ -44,7 +45,7 @@ for flags in "$@"; do
     split_flag_set "$flags"
     (
         start=$(date +%s)
-        env CUDA_VISIBLE_DEVICES=$(( (n - 1) % gpus )) "${settings[@]}" \
+        env CUDA_VISIBLE_DEVICES=${gpu_list[$(( (n - 1) % ${#gpu_list[@]} ))]} "${settings[@]}" \
             bash -c 'timeout "${RUN_LIMIT_S:-580}" python3 "${TRAINER:-train_gpt.py}" "$@"' _ \
             "${schedule[@]}" --run_id="ml_$n" "${options[@]}" > "$OUT/ml_$n.txt" 2>&1
         echo "exit $? after $(( $(date +%s) - start ))s" >> "$OUT/ml_$n.txt"

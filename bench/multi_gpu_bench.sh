@@ -16,6 +16,7 @@
 #    default outer step: final validation loss of each, wall time, syncs, replica digests.
 # "bench" runs step 1 only; "diloco" step 2 only (its DiLoCo runs are skipped when torchft does not import);
 # "record" only the full default run at world size N on bench2 (validation every 250 steps), its log in $OUT.
+# FLAGS="..." adds train_gpt.py flags to every bench and to the record run (e.g. FLAGS="--preset=record_ideas").
 # Expects .bench2/*.bin.xz (copies of ../shared/bench2) and, for DiLoCo, .whl/ (torchft and its dependencies for
 # py3.12: pip download torchft==0.2.0 -d .whl --python-version 3.12 --only-binary=:all:
 #         --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64).
@@ -30,13 +31,14 @@ restore_inductor_cache  # .cache/inductor.tar.xz.part* when carried: kernels com
 [ -d .whl ] && python3 -m pip install -q --no-index --find-links .whl torchft 2>&1 | tail -2
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 nproc=${NPROC:-$(nvidia-smi -L | grep -c "^GPU")}
+read -ra flags <<< "${FLAGS:-}"
 if [ -d .fa3 ] && [[ " ${BENCHES:-} " == *" fa3"* ]]; then source bench/fa3_build.sh site; fi
 
 if [ "$what" = record ]; then  # the default configuration's whole schedule
     start=$SECONDS
     timeout 580 torchrun --nproc_per_node="$nproc" train_gpt.py --train_files='/tmp/bench2/docs_train_*.bin' \
         --val_files=/tmp/bench2/docs_val_000000.bin --val_tokens=2097152 --train_repeat=1 --val_loss_every=250 \
-        --run_id="default_x$nproc" > "$OUT/default_x$nproc.stdout" 2>&1
+        --run_id="default_x$nproc" "${flags[@]}" > "$OUT/default_x$nproc.stdout" 2>&1
     echo "== default run, $nproc GPUs: exit $? after $((SECONDS - start))s"
     grep -E "^compile_time|val_loss|^(rank [0-9]+: )?(step times|slow step|peak memory)|train_time|graphs" \
         "$OUT/default_x$nproc.stdout" | cut -c1-220
@@ -47,7 +49,7 @@ fi
 bench() {  # bench NAME NPROC [flags...]
     local name=$1 nproc=$2; shift 2
     BENCH_SYNC_DEBUG=1 timeout "${BENCH_LIMIT_S:-240}" torchrun --nproc_per_node="$nproc" bench/bench_step.py \
-        --bench_steps=8 --train_files='/tmp/bench2/docs_train_*.bin' "$@" \
+        --bench_steps=8 --train_files='/tmp/bench2/docs_train_*.bin' "${flags[@]}" "$@" \
         > "$OUT/$name.txt" 2>&1
     echo "== $name (exit $?)"
     grep -E "^compile_time|^ +[0-9]+ +[0-9]+ +\(|^graphs|^profile|synchroniz" "$OUT/$name.txt" | grep -v "prototype"
