@@ -153,7 +153,7 @@ def test_signed_narrow_bigram_rows_enter_the_first_channels_times_their_sign_vec
 
 
 def test_bigram_dims_and_signs_are_checked():
-    with pytest.raises(tg.UserError, match="--bigram_dims=800 --bigram_signs=0: use 0 .. model_dim"):
+    with pytest.raises(tg.UserError, match="--bigram_dims=800 --bigram_signs=8192: use 0 .. model_dim"):
         tg.validate_config(tg.parse_cli(["--bigram_dims=800"])[0])
 
 

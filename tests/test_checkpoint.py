@@ -226,9 +226,10 @@ def test_sample_flags_are_checked(flags, message):
         tg.parse_cli(["--preset=tiny", *flags])
 
 
-def test_a_checkpoint_older_than_a_model_field_counts_as_having_its_default():
+def test_a_checkpoint_older_than_a_model_field_counts_as_having_it_off():
     """A checkpoint written before a model field existed (its config lacks the name) was written by a model with
-    that field at its default: it loads where the field is at its default, and not where it is not."""
+    that field at the value it came in with (off, for mudd, whose default is on now): it loads where the field has
+    that value, and not where it does not."""
     cfg = dataclasses.replace(tg.parse_cli(["--device=cpu", *TINY])[0], resume="old.pt")
     older = {"config": {name: value for name, value in tg.model_fields(cfg).items() if name != "mudd"}}
     tg.check_same_model(older, cfg, "resume")

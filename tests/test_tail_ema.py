@@ -18,8 +18,8 @@ def test_the_average_follows_its_formula_and_blends_into_the_weights(keep_norms)
     """Weights w_1 .. w_5 after steps 1 .. 5, start 3: the average is w_3, then a <- a + (1 - d)(w_s - a); the blend
     moves each weight its share of the way to the average, and with keep_norms each matrix is scaled back to the norm
     of w_5 (float64 reference)."""
-    cfg = tg.Config(num_iterations=10, tail_ema_from=0.3, tail_ema_decay=0.8, tail_ema_blend=0.65,
-                    tail_ema_keep_norms=keep_norms)
+    cfg = dataclasses.replace(tg.Config(**tg.RECORD_2026_02), num_iterations=10, tail_ema_from=0.3, tail_ema_decay=0.8,
+                              tail_ema_blend=0.65, tail_ema_keep_norms=keep_norms)
     model = tg.GPT(dataclasses.replace(cfg, **dict(zip(("num_layers", "model_dim", "num_heads", "head_dim"),
                                                        (1, 32, 1, 32)), attn_layout="S", value_embed_layout=".",
                                                    paired_head_layers="", skip_from=0, skip_to=0, backout_from=-1,
@@ -142,8 +142,8 @@ def test_the_kinds_blend_a_slow_and_a_fast_average_by_their_shares(keep_norms):
     parts, each after its formula; at the blend the embedding and head take 0.65 of the slow, the query and key rows
     0.55 of it, the value and output rows and the MLP 0.35 slow + 0.65 fast, the value tables the fast one; nothing
     else moves (float64 reference)."""
-    cfg = tg.Config(num_iterations=10, tail_ema_from=0.3, tail_ema_decay=0.8, tail_ema_fast_decay=0.5,
-                    tail_ema_kinds=True, tail_ema_keep_norms=keep_norms)
+    cfg = dataclasses.replace(tg.Config(**tg.RECORD_2026_02), num_iterations=10, tail_ema_from=0.3, tail_ema_decay=0.8,
+                              tail_ema_fast_decay=0.5, tail_ema_kinds=True, tail_ema_keep_norms=keep_norms)
     model = tg.GPT(dataclasses.replace(cfg, **dict(zip(("num_layers", "model_dim", "num_heads", "head_dim"),
                                                        (2, 32, 1, 32)), attn_layout="SL", value_embed_layout="0.",
                                                    paired_head_layers="", skip_from=0, skip_to=1, backout_from=-1,

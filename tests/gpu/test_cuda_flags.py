@@ -1,6 +1,6 @@
-"""The later records' ideas (flags off by default) on the GPU, compiled into the whole-model graph with CUDA graphs,
-on the tiny model: a few steps train, nothing compiles in the timed region, and the compiled losses follow the
-eager ones. Skipped without CUDA."""
+"""The later records' ideas (defaults of the full model, off in the tiny one) on the GPU, compiled into the
+whole-model graph with CUDA graphs, on the tiny model: a few steps train, nothing compiles in the timed region, and
+the compiled losses follow the eager ones. Skipped without CUDA."""
 import numpy as np
 import pytest
 import torch
@@ -11,15 +11,15 @@ from helpers import TINY
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 FLAG_SETS = {
-    "record_ideas": ["--sublayer_scales=1", "--attn_input_from=1", "--xsa_layers=1,3", "--value_gate_reads_embed=1",
+    "later_records": ["--sublayer_scales=1", "--attn_input_from=1", "--xsa_layers=1,3", "--value_gate_reads_embed=1",
                      "--doc_len_schedule=64,128,128", "--muon_qk_blocks=2", "--mudd=1", "--bigram_dims=24",
                      "--bigram_signs=16", "--token_gates=1"],
-    "copy_pointer_with_record_ideas": ["--copy_pointer=1", "--copy_band=128", "--fp8_head=1", "--longest_match=1",
+    "copy_pointer_with_later_records": ["--copy_pointer=1", "--copy_band=128", "--fp8_head=1", "--longest_match=1",
                                        "--copy_sink_key=1", "--sublayer_scales=1",
                                        "--mudd=1", "--token_gates=1", "--xsa_layers=1,3", "--bigram_dims=24",
                                        "--bigram_signs=16"],
     "token_gates_without_mudd": ["--sublayer_scales=1", "--token_gates=1", "--xsa_layers=1,3"],
-    "record_ideas_in_two_graphs": ["--sublayer_scales=1", "--attn_input_from=1", "--xsa_layers=1,3", "--mudd=1",
+    "later_records_in_two_graphs": ["--sublayer_scales=1", "--attn_input_from=1", "--xsa_layers=1,3", "--mudd=1",
                                    "--token_gates=1", "--compile_scope=split"],
 }
 
