@@ -12,7 +12,9 @@ FLEX_KERNEL_OPTIONS='{"bwd_num_stages":2,...}' passes flex attention these kerne
 the whole model; 1xH100, 2026-11-24: torch's defaults were fastest, 651.9 ms per last-stage step against 655.0 with
 2 backward stages and 657.4 with backward tiles of 32 x 128 and 128 x 32).
 Then two torch.profiler windows over the last stage (GPU only, then host and GPU): GPU time by kind of
-kernel, idle gaps split into host-late and not, the host ops the GPU waited on, the longest kernels.
+kernel, idle gaps split into host-late and not, the host ops the GPU waited on, the longest kernels; on several
+GPUs also one line per rank: its NCCL kernel time by collective, algorithm and protocol, and its idle GPU time
+(collectives that take one rank far longer than another are mostly spent waiting for the late ranks).
 Real text from --train_files when it matches, else random tokens.
 
 MFU counts 6 FLOPs per parameter per token for the matrices the tokens pass through (blocks and the
@@ -170,6 +172,32 @@ def trace_summary(trace: dict, steps: int) -> list[str]:
     return lines
 
 
+NCCL_COLLECTIVES = ("ReduceScatter", "AllGather", "AllReduce", "SendRecv", "Broadcast")
+
+
+def rank_communication(trace: dict, steps: int) -> str:
+    """One rank's NCCL kernel time per step by collective, with each kernel's protocol, and its idle GPU time: a rank
+    whose collectives take far longer than another's is mostly waiting in them for the ranks that come late."""
+    gpu = sorted((e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("cat") == "kernel"),
+                 key=lambda e: e["ts"])
+    by_collective: dict = {}
+    for e in gpu:
+        if "nccl" in e["name"]:
+            collective = next((c for c in NCCL_COLLECTIVES if c in e["name"]), "other")
+            algorithm = re.search(r"_([A-Z]+)_(LL128|LL|SIMPLE)\b", e["name"])  # e.g. ..._f32_RING_LL(...)
+            key = f"{collective} {' '.join(algorithm.groups()) if algorithm else 'generic'}"
+            total, count = by_collective.get(key, (0.0, 0))
+            by_collective[key] = (total + e["dur"], count + 1)
+    busy_until, idle = gpu[0]["ts"], 0.0
+    for e in gpu:
+        idle += max(0.0, e["ts"] - busy_until)
+        busy_until = max(busy_until, e["ts"] + e["dur"])
+    parts = ", ".join(f"{key} {us / 1000 / steps:.2f} ms ({count // steps}x)"
+                      for key, (us, count) in sorted(by_collective.items(), key=lambda item: -item[1][0]))
+    return (f"NCCL {sum(us for us, _ in by_collective.values()) / 1000 / steps:.2f} ms per step ({parts or 'none'}); "
+            f"GPU idle {idle / 1000 / steps:.2f} ms")
+
+
 class EventMarks:
     """CUDA events recorded at one step's start and each phase end; read after the timed steps' synchronize."""
 
@@ -292,6 +320,12 @@ def main() -> int:
                 if comm.is_main:
                     for line in trace_summary(json.loads(trace.read_text()), profiled_steps):
                         print("  " + line, flush=True)
+                if comm.distributed:  # each rank's collectives, read from the traces every rank wrote beside rank 0's
+                    torch.distributed.barrier()
+                    if comm.is_main:
+                        for rank in range(comm.world_size):
+                            other = json.loads(trace.with_name(f"bench_trace_{rank}.json").read_text())
+                            print(f"  rank {rank}: {rank_communication(other, profiled_steps)}", flush=True)
         finally:
             batches.close()
             gc.unfreeze()
