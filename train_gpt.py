@@ -1780,6 +1780,36 @@ class _AdamBucket:
         return flat
 
 
+class _MergedBuckets:
+    """Small buckets of any param groups whose gradients travel in one reduce-scatter and whose updates in one
+    all-gather. The packed buffer is rank-major: rank r's block is every member's shard r in turn, so the
+    reduce-scatter hands each rank exactly the shards it owns of each member, each is updated with its own group's
+    settings, and the all-gather of the blocks rebuilds every member: the math of one collective per bucket, with
+    one launch and one rendezvous of the ranks instead of one per bucket."""
+
+    def __init__(self, members: list[_AdamBucket], world_size: int):
+        self.members, self.world_size = members, world_size
+        self.params = [p for bucket in members for p in bucket.params]
+        self.bounds = [0]
+        for bucket in members:
+            self.bounds.append(self.bounds[-1] + bucket.shard)
+        self.shard = self.bounds[-1]  # one rank's block
+        self.pending = None
+
+    def pack(self, flats: list[Tensor]) -> Tensor:
+        """Each member's padded flat vector, in the rank-major layout."""
+        return torch.cat([flat.view(self.world_size, -1) for flat in flats], dim=1).reshape(-1)
+
+    def split_block(self, block: Tensor) -> list[Tensor]:
+        """One rank's block into each member's shard."""
+        return [block[a:b] for a, b in zip(self.bounds, self.bounds[1:])]
+
+    def unpack(self, packed: Tensor) -> list[Tensor]:
+        """The rank-major buffer into each member's padded flat vector."""
+        rows = packed.view(self.world_size, self.shard)
+        return [rows[:, a:b].reshape(-1) for a, b in zip(self.bounds, self.bounds[1:])]
+
+
 def union_of_rows(row_lists: list[np.ndarray], num_rows: int) -> np.ndarray:
     """The sorted union of row indices below num_rows, through a mask: at 24 micro-batches of 16K bigram rows,
     np.unique of their concatenation is about 70 times slower (docs/performance.md)."""
@@ -1842,9 +1872,12 @@ class DistAdam(torch.optim.Optimizer):
     Communication schedule of one step, world size W > 1 (W = 1 sends nothing):
       1. reduce_scatter_tensor (average) of each bucket's gradient into this rank's shard, launched from
          a backward hook as soon as the bucket's last gradient is accumulated, when the training loop
-         armed the hooks (before_last_backward) for the last forward; otherwise at step();
-      2. in launch order, for each bucket: wait for its reduce-scatter, update the owned slice (adam_update_,
-         compiled on CUDA), launch all_gather_into_tensor of the updated slice into the parameter;
+         armed the hooks (before_last_backward) for the last forward; otherwise at step(). The buckets under
+         MERGE values (the scalars, gates and small MLPs of every group) go together in one reduce-scatter
+         (_MergedBuckets): each collective costs a launch and a rendezvous of the ranks, whatever its size;
+      2. in launch order, for each bucket (or the merged ones): wait for its reduce-scatter, update the owned
+         slice (adam_update_, compiled on CUDA), launch all_gather_into_tensor of the updated slice into the
+         parameter;
       3. wait for every all-gather (and unpack packed buckets into their parameters).
     No all_reduce is issued. A step while `accumulating` (--adam_period > 1) sends nothing and updates
     nothing: its gradients add to the next step's, which sends their sum (and the union of both steps' rows).
@@ -1860,6 +1893,7 @@ class DistAdam(torch.optim.Optimizer):
     """
 
     SMALL = 8192  # parameters below this many values share their param group's bucket
+    MERGE = 1 << 20  # on several ranks, buckets below this many values share one reduce-scatter and all-gather
 
     def __init__(self, params, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, sparse_params=(), compiled: bool = False, tied: tuple | None = None):
@@ -1882,16 +1916,21 @@ class DistAdam(torch.optim.Optimizer):
             self.buckets += [_AdamBucket([p], index, self.world_size) for p in group["params"] if p.numel() >= self.SMALL]
             if small:
                 self.buckets.append(_AdamBucket(small, index, self.world_size))
-        self.launched: list[_AdamBucket] = []
-        self.grad_hooks = _LaunchWhenGradsReady(self.buckets, self._launch_reduce)
-        # Set before each step by the training loop (--adam_period): while accumulating, step() and zero_grad()
-        # do nothing, so the step's gradients add to the .grad of the next, and its sparse rows wait here.
-        self.accumulating = False
-        self.deferred_rows: dict[Tensor, list] = {}
         # tied = (follower, leader), two parameters of one shape: until untie() the follower is not updated but
         # adds its gradient shard to the leader's and is overwritten with the leader after each step. Whether they
         # are still tied lives in the follower's state (empty until untie()), so a loaded state dict carries it.
         self.tied = tied
+        apart = self.sparse_params | set(tied or ())  # these keep their own collectives
+        mergeable = [b for b in self.buckets if b.numel < self.MERGE and not set(b.params) & apart]
+        merged = [_MergedBuckets(mergeable, self.world_size)] if self.distributed and len(mergeable) > 1 else []
+        # what travels in one collective: a bucket, or the merged small ones
+        self.units: list = [b for b in self.buckets if not merged or b not in mergeable] + merged
+        self.launched: list = []
+        self.grad_hooks = _LaunchWhenGradsReady(self.units, self._launch_reduce)
+        # Set before each step by the training loop (--adam_period): while accumulating, step() and zero_grad()
+        # do nothing, so the step's gradients add to the .grad of the next, and its sparse rows wait here.
+        self.accumulating = False
+        self.deferred_rows: dict[Tensor, list] = {}
         if tied is not None:
             follower, leader = tied
             self.tied_buckets = [next((b for b in self.buckets if len(b.params) == 1 and b.params[0] is p), None)
@@ -1914,8 +1953,19 @@ class DistAdam(torch.optim.Optimizer):
                 rows = union_of_rows(self.deferred_rows.pop(p, []) + list(row_lists), p.size(0))
                 self.row_exchanges[p] = _RowExchange(p, rows, self.rank, self.world_size, self.cpu_group)
 
-    def _launch_reduce(self, bucket: _AdamBucket):
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
+    @staticmethod
+    def _grads(bucket: _AdamBucket) -> list[Tensor]:
+        return [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
+
+    def _launch_reduce(self, bucket):
+        if isinstance(bucket, _MergedBuckets):
+            block = bucket.params[0].new_empty(bucket.shard)
+            packed = bucket.pack([member.flat(self._grads(member)) for member in bucket.members])
+            work = dist.reduce_scatter_tensor(block, packed, op=dist.ReduceOp.AVG, async_op=True)
+            bucket.pending = lambda: (work.wait(), block)[1]
+            self.launched.append(bucket)
+            return
+        grads = self._grads(bucket)
         exchange = self.row_exchanges.pop(bucket.params[0], None)
         if exchange is not None:
             bucket.pending = exchange.launch(grads[0])
@@ -1936,9 +1986,9 @@ class DistAdam(torch.optim.Optimizer):
     def step(self):
         if self.accumulating:
             return
-        for bucket in self.buckets:
-            if bucket.pending is None:
-                self._launch_reduce(bucket)
+        for unit in self.units:
+            if unit.pending is None:
+                self._launch_reduce(unit)
         gathers = []
         tied = self.is_tied()
         for index, group in enumerate(self.param_groups):  # each group's lr and decay, once a step
@@ -1947,6 +1997,14 @@ class DistAdam(torch.optim.Optimizer):
             self.scalars[index][0].fill_(group["lr"])  # a fill kernel each: no host-to-device copy to wait for
             self.scalars[index][1].fill_(group["lr"] ** 2 * group["weight_decay"])
         for bucket in self.launched:
+            if isinstance(bucket, _MergedBuckets):
+                flats = [member.flat(member.params) for member in bucket.members]
+                owned = [flat[self.rank * m.shard: (self.rank + 1) * m.shard] for flat, m in zip(flats, bucket.members)]
+                for member, own, grad_shard in zip(bucket.members, owned, bucket.split_block(bucket.pending())):
+                    self._update(member, own, grad_shard)
+                packed = owned[0].new_empty(bucket.shard * self.world_size)
+                gathers.append((bucket, packed, dist.all_gather_into_tensor(packed, torch.cat(owned), async_op=True)))
+                continue
             if tied and bucket is self.tied_buckets[0]:
                 continue  # its gradient goes into the leader's update below
             grad_shard = bucket.pending()
@@ -1962,18 +2020,25 @@ class DistAdam(torch.optim.Optimizer):
         for bucket, flat, work in gathers:
             if work is not None:
                 work.wait()
-            if not bucket.in_place:
-                offset = 0
-                for p in bucket.params:
-                    p.copy_(flat[offset: offset + p.numel()].view_as(p))
-                    offset += p.numel()
+            if isinstance(bucket, _MergedBuckets):
+                for member, member_flat in zip(bucket.members, bucket.unpack(flat)):
+                    self._copy_into_params(member, member_flat)
+            elif not bucket.in_place:
+                self._copy_into_params(bucket, flat)
         if tied:
             self.tied[0].copy_(self.tied[1])
-        for bucket in self.buckets:
-            bucket.pending = None
+        for unit in self.units:
+            unit.pending = None
         self.launched = []
         self.row_exchanges = {}
         self.grad_hooks.disarm()
+
+    @staticmethod
+    def _copy_into_params(bucket: _AdamBucket, flat: Tensor):
+        offset = 0
+        for p in bucket.params:
+            p.copy_(flat[offset: offset + p.numel()].view_as(p))
+            offset += p.numel()
 
     def close(self):
         """End of training: remove the gradient hooks (_LaunchWhenGradsReady.remove says why)."""

@@ -82,7 +82,8 @@ def test_single_process_equals_the_reference(monkeypatch):
     assert state_numel == 2 * sum(torch.Size(s).numel() for s in SHAPES)
 
 
-def _two_rank_run(rank, world_size, period=1):
+def _two_rank_run(rank, world_size, period=1, merge=tg.DistAdam.MERGE):
+    tg.DistAdam.MERGE = merge  # this rank's process only
     calls = {"all_reduce": 0, "reduce_scatter_tensor": 0, "all_gather_into_tensor": 0}
     for name in calls:
         original = getattr(dist, name)
@@ -95,10 +96,15 @@ def _two_rank_run(rank, world_size, period=1):
     return params, state_numel, calls
 
 
-def test_two_ranks_equal_the_reference_on_the_full_gradient():
-    results = run_on_ranks(_two_rank_run, 2)
+# Buckets: (128, 96) and (97, 89) alone; per group the small ones packed: [(4,)] and [(1,), (5, 3)]. Below MERGE
+# values they share one reduce-scatter and all-gather: none at 0, all but (128, 96) at 10,000.
+MERGES = [(0, 4), (10_000, 2)]
+
+
+@pytest.mark.parametrize("merge, collectives", MERGES)
+def test_two_ranks_equal_the_reference_on_the_full_gradient(merge, collectives):
+    results = run_on_ranks(_two_rank_run, 2, 1, merge)
     want = reference_params(2)
-    buckets = 4  # (128, 96) and (97, 89) alone; per group the small ones packed: [(4,)] and [(1,), (5, 3)]
     full_state = 2 * sum(torch.Size(s).numel() for s in SHAPES)
     for params, state_numel, calls in results:
         assert_close(params, want)
@@ -106,7 +112,7 @@ def test_two_ranks_equal_the_reference_on_the_full_gradient():
         assert state_numel == 2 * (12288 // 2 + 8634 // 2 + 4 // 2 + 16 // 2)
         assert state_numel < 0.51 * full_state
         assert calls["all_reduce"] == 0
-        assert calls["reduce_scatter_tensor"] == calls["all_gather_into_tensor"] == buckets * STEPS
+        assert calls["reduce_scatter_tensor"] == calls["all_gather_into_tensor"] == collectives * STEPS
 
 
 def _hook_run(rank, world_size):
@@ -204,16 +210,16 @@ def test_tied_parameters_share_one_update_then_go_on_alone():
     assert not opt.is_tied()
 
 
-def test_with_period_2_adam_updates_every_other_step_on_two_steps_gradients():
+@pytest.mark.parametrize("merge, collectives", MERGES)
+def test_with_period_2_adam_updates_every_other_step_on_two_steps_gradients(merge, collectives):
     want = reference_params(2, period=2)
     assert not all(torch.equal(a, b) for a, b in zip(want, reference_params(2)))
     got, _ = dist_adam_params(0, 1, period=2)
     assert_close(got, reference_params(1, period=2))
-    buckets = 4
-    for params, _, calls in run_on_ranks(_two_rank_run, 2, 2):
+    for params, _, calls in run_on_ranks(_two_rank_run, 2, 2, merge):
         assert_close(params, want)
         # the accumulating steps send nothing
-        assert calls["reduce_scatter_tensor"] == calls["all_gather_into_tensor"] == buckets * STEPS // 2
+        assert calls["reduce_scatter_tensor"] == calls["all_gather_into_tensor"] == collectives * STEPS // 2
 
 
 def test_an_accumulating_step_keeps_rows_only_for_the_sparse_exchange():

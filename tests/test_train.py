@@ -1064,7 +1064,7 @@ def test_world_sizes_1_2_4_and_8_give_the_same_losses_and_states(tiny_data, tmp_
 def _launched_before_step_on_rank(rank, world_size, cfg):
     """For every optimizer step() of a run: had all of that optimizer's reduce-scatters been launched?"""
     launched = []
-    for cls, units in ((tg.DistAdam, "buckets"), (tg.Muon, "groups")):
+    for cls, units in ((tg.DistAdam, "units"), (tg.Muon, "groups")):
         def checked(self, _step=cls.step, _units=units):
             if not getattr(self, "accumulating", False):  # an accumulating Adam step sends nothing
                 launched.append((type(self).__name__, all(unit.pending is not None for unit in getattr(self, _units))))
