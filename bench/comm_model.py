@@ -4,13 +4,14 @@
 
 Builds the default Config's model (or the flags' one) on the meta device and the trainer's own optimizers
 (build_optimizers), then counts, per rank, the bytes each collective of DistAdam and Muon sends, from their own
-bucketing (DistAdam's _AdamBucket rules, plan_muon_groups). A reduce-scatter or all-gather of an N-byte buffer
-sends (W-1)/W * N bytes from each rank (ring); an all-to-all sends what each rank holds for the other owners. With
-shards, the bigram rows each rank touches per Adam update (its micro-batches of adam_period steps, unioned, as
-DistAdam does) are replayed from the trainer's loader and hash, as bench_bigram_bytes.py does; without them the
-bigram exchange is left out. Times are bytes per rank / busbw, an assumed NCCL bus bandwidth (default: 360 and
-450 GB/s), with no latency term. train_gpt.py flags (e.g. --adam_period=1 --tie_embed=0) change the config the
-model is built from. The step-time model divides ONE_GPU_MS by 8 and adds the per-step average communication.
+bucketing (DistAdam's _AdamBucket rules and its merged small buckets, plan_muon_groups). A reduce-scatter or
+all-gather of an N-byte buffer sends (W-1)/W * N bytes from each rank (ring); an all-to-all sends what each rank
+holds for the other owners. With shards, the bigram rows each rank touches per Adam update (its micro-batches of
+adam_period steps, unioned, as DistAdam does) are replayed from the trainer's loader and hash, as
+bench_bigram_bytes.py does; without them the bigram exchange is left out. Times are bytes per rank / busbw, an
+assumed NCCL bus bandwidth (default: 360 and 450 GB/s), with no latency term. train_gpt.py flags (e.g.
+--adam_period=1 --tie_embed=0) change the config the model is built from. The step-time model divides ONE_GPU_MS by
+8 and adds the per-step average communication.
 """
 import sys
 from pathlib import Path
@@ -32,8 +33,10 @@ def model_and_optimizers(cfg):
     return model, muon, adam
 
 
-def adam_buckets(adam, world):
-    """(name, numel, padded numel) of each DistAdam bucket at this world size, in the rules of DistAdam.__init__."""
+def adam_buckets(adam, world, apart=()):
+    """(name, numel, padded numel) of each DistAdam collective's buffer at this world size, in the rules of
+    DistAdam.__init__: a bucket each, and on several ranks the buckets under MERGE values (but those of the
+    parameters in apart) as one."""
     buckets = []
     for index, group in enumerate(adam.param_groups):
         small = [p for p in group["params"] if p.numel() < adam.SMALL]
@@ -43,6 +46,10 @@ def adam_buckets(adam, world):
         if small:
             n = sum(p.numel() for p in small)
             buckets.append((f"group {index}: {len(small)} small", n, -(-n // world) * world))
+    merged = [b for b in buckets if b[1] < adam.MERGE and not any(b[0] is p for p in apart)] if world > 1 else []
+    if len(merged) > 1:
+        buckets = [b for b in buckets if not any(b is m for m in merged)] + [
+            (f"{len(merged)} merged buckets", sum(b[1] for b in merged), sum(b[2] for b in merged))]
     return buckets
 
 
@@ -110,7 +117,8 @@ def main():
             print(f"  Muon group of {len(group)} x {tuple(matrices[group[0]].shape)} ({count // w} per rank), every "
                   f"step: reduce-scatter fp32 {f * numel * 4 / MB:.1f}, all-gather bf16 {f * numel * 2 / MB:.1f}")
         adam_rs = ag_tied = ag_untied = 0.0
-        for p, numel, padded in adam_buckets(adam, w):
+        apart = [q for q in (bigram, follower, model.lm_head.weight if follower is not None else None) if q is not None]
+        for p, numel, padded in adam_buckets(adam, w, apart):
             name = p if isinstance(p, str) else names[id(p)]
             dense = f * padded * 4  # fp32 parameters and gradients
             sparse = p is bigram and w > 1
@@ -127,10 +135,10 @@ def main():
             tied = cfg.tie_embed and (stage + 1) * cfg.num_iterations // stages <= schedule.untie_step
             ag = ag_tied if tied else ag_untied
             a2a = 0.0
-            if rows is not None and w > 1:
+            if rows is not None and w > 1 and bigram is not None:
                 touched, sent = rows[w, stage]
-                a2a = sent * (cfg.model_dim * 4 + 8)  # an int64 index and an fp32 row each
-                dense_rs = f * cfg.bigram_rows * cfg.model_dim * 4
+                a2a = sent * (bigram.size(1) * 4 + 8)  # an int64 index and an fp32 row each
+                dense_rs = f * bigram.numel() * 4
                 print(f"  stage {stage}: bigram rows per rank and Adam update: {touched:,.0f} touched, {sent:,.0f} "
                       f"owned by others; all-to-all {a2a / MB:.1f} (dense reduce-scatter {dense_rs / MB:.1f}, "
                       f"{dense_rs / a2a:.1f}x more)")
