@@ -18,11 +18,13 @@ python3 bench/unpack_bench.py .bench2 /tmp/bench2
 restore_inductor_cache
 schedule=(--train_files='/tmp/bench2/docs_train_*.bin' --val_files=/tmp/bench2/docs_val_000000.bin
           --val_tokens=2097152 --train_repeat=1 --num_iterations=480 --extension_steps=40 --val_loss_every=160)
-# PARALLEL=1 runs the sets at the same time, each packing 2 micro-batches per forward (two warm-ups at 8 ran out of an
-# H200's memory, three runs at 4 out of an H100's; at 2 a run reserves about 20 GiB): the losses are those of separate
-# runs, the step times are not. On a machine of several GPUs the runs take the GPUs in turn (run n on GPU (n-1) mod
-# the GPU count), so 12 runs on 4 GPUs run 3 to a GPU. GPUS="1 2 3" takes only those GPUs, in that order (one is
-# left free for something else, e.g. bench/ab_step.sh).
+# PARALLEL=1 runs the sets at the same time, at most PER_GPU (default 1) to a GPU, each packing 2 micro-batches per
+# forward (two warm-ups at 8 ran out of an H200's memory, three runs at 4 out of an H100's; at 2 a run reserves about
+# 20 GiB): the losses are those of separate runs, the step times are not. A set waits for a free slot, and takes the
+# GPU that freed it, so 8 sets on 4 GPUs run in two waves. Several runs to one H100 have died at random steps with
+# "unspecified launch failure" (docs/performance.md), one to a GPU has not; PER_GPU=4 suits an H200, where 4 to 7 side
+# by side ran without one. GPUS="1 2 3" takes only those GPUs (one is left free for something else, e.g.
+# bench/ab_step.sh).
 [ "${PARALLEL:-0}" = 1 ] && schedule+=(--forward_micro_batches=2)
 read -ra gpu_list <<< "${GPUS:-$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | tr "\n" " ")}"
 [ ${#gpu_list[@]} -ge 1 ] || gpu_list=(0)
@@ -39,18 +41,32 @@ if [ ${#seeds[@]} -gt 0 ]; then  # each set once per seed, set by set
     done
     set -- "${expanded[@]}"
 fi
+slots=()  # one GPU index per run slot: PER_GPU slots per GPU, the GPUs in turn
+for ((k = 0; k < ${PER_GPU:-1}; k++)); do slots+=("${gpu_list[@]}"); done
+[ "${PARALLEL:-0}" = 1 ] || slots=("${gpu_list[0]}")
+running=()  # the pid in each slot, empty when free
+free_slot() {  # sets slot to a free slot's index, waiting for a run to end when none is free
+    while true; do
+        for ((slot = 0; slot < ${#slots[@]}; slot++)); do
+            if [ -z "${running[$slot]:-}" ]; then return; fi
+            if ! kill -0 "${running[$slot]}" 2>/dev/null; then wait "${running[$slot]}"; running[$slot]=""; return; fi
+        done
+        sleep 2
+    done
+}
 n=0
 for flags in "$@"; do
     n=$((n + 1))
     split_flag_set "$flags"
+    free_slot
     (
         start=$(date +%s)
-        env CUDA_VISIBLE_DEVICES=${gpu_list[$(( (n - 1) % ${#gpu_list[@]} ))]} "${settings[@]}" \
+        env CUDA_VISIBLE_DEVICES="${slots[$slot]}" "${settings[@]}" \
             bash -c 'timeout "${RUN_LIMIT_S:-580}" python3 "${TRAINER:-train_gpt.py}" "$@"' _ \
             "${schedule[@]}" --run_id="ml_$n" "${options[@]}" > "$OUT/ml_$n.txt" 2>&1
-        echo "exit $? after $(( $(date +%s) - start ))s" >> "$OUT/ml_$n.txt"
+        echo "exit $? after $(( $(date +%s) - start ))s on GPU ${slots[$slot]}" >> "$OUT/ml_$n.txt"
     ) &
-    [ "${PARALLEL:-0}" = 1 ] || wait
+    running[$slot]=$!
 done
 wait
 n=0
