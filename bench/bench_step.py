@@ -11,6 +11,8 @@ region. BENCH_SYNC_DEBUG=1 turns on torch's sync debug mode there: a warning at 
 FLEX_KERNEL_OPTIONS='{"bwd_num_stages":2,...}' passes flex attention these kernel_options (an A/B of flex's tiles in
 the whole model; 1xH100, 2026-11-24: torch's defaults were fastest, 651.9 ms per last-stage step against 655.0 with
 2 backward stages and 657.4 with backward tiles of 32 x 128 and 128 x 32).
+BENCH_ADAM_MERGE=N sets DistAdam.MERGE (buckets under N values share their collectives on several ranks; 0: a
+collective per bucket), for an A/B of that merging in one call.
 Then two torch.profiler windows over the last stage (GPU only, then host and GPU): GPU time by kind of
 kernel, idle gaps split into host-late and not, the host ops the GPU waited on, the longest kernels; on several
 GPUs also one line per rank: its NCCL kernel time by collective, algorithm and protocol, and its idle GPU time
@@ -228,6 +230,8 @@ def main() -> int:
         import torch.nn.attention.flex_attention as flex_module
         flex_module.flex_attention = functools.partial(flex_module.flex_attention,
                                                        kernel_options=json.loads(os.environ["FLEX_KERNEL_OPTIONS"]))
+    if os.environ.get("BENCH_ADAM_MERGE"):
+        tg.DistAdam.MERGE = int(os.environ["BENCH_ADAM_MERGE"])
     comm = tg.init_distributed(cfg)
 
     def say(text: str):
