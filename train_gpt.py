@@ -1280,11 +1280,14 @@ def longest_matches(tokens: Tensor, starts: Tensor) -> tuple[Tensor, Tensor]:
     came before in the document, ending at some p < t; returns (tokens[p + 1] for the latest such p, the bucket:
     1 + 3 * (L's index) + (earlier repeats, 1 to 3 or more) - 1, or 0 where no length repeats). starts [T] marks
     where documents (and packed micro-batches) start. A stable sort of one hashed key per (length, position) puts
-    every position right after its latest earlier repeat (the pull request's method); no host sync."""
+    every position right after its latest earlier repeat (the pull request's method); no host sync. The first
+    position of a run of equal values in a sorted vector comes from searchsorted, not from a running maximum: torch's
+    cummax of one long row is a scan with indices in one thread block, which took 12.8 ms of a 711 ms step on an
+    H100 (docs/performance.md)."""
     T = tokens.numel()
     positions = torch.arange(T, device=tokens.device)
-    documents = torch.cumsum(starts.long(), 0)
-    document_start = torch.cummax(torch.where(starts, positions, 0), 0).values
+    documents = torch.cumsum(starts.long(), 0)  # nondecreasing: a document's first position is its start
+    document_start = torch.searchsorted(documents, documents)
     tokens = tokens.long()
     ids = tokens + 1
     hashes = [torch.zeros_like(ids), torch.zeros_like(ids)]
@@ -1305,7 +1308,7 @@ def longest_matches(tokens: Tensor, starts: Tensor) -> tuple[Tensor, Tensor]:
     index = torch.arange(flat.numel(), device=tokens.device)
     repeats = torch.cat([torch.zeros(1, dtype=torch.bool, device=tokens.device), ordered[1:] == ordered[:-1]])
     previous = torch.where(repeats, torch.cat([order[:1], order[:-1]]), -1)
-    earlier = index - torch.cummax(torch.where(repeats, 0, index), 0).values  # repeats of the key before this one
+    earlier = index - torch.searchsorted(ordered, ordered)  # repeats of the key before this one
     previous = torch.empty_like(previous).scatter_(0, order, previous).view(len(MATCH_LENGTHS), T)
     earlier = torch.empty_like(earlier).scatter_(0, order, earlier).view(len(MATCH_LENGTHS), T)
     candidates, buckets = torch.zeros_like(ids), torch.zeros_like(ids)

@@ -38,15 +38,16 @@ def test_longest_matches_agree_with_a_search_over_every_earlier_position():
     tokens = torch.randint(0, 5, (T,), generator=g)
     for start, source, length in ((300, 250, 40), (600, 520, 20), (900, 860, 33), (1000, 980, 9)):
         tokens[start: start + length] = tokens[source: source + length].clone()
-    starts = torch.zeros(T, dtype=torch.bool)
-    starts[[0, 200, 512, 513, 700]] = True
-    candidates, buckets = tg.longest_matches(tokens, starts)
-    want_candidates, want_buckets = matches_by_search(tokens.tolist(), starts.tolist())
-    assert buckets.tolist() == want_buckets
-    found = buckets > 0
-    assert candidates[found].tolist() == [c for c, b in zip(want_candidates, want_buckets) if b > 0]
-    assert set(want_buckets) >= {0, 1, 3, 3 * len(tg.MATCH_LENGTHS) - 2}  # none, once, 3+, the longest seen once
-    assert buckets[[200, 512, 513, 700]].tolist() == [0, 0, 0, 0]  # a document's first token has nothing before it
+    for first_start in (0, 40):  # from a document's start, and (a validation chunk) from inside one
+        starts = torch.zeros(T, dtype=torch.bool)
+        starts[[first_start, 200, 512, 513, 700]] = True
+        candidates, buckets = tg.longest_matches(tokens, starts)
+        want_candidates, want_buckets = matches_by_search(tokens.tolist(), starts.tolist())
+        assert buckets.tolist() == want_buckets
+        found = buckets > 0
+        assert candidates[found].tolist() == [c for c, b in zip(want_candidates, want_buckets) if b > 0]
+        assert set(want_buckets) >= {0, 1, 3, 3 * len(tg.MATCH_LENGTHS) - 2}  # none, once, 3+, the longest seen once
+        assert buckets[[200, 512, 513, 700]].tolist() == [0] * 4  # a document's first token has nothing before it
 
 
 def test_the_feature_starts_at_zero_and_learns():
