@@ -1902,8 +1902,10 @@ class DistAdam(torch.optim.Optimizer):
                  weight_decay: float = 0.0, sparse_params=(), compiled: bool = False, tied: tuple | None = None):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         # compiled: one fused kernel per bucket shape (CUDA); the lr and decay go in as tensors, so a new value
-        # is no new graph.
-        self.update_ = torch.compile(adam_update_, dynamic=False, fullgraph=True) if compiled else adam_update_
+        # is no new graph. Not tuned by --tune_kernels: a memory-bound elementwise kernel gains nothing from it, and
+        # the default model has 15 bucket sizes, each of whose kernels the cold start would tune.
+        self.update_ = torch.compile(adam_update_, dynamic=False, fullgraph=True,
+                                     options={"coordinate_descent_tuning": False}) if compiled else adam_update_
         self.scalars: dict[int, Tensor] = {}  # group index -> [lr, decay] on the parameters' device
         self.rank, self.world_size = current_rank_and_world()
         self.distributed = self.world_size > 1
