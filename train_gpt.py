@@ -1902,10 +1902,14 @@ class DistAdam(torch.optim.Optimizer):
                  weight_decay: float = 0.0, sparse_params=(), compiled: bool = False, tied: tuple | None = None):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         # compiled: one fused kernel per bucket shape (CUDA); the lr and decay go in as tensors, so a new value
-        # is no new graph. Not tuned by --tune_kernels: a memory-bound elementwise kernel gains nothing from it, and
-        # the default model has 15 bucket sizes, each of whose kernels the cold start would tune.
-        self.update_ = torch.compile(adam_update_, dynamic=False, fullgraph=True,
-                                     options={"coordinate_descent_tuning": False}) if compiled else adam_update_
+        # is no new graph. The shards under MERGE values share one graph of symbolic length per betas and eps
+        # (update_small_): the default model's 26 buckets came to 16 graphs, each compiled in a cold start, where the
+        # small ones now make 2. Not tuned by --tune_kernels: a memory-bound elementwise kernel gains nothing from it.
+        untuned = {"coordinate_descent_tuning": False}
+        self.update_, self.update_small_ = (
+            (torch.compile(adam_update_, dynamic=False, fullgraph=True, options=untuned),
+             torch.compile(adam_update_, dynamic=True, fullgraph=True, options=untuned))
+            if compiled else (adam_update_, adam_update_))
         self.scalars: dict[int, Tensor] = {}  # group index -> [lr, decay] on the parameters' device
         self.rank, self.world_size = current_rank_and_world()
         self.distributed = self.world_size > 1
@@ -2077,8 +2081,9 @@ class DistAdam(torch.optim.Optimizer):
         group = self.param_groups[bucket.group_index]
         scalars = self.scalars[bucket.group_index]
         beta1, beta2 = group["betas"]
-        self.update_(owned, grad_shard, state["exp_avg"], state["exp_avg_sq"], state["step"], scalars[0], scalars[1],
-                     beta1, beta2, group["eps"])
+        update_ = self.update_small_ if owned.numel() < self.MERGE else self.update_
+        update_(owned, grad_shard, state["exp_avg"], state["exp_avg_sq"], state["step"], scalars[0], scalars[1],
+                beta1, beta2, group["eps"])
 
 
 def adam_update_(p: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: Tensor, lr: Tensor,
