@@ -79,12 +79,28 @@ def kernel_kind(name: str) -> str:
     return next((kind for kind, pattern in KERNEL_KINDS if re.search(pattern, name)), "other")
 
 
+def gpu_activity(trace: dict) -> list[dict]:
+    """A torch.profiler chrome trace's GPU kernels, copies and sets, in the order they started."""
+    return sorted((e for e in trace["traceEvents"]
+                   if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                  key=lambda e: e["ts"])
+
+
+def idle_gaps(gpu: list[dict]):
+    """(event, when the GPU went idle before it) for each event of gpu_activity that found nothing running."""
+    busy_until = gpu[0]["ts"]
+    for e in gpu:
+        if e["ts"] > busy_until:
+            yield e, busy_until
+        busy_until = max(busy_until, e["ts"] + e["dur"])
+
+
 def trace_summary(trace: dict, steps: int) -> list[str]:
     """Read a torch.profiler chrome trace: GPU time per kind of kernel, and the idle time between kernels,
     split into gaps where the next kernel was launched only after the GPU had gone idle (the host was late;
     attributed to the host op that launched it, inside its outermost op) and gaps the GPU left on its own."""
     events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
-    gpu = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+    gpu = gpu_activity(trace)
     launches = {e["args"]["correlation"]: e for e in events
                 if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
     ops_by_thread: dict = {}
@@ -120,20 +136,17 @@ def trace_summary(trace: dict, steps: int) -> list[str]:
     for e in gpu:
         by_kind[kernel_kind(e["name"])] = by_kind.get(kernel_kind(e["name"]), 0.0) + e["dur"]
     begin, end = gpu[0]["ts"], max(e["ts"] + e["dur"] for e in gpu)
-    busy_until, idle_late, idle_gpu, late_by_context = begin, 0.0, 0.0, {}
-    gaps = 0
-    for e in gpu:
-        gap = e["ts"] - busy_until
-        if gap > 0:
-            gaps += 1
-            launch = launches.get(e.get("args", {}).get("correlation"))
-            if launch is not None and launch["ts"] + launch["dur"] > busy_until:
-                idle_late += gap
-                context = host_context(launch)
-                late_by_context[context] = late_by_context.get(context, 0.0) + gap
-            else:
-                idle_gpu += gap
-        busy_until = max(busy_until, e["ts"] + e["dur"])
+    idle_late, idle_gpu, late_by_context, gaps = 0.0, 0.0, {}, 0
+    for e, idle_since in idle_gaps(gpu):
+        gap = e["ts"] - idle_since
+        gaps += 1
+        launch = launches.get(e.get("args", {}).get("correlation"))
+        if launch is not None and launch["ts"] + launch["dur"] > idle_since:
+            idle_late += gap
+            context = host_context(launch)
+            late_by_context[context] = late_by_context.get(context, 0.0) + gap
+        else:
+            idle_gpu += gap
     span = end - begin
     per_step = lambda us: us / 1000 / steps
     lines = [f"GPU span {per_step(span):.1f} ms per step: busy {per_step(span - idle_late - idle_gpu):.1f}, "
@@ -180,8 +193,7 @@ NCCL_COLLECTIVES = ("ReduceScatter", "AllGather", "AllReduce", "SendRecv", "Broa
 def rank_communication(trace: dict, steps: int) -> str:
     """One rank's NCCL kernel time per step by collective, with each kernel's protocol, and its idle GPU time: a rank
     whose collectives take far longer than another's is mostly waiting in them for the ranks that come late."""
-    gpu = sorted((e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("cat") == "kernel"),
-                 key=lambda e: e["ts"])
+    gpu = gpu_activity(trace)
     by_collective: dict = {}
     for e in gpu:
         if "nccl" in e["name"]:
@@ -190,10 +202,7 @@ def rank_communication(trace: dict, steps: int) -> str:
             key = f"{collective} {' '.join(algorithm.groups()) if algorithm else 'generic'}"
             total, count = by_collective.get(key, (0.0, 0))
             by_collective[key] = (total + e["dur"], count + 1)
-    busy_until, idle = gpu[0]["ts"], 0.0
-    for e in gpu:
-        idle += max(0.0, e["ts"] - busy_until)
-        busy_until = max(busy_until, e["ts"] + e["dur"])
+    idle = sum(e["ts"] - idle_since for e, idle_since in idle_gaps(gpu))
     parts = ", ".join(f"{key} {us / 1000 / steps:.2f} ms ({count // steps}x)"
                       for key, (us, count) in sorted(by_collective.items(), key=lambda item: -item[1][0]))
     return (f"NCCL {sum(us for us, _ in by_collective.values()) / 1000 / steps:.2f} ms per step ({parts or 'none'}); "
