@@ -1782,6 +1782,10 @@ class _AdamBucket:
         torch.cat([t.reshape(-1) for t in tensors], out=flat[: self.numel])
         return flat
 
+    def owned(self, flat: Tensor, rank: int) -> Tensor:
+        """The slice of a flat form (from flat()) that `rank` owns."""
+        return flat[rank * self.shard: (rank + 1) * self.shard]
+
 
 class _MergedBuckets:
     """Small buckets of any param groups whose gradients travel in one reduce-scatter and whose updates in one
@@ -1966,12 +1970,17 @@ class DistAdam(torch.optim.Optimizer):
     def _grads(bucket: _AdamBucket) -> list[Tensor]:
         return [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
 
+    @staticmethod
+    def _reduce_scatter(flat: Tensor, shard: int):
+        """Launch the averaging reduce-scatter of flat; returns a function that waits and gives this rank's shard."""
+        out = flat.new_empty(shard)
+        work = dist.reduce_scatter_tensor(out, flat, op=dist.ReduceOp.AVG, async_op=True)
+        return lambda: (work.wait(), out)[1]
+
     def _launch_reduce(self, bucket):
         if isinstance(bucket, _MergedBuckets):
-            block = bucket.params[0].new_empty(bucket.shard)
             packed = bucket.pack([member.flat(self._grads(member)) for member in bucket.members])
-            work = dist.reduce_scatter_tensor(block, packed, op=dist.ReduceOp.AVG, async_op=True)
-            bucket.pending = lambda: (work.wait(), block)[1]
+            bucket.pending = self._reduce_scatter(packed, bucket.shard)
             self.launched.append(bucket)
             return
         grads = self._grads(bucket)
@@ -1979,9 +1988,7 @@ class DistAdam(torch.optim.Optimizer):
         if exchange is not None:
             bucket.pending = exchange.launch(grads[0])
         elif self.distributed:
-            shard = grads[0].new_empty(bucket.shard)
-            work = dist.reduce_scatter_tensor(shard, bucket.flat(grads), op=dist.ReduceOp.AVG, async_op=True)
-            bucket.pending = lambda: (work.wait(), shard)[1]
+            bucket.pending = self._reduce_scatter(bucket.flat(grads), bucket.shard)
         else:
             flat = bucket.flat(grads)
             bucket.pending = lambda: flat
@@ -2008,7 +2015,7 @@ class DistAdam(torch.optim.Optimizer):
         for bucket in self.launched:
             if isinstance(bucket, _MergedBuckets):
                 flats = [member.flat(member.params) for member in bucket.members]
-                owned = [flat[self.rank * m.shard: (self.rank + 1) * m.shard] for flat, m in zip(flats, bucket.members)]
+                owned = [member.owned(flat, self.rank) for member, flat in zip(bucket.members, flats)]
                 for member, own, grad_shard in zip(bucket.members, owned, bucket.split_block(bucket.pending())):
                     self._update(member, own, grad_shard)
                 packed = owned[0].new_empty(bucket.shard * self.world_size)
@@ -2020,7 +2027,7 @@ class DistAdam(torch.optim.Optimizer):
             if tied and bucket is self.tied_buckets[1]:
                 grad_shard = grad_shard + self.tied_buckets[0].pending()
             flat = bucket.flat(bucket.params)
-            owned = flat[self.rank * bucket.shard: (self.rank + 1) * bucket.shard]
+            owned = bucket.owned(flat, self.rank)
             self._update(bucket, owned, grad_shard)
             if self.distributed:
                 gathers.append((bucket, flat, dist.all_gather_into_tensor(flat, owned, async_op=True)))
@@ -3234,7 +3241,7 @@ def scatter_optimizer_states(model: GPT, optimizers, muon_state: dict, adam_stat
             state["step"] = torch.tensor(float(saved["step"]), dtype=torch.float32, device=device)
             for key in ("exp_avg", "exp_avg_sq"):
                 flat = bucket.flat([adam_state[names[p]][key].to(device) for p in bucket.params])
-                state[key] = flat[comm.rank * bucket.shard: (comm.rank + 1) * bucket.shard].clone()
+                state[key] = bucket.owned(flat, comm.rank).clone()
         if state:
             adam.state[bucket.params[0]] = state
 
