@@ -11,6 +11,7 @@ runs nothing. The ideas (and many constants) come from the public NanoGPT speedr
 """
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import functools
@@ -3106,10 +3107,50 @@ class StepTimes:
         return lines
 
 
-def compile_cache_hits() -> int:
-    """Compiled graphs served from a cache (inductor kernels and AOTAutograd graphs) in this process."""
-    from torch._dynamo.utils import counters
-    return int(counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"])
+class CompileCacheWatch:
+    """How torch's two graph caches (inductor's FX graph cache and AOTAutograd's) served the graphs compiled while
+    it watches: hits, misses, and bypasses with their reasons. A bypassed graph is compiled afresh every time, a
+    warm cache or a --compile_cache file notwithstanding, so its reason is what to fix for a faster start. torch
+    gives the reasons only as INFO lines of two of its loggers: a filter on each collects them and lets through
+    only what the logger would have passed anyway."""
+    LOGGERS = ("torch._inductor.codecache", "torch._functorch._aot_autograd.autograd_cache")
+
+    def __init__(self):
+        from torch._dynamo.utils import counters
+        self.counters = counters
+        self.start = self._counts()
+        self.reasons: collections.Counter = collections.Counter()
+        self.loggers = [(logging.getLogger(name), logging.getLogger(name).level) for name in self.LOGGERS]
+        self.quiet_below = {logger.name: logger.getEffectiveLevel() for logger, _ in self.loggers}
+        for logger, _ in self.loggers:
+            logger.addFilter(self._collect)
+            logger.setLevel(min(logging.INFO, logger.getEffectiveLevel()))
+
+    def _counts(self) -> collections.Counter:
+        inductor, aot = self.counters["inductor"], self.counters["aot_autograd"]
+        return collections.Counter(hits=inductor["fxgraph_cache_hit"] + aot["autograd_cache_hit"],
+                                   misses=inductor["fxgraph_cache_miss"] + aot["autograd_cache_miss"],
+                                   bypasses=inductor["fxgraph_cache_bypass"] + aot["autograd_cache_bypass"])
+
+    def _collect(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message.startswith("Bypassing"):
+            self.reasons[" ".join(message.split())[:200]] += 1
+        return record.levelno >= self.quiet_below.get(record.name, logging.WARNING)
+
+    def close(self) -> None:
+        for logger, level in self.loggers:
+            logger.removeFilter(self._collect)
+            logger.setLevel(level)
+
+    def summary(self) -> str:
+        """'cache_hits:H cache_misses:M cache_bypasses:B' for the graphs compiled while watched."""
+        counts = self._counts()
+        counts.subtract(self.start)
+        return " ".join(f"cache_{kind}:{counts[kind]}" for kind in ("hits", "misses", "bypasses"))
+
+    def bypass_lines(self) -> list[str]:
+        return [f"compile cache bypassed {n}x: {reason}" for reason, n in self.reasons.most_common()]
 
 
 def compile_phase_times(top: int = 12) -> str:
@@ -3656,8 +3697,14 @@ def build_model(cfg: Config, comm: Comm, log: RunLog) -> tuple[GPT, torch.device
 
 def configure_inductor(cfg: Config, device: torch.device) -> None:
     """Inductor's options for our graphs, set before they compile (torch keeps them process-wide)."""
+    import torch._functorch.config as functorch
     import torch._inductor.config as inductor
     inductor.coordinate_descent_tuning = cfg.tune_kernels and device.type == "cuda"
+    # AOTAutograd's cache refuses graphs with custom autograd Functions unless told otherwise, and the FP8 head, the
+    # loss and the copy pointer are such Functions: the whole-model graph was traced and compiled afresh at every
+    # start, warm caches and --compile_cache notwithstanding. Dynamo traces each Function's forward and backward into
+    # the graph, so the cache key covers them.
+    functorch.autograd_cache_allow_custom_autograd_functions = True
 
 
 class CompileCache:
@@ -3746,18 +3793,23 @@ def build_and_warm_up(cfg: Config, comm: Comm, log: RunLog) -> Trainer:
     if cache is not None:
         cache.load()
     scope, compile_mode = compile_model(model, cfg, comm, device)
+    caches = CompileCacheWatch()
     try:
         warm_up(model, optimizers, cfg, comm, schedule, device, packed)
     except torch.OutOfMemoryError as e:
         raise UserError(f"out of GPU memory in the warm-up, with {packed} micro-batch(es) of {cfg.micro_batch_tokens} "
                         f"tokens per forward ({str(e).splitlines()[0]}): lower --forward_micro_batches or "
                         "--micro_batch_tokens") from None
+    finally:
+        caches.close()
     if device.type == "cuda":
         torch.cuda.synchronize()
     recompiles = RecompileWatch()
     since_start = seconds_since_process_start()
-    log(f"compile_time:{time.perf_counter() - start:.1f}s graphs:{recompiles.graphs} cache_hits:{compile_cache_hits()}"
+    log(f"compile_time:{time.perf_counter() - start:.1f}s graphs:{recompiles.graphs} {caches.summary()}"
         + (f" since_process_start:{since_start:.1f}s" if since_start is not None else ""))
+    for line in caches.bypass_lines():
+        log(line)
     if cfg.compile:
         log(f"compile scope: {scope}, mode: {compile_mode}" + (" (auto)" if cfg.compile_mode == "auto" else "")
             + f"; phases: {compile_phase_times()}")

@@ -191,3 +191,62 @@ def test_kernel_tuning_is_for_gpus_and_can_be_turned_off():
         for tune, device, want in ((True, "cuda", True), (True, "cpu", False), (False, "cuda", False)):
             tg.configure_inductor(dataclasses.replace(tg.Config(), tune_kernels=tune), torch.device(device))
             assert torch._inductor.config.coordinate_descent_tuning is want, (tune, device)
+
+
+def test_compile_cache_watch_counts_a_bypass_with_its_reason_and_stays_quiet(capfd):
+    import logging
+
+    import torch
+    import train_gpt as tg
+
+    def loss(x):
+        return (x.sin() * 2).sum()
+
+    levels = [logging.getLogger(name).level for name in tg.CompileCacheWatch.LOGGERS]
+    watch = tg.CompileCacheWatch()
+    try:  # AOTAutograd's cache refuses graphs compiled with freezing
+        with torch._inductor.config.patch(freezing=True), torch.no_grad():
+            torch.compile(loss, dynamic=False)(torch.randn(8))
+    finally:
+        watch.close()
+    assert re.fullmatch(r"cache_hits:\d+ cache_misses:\d+ cache_bypasses:1", watch.summary()), watch.summary()
+    assert watch.bypass_lines() == ["compile cache bypassed 1x: Bypassing autograd cache due to: "
+                                    "Cannot cache a graph with freezing enabled"]
+    assert "Bypassing" not in capfd.readouterr().err  # torch's INFO lines stay as quiet as before
+    assert [logging.getLogger(name).level for name in tg.CompileCacheWatch.LOGGERS] == levels
+
+
+def test_graphs_with_custom_autograd_functions_are_cached():
+    import dataclasses
+
+    import torch
+    import train_gpt as tg
+
+    class Double(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * 2
+
+    def loss(x):
+        return Double.apply(x.sin()).sum()
+
+    x = torch.randn(8, requires_grad=True)
+    with torch._inductor.config.patch(coordinate_descent_tuning=False), \
+            torch._functorch.config.patch(autograd_cache_allow_custom_autograd_functions=False):
+        tg.configure_inductor(dataclasses.replace(tg.Config(), compile=True), torch.device("cpu"))
+        summaries = []
+        for _ in range(2):  # the second compile, after dynamo forgets the first, comes from the cache
+            torch._dynamo.reset()
+            watch = tg.CompileCacheWatch()
+            try:
+                torch.compile(loss, dynamic=False)(x).backward()
+            finally:
+                watch.close()
+            summaries.append(watch.summary())
+    assert re.fullmatch(r"cache_hits:0 cache_misses:[1-9]\d* cache_bypasses:0", summaries[0]) or \
+        re.fullmatch(r"cache_hits:[1-9]\d* cache_misses:0 cache_bypasses:0", summaries[0]), summaries
+    assert re.fullmatch(r"cache_hits:[1-9]\d* cache_misses:0 cache_bypasses:0", summaries[1]), summaries

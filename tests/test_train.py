@@ -914,7 +914,8 @@ def test_two_process_gloo_smoke_run(tiny_data, tmp_path):
     val = {int(m.group(1)): float(m.group(4)) for m in steps if m.group(3)}
     assert sorted(val) == [0, 2, 4, 6] and all(math.isfinite(x) for x in val.values())
     assert val[6] < val[0] - 0.3  # it trained (Adam stepped on 3 of the 6 steps)
-    assert re.search(r"^compile_time:[\d.]+s graphs:\d+ cache_hits:\d+( since_process_start:[\d.]+s)?$", log, re.M)
+    assert re.search(r"^compile_time:[\d.]+s graphs:\d+ cache_hits:\d+ cache_misses:\d+ cache_bypasses:\d+"
+                     r"( since_process_start:[\d.]+s)?$", log, re.M)
     assert "\ngraphs compiled in the timed region: 0\n" in log
     # 4 scheduled steps over the tiny preset's 3 stages, steps 1-2, 3 and 4, then the 2 extension steps
     counts = re.findall(r"^step times, stage (\d): (\d) steps, wall median [\d.]+ ms, slowest [\d.]+ ms at step \d", log, re.M)
