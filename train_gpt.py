@@ -276,6 +276,10 @@ class Config:
     # weight shrinks by lr_eff * muon_weight_decay * lr each step, lr_eff the matrix's lr and lr its group's
     # scheduled one: the decay follows the lr squared.
     muon_weight_decay: float = _optim(1.2, "Muon's cautious weight decay, times the matrix's and the scheduled lr")
+    # The speedrun's records reduce-scatter their gradients in bf16: half the bytes on the wire. Each rank's gradient
+    # is rounded to bf16 before the average at every world size (one rank rounds it too), so 1, 2, 4 and 8 ranks
+    # keep the same math up to the order of the bf16 sums.
+    bf16_grad_comms: bool = _optim(False, "Muon's and Adam's gradients rounded to bf16 and reduce-scattered in it")
     # ---- speed switches
     compile: bool = _speed(True, "torch.compile the model, over compile_scope")
     # auto: see compile_model for why whole. split: two graphs, layers before split_layer and the rest, so that the
@@ -1843,9 +1847,9 @@ class _RowExchange:
         self.counts_sent = dist.all_to_all_single(self.recv_counts, torch.from_numpy(self.send_counts),
                                                   group=cpu_group, async_op=True)
 
-    def launch(self, grad: Tensor):
-        """Send the touched rows to their owners; returns a function that waits and gives this rank's
-        averaged gradient shard (flat)."""
+    def launch(self, grad: Tensor, dtype: torch.dtype | None = None):
+        """Send the touched rows to their owners (in dtype when given); returns a function that waits and gives
+        this rank's averaged gradient shard (flat), summed in grad's dtype."""
         self.counts_sent.wait()  # a CPU collective: the host waits, the GPU does not
         send_splits = self.send_counts.tolist()
         recv_splits = self.recv_counts.numpy().tolist()
@@ -1854,14 +1858,16 @@ class _RowExchange:
         recv_rows = torch.empty(received, dtype=torch.int64, device=grad.device)
         rows_sent = dist.all_to_all_single(recv_rows, send_rows, recv_splits, send_splits, async_op=True)
         values = grad.index_select(0, send_rows)
-        recv_values = grad.new_empty(received, grad.size(1))
+        if dtype is not None:
+            values = values.to(dtype)
+        recv_values = values.new_empty(received, grad.size(1))
         values_sent = dist.all_to_all_single(recv_values, values, recv_splits, send_splits, async_op=True)
 
         def finish() -> Tensor:
             rows_sent.wait()
             values_sent.wait()
             shard = grad.new_zeros(self.rows_per_rank, grad.size(1))
-            shard.index_add_(0, recv_rows - self.rank * self.rows_per_rank, recv_values)
+            shard.index_add_(0, recv_rows - self.rank * self.rows_per_rank, recv_values.to(grad.dtype))
             return shard.div_(self.world_size).view(-1)
         return finish
 
@@ -1904,8 +1910,10 @@ class DistAdam(torch.optim.Optimizer):
     MERGE = 1 << 20  # on several ranks, buckets below this many values share one reduce-scatter and all-gather
 
     def __init__(self, params, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, sparse_params=(), compiled: bool = False, tied: tuple | None = None):
+                 weight_decay: float = 0.0, sparse_params=(), compiled: bool = False, tied: tuple | None = None,
+                 grad_dtype: torch.dtype | None = None):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.grad_dtype = grad_dtype  # gradients rounded to it before they travel (--bf16_grad_comms); None: as is
         # compiled: one fused kernel per bucket shape (CUDA); the lr and decay go in as tensors, so a new value
         # is no new graph. The shards under MERGE values share one graph of symbolic length per betas and eps
         # (update_small_): the default model's 26 buckets came to 16 graphs, each compiled in a cold start, where the
@@ -1971,12 +1979,13 @@ class DistAdam(torch.optim.Optimizer):
     def _grads(bucket: _AdamBucket) -> list[Tensor]:
         return [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
 
-    @staticmethod
-    def _reduce_scatter(flat: Tensor, shard: int):
-        """Launch the averaging reduce-scatter of flat; returns a function that waits and gives this rank's shard."""
-        out = flat.new_empty(shard)
-        work = dist.reduce_scatter_tensor(out, flat, op=dist.ReduceOp.AVG, async_op=True)
-        return lambda: (work.wait(), out)[1]
+    def _reduce_scatter(self, flat: Tensor, shard: int):
+        """Launch the averaging reduce-scatter of flat (in grad_dtype when set); returns a function that waits and
+        gives this rank's shard in flat's dtype."""
+        sent = flat if self.grad_dtype is None else flat.to(self.grad_dtype)
+        out = sent.new_empty(shard)
+        work = dist.reduce_scatter_tensor(out, sent, op=dist.ReduceOp.AVG, async_op=True)
+        return lambda: (work.wait(), out.to(flat.dtype))[1]
 
     def _launch_reduce(self, bucket):
         if isinstance(bucket, _MergedBuckets):
@@ -1987,11 +1996,13 @@ class DistAdam(torch.optim.Optimizer):
         grads = self._grads(bucket)
         exchange = self.row_exchanges.pop(bucket.params[0], None)
         if exchange is not None:
-            bucket.pending = exchange.launch(grads[0])
+            bucket.pending = exchange.launch(grads[0], self.grad_dtype)
         elif self.distributed:
             bucket.pending = self._reduce_scatter(bucket.flat(grads), bucket.shard)
         else:
             flat = bucket.flat(grads)
+            if self.grad_dtype is not None:  # rounded as it would be on its way to the other ranks
+                flat = flat.to(self.grad_dtype).to(flat.dtype)
             bucket.pending = lambda: flat
         self.launched.append(bucket)
 
@@ -2211,9 +2222,10 @@ class Muon(torch.optim.Optimizer):
 
     def __init__(self, params, lr: float, momentum: float, weight_decay: float = 0.0, beta2: float = 0.0,
                  shape_lr: bool = False, use_triton: bool = False, layers: list[int] | None = None,
-                 slow_momentum: float = 0.0):
+                 slow_momentum: float = 0.0, grad_dtype: torch.dtype | None = None):
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, split=1, lr_mul=1.0))
         self.beta2, self.shape_lr, self.slow_momentum = beta2, shape_lr, slow_momentum
+        self.grad_dtype = grad_dtype  # gradients rounded to it before the reduce-scatter (--bf16_grad_comms); None: as is
         self.use_triton = use_triton  # Kernels.newton_schulz: orthogonalize's Triton kernel, else plain torch
         self.rank, self.world_size = current_rank_and_world()
         self.distributed = self.world_size > 1
@@ -2234,6 +2246,8 @@ class Muon(torch.optim.Optimizer):
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in group.params]
         grads += [torch.zeros_like(grads[0])] * group.padding
         stacked = torch.stack(grads)
+        if self.grad_dtype is not None:
+            stacked = stacked.to(self.grad_dtype)
         if self.distributed:
             owned = stacked.new_empty(group.per_rank, *stacked.shape[1:])
             group.pending = (dist.reduce_scatter_tensor(owned, stacked, op=dist.ReduceOp.AVG, async_op=True), owned)
@@ -2285,7 +2299,7 @@ class Muon(torch.optim.Optimizer):
             work, grads = group.pending
             if work is not None:
                 work.wait()
-            updates = self._owned_updates(group, grads)
+            updates = self._owned_updates(group, grads.to(group.params[0].dtype))  # back from grad_dtype
             if self.distributed:
                 everything = updates.new_empty(group.per_rank * self.world_size, *updates.shape[1:])
                 gathers.append((group, everything, dist.all_gather_into_tensor(everything, updates, async_op=True)))
@@ -3398,7 +3412,7 @@ def build_optimizers(model: GPT, cfg: Config) -> list[torch.optim.Optimizer]:
                 lr=cfg.muon_lr, momentum=cfg.muon_momentum, weight_decay=cfg.muon_weight_decay,
                 beta2=cfg.normuon_beta2, shape_lr=cfg.muon_shape_lr, use_triton=model.kernels.newton_schulz,
                 layers=[layer_of[p] for kind in ("attn", "mlp_in", "mlp_out") for p in matrices[kind]],
-                slow_momentum=cfg.muon_slow_momentum)
+                slow_momentum=cfg.muon_slow_momentum, grad_dtype=torch.bfloat16 if cfg.bf16_grad_comms else None)
     bigram = [model.bigram_embed.weight] if model.bigram_embed is not None else []
     tables = [ve.weight for ve in model.value_embeds] + bigram
     scalars = [model.skip_gate] + [block.value_scales for block in model.blocks]
@@ -3458,7 +3472,8 @@ def build_optimizers(model: GPT, cfg: Config) -> list[torch.optim.Optimizer]:
                     lr=cfg.adam_lr, betas=cfg.adam_betas, eps=cfg.adam_eps,
                     sparse_params=bigram if cfg.sparse_bigram_comms else (),
                     compiled=cfg.compile and next(model.parameters()).is_cuda,
-                    tied=(model.embed.weight, model.lm_head.weight) if cfg.tie_embed else None)
+                    tied=(model.embed.weight, model.lm_head.weight) if cfg.tie_embed else None,
+                    grad_dtype=torch.bfloat16 if cfg.bf16_grad_comms else None)
     # Muon steps first. The collectives of both share one NCCL stream, and every wait on them is a wait of
     # the compute stream: Adam's step ends waiting for its all-gathers (its tables, the largest transfer
     # of the step), so a Muon stepping after it would start its Newton-Schulz only then. Stepping first,

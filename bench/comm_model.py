@@ -103,30 +103,33 @@ def main():
     rows = bigram_rows_per_update(cfg, args[0], int(args[1]) if len(args) > 1 else 20, WORLDS) if args else None
     names = {id(p): n for n, p in model.named_parameters()}
     matrices = [p for g in muon.param_groups for p in g["params"]]
+    grad_bytes, grad_name = (2, "bf16") if cfg.bf16_grad_comms else (4, "fp32")  # what a gradient value travels as
     per_step = {}  # (world, stage) -> MB per rank per step, averaged over Adam's period
     for w in WORLDS:
         f = (w - 1) / w
         print(f"\n=== world size {w}: MB each rank sends ((W-1)/W = {f:.4f} of each dense buffer)")
-        # Muon: each group is a stack of same-shape fp32 gradients (reduce-scatter) and of bf16 updates on CUDA
-        # (all-gather: orthogonalize works in bf16 there), padded to a multiple of W.
+        # Muon: each group is a stack of same-shape gradients (reduce-scatter, fp32 or with --bf16_grad_comms bf16)
+        # and of bf16 updates on CUDA (all-gather: orthogonalize works in bf16 there), padded to a multiple of W.
         muon_rs = muon_ag = 0.0
         for group in tg.plan_muon_groups([tuple(p.shape) for p in matrices], w):
             count = -(-len(group) // w) * w
             numel = count * matrices[group[0]].numel()
-            muon_rs, muon_ag = muon_rs + f * numel * 4, muon_ag + f * numel * 2
+            muon_rs, muon_ag = muon_rs + f * numel * grad_bytes, muon_ag + f * numel * 2
             print(f"  Muon group of {len(group)} x {tuple(matrices[group[0]].shape)} ({count // w} per rank), every "
-                  f"step: reduce-scatter fp32 {f * numel * 4 / MB:.1f}, all-gather bf16 {f * numel * 2 / MB:.1f}")
+                  f"step: reduce-scatter {grad_name} {f * numel * grad_bytes / MB:.1f}, all-gather bf16 "
+                  f"{f * numel * 2 / MB:.1f}")
         adam_rs = ag_tied = ag_untied = 0.0
         apart = [q for q in (bigram, follower, model.lm_head.weight if follower is not None else None) if q is not None]
         for p, numel, padded in adam_buckets(adam, w, apart):
             name = p if isinstance(p, str) else names[id(p)]
-            dense = f * padded * 4  # fp32 parameters and gradients
+            dense = f * padded * 4  # fp32 parameters
             sparse = p is bigram and w > 1
-            adam_rs += 0.0 if sparse else dense
+            adam_rs += 0.0 if sparse else f * padded * grad_bytes
             ag_untied += dense
             ag_tied += 0.0 if p is follower else dense
             print(f"  Adam bucket {name}: {numel:,} values (padded {padded:,}), every {period} steps: reduce-scatter "
-                  f"fp32 {'sparse, below' if sparse else f'{dense / MB:.1f}'}, all-gather fp32 {dense / MB:.1f}"
+                  f"{grad_name} {'sparse, below' if sparse else f'{f * padded * grad_bytes / MB:.1f}'}, all-gather "
+                  f"fp32 {dense / MB:.1f}"
                   + (" (none while tied)" if p is follower else ""))
         print(f"  Muon per step: {muon_rs / MB:.1f} + {muon_ag / MB:.1f} = {(muon_rs + muon_ag) / MB:.1f}")
         print(f"  Adam per update, dense: reduce-scatter {adam_rs / MB:.1f}, all-gather {ag_tied / MB:.1f} tied, "
@@ -137,8 +140,8 @@ def main():
             a2a = 0.0
             if rows is not None and w > 1 and bigram is not None:
                 touched, sent = rows[w, stage]
-                a2a = sent * (bigram.size(1) * 4 + 8)  # an int64 index and an fp32 row each
-                dense_rs = f * bigram.numel() * 4
+                a2a = sent * (bigram.size(1) * grad_bytes + 8)  # an int64 index and a row each
+                dense_rs = f * bigram.numel() * grad_bytes
                 print(f"  stage {stage}: bigram rows per rank and Adam update: {touched:,.0f} touched, {sent:,.0f} "
                       f"owned by others; all-to-all {a2a / MB:.1f} (dense reduce-scatter {dense_rs / MB:.1f}, "
                       f"{dense_rs / a2a:.1f}x more)")
