@@ -293,9 +293,11 @@ class Config:
     # as a warning). auto: see resolve_compile_mode.
     compile_mode: str = _speed(
         "auto", "auto: reduce-overhead on one GPU, else default; or max-autotune[-no-cudagraphs]")
-    # Up to about 1% faster steps on one H100, for a cold compile nearly twice as long; the inductor cache keeps the
-    # tuned configs (docs/performance.md).
-    tune_kernels: bool = _speed(True, "inductor tunes its Triton kernels' block sizes by coordinate descent (CUDA)")
+    # Up to about 1% faster steps on one H100 for minutes of a cold start (244 s of 315 at the defaults on 4 GPUs), so
+    # auto tunes only where the result is kept for the next start: in --compile_cache's file, which holds the tuned
+    # configs (docs/performance.md).
+    tune_kernels: str = _speed("auto", "coordinate-descent tuning of inductor's Triton kernels (CUDA): 1, 0, auto "
+                                       "(with --compile_cache)")
     attn_backend: str = _speed("auto", "auto (fa3 if it imports, else flex on CUDA, sdpa on CPU) | fa3 | flex | sdpa")
     triton_kernels: bool = _speed(True, "Triton kernels for Newton-Schulz, the loss and the MLP (CUDA); 0: plain torch")
     # e4m3 activations and weights, e5m2 logit gradients, scaled per tensor (speedrun 2024-12 idea, scales ours):
@@ -532,6 +534,7 @@ def validate_config(cfg: Config) -> None:
             raise UserError(message)
 
     need(cfg.device in ("cuda", "cpu"), f"--device={cfg.device}: use cuda or cpu")
+    need(cfg.tune_kernels in ("auto", "1", "0"), f"--tune_kernels={cfg.tune_kernels}: use auto, 1 or 0")
     need(cfg.attn_backend in ("auto", "fa3", "flex", "sdpa"), f"--attn_backend={cfg.attn_backend}: use auto, fa3, flex or sdpa")
     need(cfg.compile_scope in ("auto", "whole", "split", "regional"),
          f"--compile_scope={cfg.compile_scope}: use auto, whole, split or regional")
@@ -3714,7 +3717,8 @@ def configure_inductor(cfg: Config, device: torch.device) -> None:
     """Inductor's options for our graphs, set before they compile (torch keeps them process-wide)."""
     import torch._functorch.config as functorch
     import torch._inductor.config as inductor
-    inductor.coordinate_descent_tuning = cfg.tune_kernels and device.type == "cuda"
+    tune = cfg.tune_kernels == "1" or (cfg.tune_kernels == "auto" and bool(cfg.compile_cache))
+    inductor.coordinate_descent_tuning = tune and device.type == "cuda"
     # AOTAutograd's cache refuses graphs with custom autograd Functions unless told otherwise, and the FP8 head, the
     # loss and the copy pointer are such Functions: the whole-model graph was traced and compiled afresh at every
     # start, warm caches and --compile_cache notwithstanding. Dynamo traces each Function's forward and backward into

@@ -183,16 +183,22 @@ def test_recompile_watch_reports_a_backward_compiled_at_its_first_call():
     assert second == [] and watch.since_warm_up() == 1
 
 
-def test_kernel_tuning_is_for_gpus_and_can_be_turned_off():
+def test_kernel_tuning_is_for_gpus_and_by_default_only_where_a_compile_cache_keeps_it():
     import dataclasses
 
     import torch
     import train_gpt as tg
 
-    with torch._inductor.config.patch(coordinate_descent_tuning=False):
-        for tune, device, want in ((True, "cuda", True), (True, "cpu", False), (False, "cuda", False)):
-            tg.configure_inductor(dataclasses.replace(tg.Config(), tune_kernels=tune), torch.device(device))
-            assert torch._inductor.config.coordinate_descent_tuning is want, (tune, device)
+    with torch._inductor.config.patch(coordinate_descent_tuning=False), torch._functorch.config.patch(
+            autograd_cache_allow_custom_autograd_functions=False):
+        for tune, cache, device, want in (("1", "", "cuda", True), ("1", "", "cpu", False), ("0", "f.bin", "cuda", False),
+                                          ("auto", "", "cuda", False), ("auto", "f.bin", "cuda", True),
+                                          ("auto", "f.bin", "cpu", False)):
+            cfg = dataclasses.replace(tg.Config(), tune_kernels=tune, compile_cache=cache)
+            tg.configure_inductor(cfg, torch.device(device))
+            assert torch._inductor.config.coordinate_descent_tuning is want, (tune, cache, device)
+    with pytest.raises(tg.UserError, match=r"^--tune_kernels=yes: use auto, 1 or 0$"):
+        tg.validate_config(dataclasses.replace(tg.Config(), tune_kernels="yes"))
 
 
 def test_compile_cache_watch_counts_a_bypass_with_its_reason_and_stays_quiet(capfd):
