@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Cold and warm start of the full default config on the bench stream, one device call (repo root):
 #   OUT=/some/dir bash bench/startup_bench.sh STEPS SCOPE [RUN_LIMIT_S]
-# SCOPE: startup   -> cold run (empty inductor and Triton caches), warm run (same caches), then a run
-#                     with an empty inductor cache but the --compile_cache file the warm run wrote;
+# SCOPE: startup   -> cold run (empty inductor and Triton caches, no --compile_cache: the default config, its
+#                     kernels untuned), then a cold run with --compile_cache=FILE (so --tune_kernels=auto tunes, and
+#                     the file keeps the tuned configs), then a run from that file into empty caches: the three
+#                     starts, and in the step-time lines of the first and third, untuned against tuned kernels;
 #        versus    -> cold run with --compile_scope=regional, then one with whole: step_avg of both on one machine;
 #        ab        -> cold run, then warm runs with plain-torch Newton-Schulz (--triton_kernels=0) and
 #                     with Triton again: Muon's kernel A/B at equal length on one machine;
 #        profile   -> cold run under cProfile: where the compile time goes ($OUT/cold_profile.txt).
-# Prints each run's compile_time / since_process_start / graphs / step_avg; logs land in $OUT.
+# Prints each run's compile_time / since_process_start / graphs / step_avg; logs land in $OUT. FLAGS="..." adds
+# train_gpt.py flags to every run (e.g. FLAGS="--attn_backend=fa3" after `source bench/fa3_build.sh site`).
 set -uo pipefail
 steps=$1; scope=$2; limit=${3:-450}
 OUT=${OUT:-/tmp/device_out}; mkdir -p "$OUT"
@@ -20,22 +23,24 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 run() {  # run NAME TRAINER INDUCTOR_DIR TRITON_DIR [flags...]
     local name=$1 trainer=$2; export TORCHINDUCTOR_CACHE_DIR=$3 TRITON_CACHE_DIR=$4; shift 4
     local start=$SECONDS
+    # shellcheck disable=SC2086  # FLAGS is a list of flags
     timeout "$limit" python3 $trainer --train_files='/tmp/bench2/docs_train_*.bin' \
         --val_files=/tmp/bench2/docs_val_000000.bin --val_tokens=2097152 --train_repeat=1 --val_loss_every=0 \
-        --num_iterations="$steps" --run_id="$name" "$@" > "$OUT/$name.stdout" 2>&1
+        --num_iterations="$steps" --run_id="$name" ${FLAGS:-} "$@" > "$OUT/$name.stdout" 2>&1
     local rc=$?
     printf '%s: exit %s after %ss | ' "$name" "$rc" "$((SECONDS - start))"
-    grep -hE "^compile_time|^compile scope|^warning|^error|peak memory" "$OUT/$name.stdout" | tr '\n' ' '
+    grep -hE "^compile_time|^compile scope|^compile cache|^warning|^error|peak memory" "$OUT/$name.stdout" | tr '\n' ' '
+    grep -hE "^step times" "$OUT/$name.stdout" | cut -c1-80
     grep -E "^step:$steps/$steps val_loss" "$OUT/$name.stdout" || echo "(no final line)"
-    cp "logs/$name.txt" "$OUT/" 2>/dev/null
 }
 
 case "$scope" in
 startup)
-    run cold train_gpt.py /tmp/ind_a /tmp/triton_a --compile_cache=/tmp/artifacts.bin
-    run warm train_gpt.py /tmp/ind_a /tmp/triton_a --compile_cache=/tmp/artifacts.bin
-    run artifacts train_gpt.py /tmp/ind_b /tmp/triton_b --compile_cache=/tmp/artifacts.bin
-    split -b 15m /tmp/artifacts.bin "$OUT/artifacts.bin.part"
+    rm -f /tmp/artifacts.bin
+    run cold train_gpt.py /tmp/ind_a /tmp/triton_a
+    run tuned train_gpt.py /tmp/ind_b /tmp/triton_b --compile_cache=/tmp/artifacts.bin
+    run artifacts train_gpt.py /tmp/ind_c /tmp/triton_c --compile_cache=/tmp/artifacts.bin
+    ls -l /tmp/artifacts.bin
     ;;
 versus)
     run regional train_gpt.py /tmp/ind_r /tmp/triton_r --compile_scope=regional
@@ -57,3 +62,4 @@ for key in ('cumulative', 'tottime'):
     ;;
 *) echo "unknown scope $scope"; exit 2 ;;
 esac
+tar -C logs -czf "$OUT/logs.tgz" . 2>/dev/null  # the runs' logs, one file back
