@@ -280,6 +280,9 @@ class Config:
     # is rounded to bf16 before the average at every world size (one rank rounds it too), so 1, 2, 4 and 8 ranks
     # keep the same math up to the order of the bf16 sums.
     bf16_grad_comms: bool = _optim(False, "Muon's and Adam's gradients rounded to bf16 and reduce-scattered in it")
+    # The speedrun's pull request #371: the head's weight gradient from every 4th token row, times 4, an unbiased
+    # estimate for a quarter of its matmul and of the FP8 gradient's transpose.
+    head_wgrad_rows: int = _optim(1, "the FP8 head's weight gradient from every this-many-th token row, scaled to match")
     # ---- speed switches
     compile: bool = _speed(True, "torch.compile the model, over compile_scope")
     # auto: see compile_model for why whole. split: two graphs, layers before split_layer and the rest, so that the
@@ -534,6 +537,11 @@ def validate_config(cfg: Config) -> None:
             raise UserError(message)
 
     need(cfg.device in ("cuda", "cpu"), f"--device={cfg.device}: use cuda or cpu")
+    # FP8 matmuls need the sampled rows (their reduced dimension) in multiples of 16
+    need(cfg.head_wgrad_rows >= 1 and cfg.micro_batch_tokens % (16 * cfg.head_wgrad_rows) == 0,
+         f"--head_wgrad_rows={cfg.head_wgrad_rows}: --micro_batch_tokens={cfg.micro_batch_tokens} must be a multiple of "
+         f"16 times it")
+    need(cfg.head_wgrad_rows == 1 or cfg.fp8_head, f"--head_wgrad_rows={cfg.head_wgrad_rows} needs --fp8_head=1")
     need(cfg.tune_kernels in ("auto", "1", "0"), f"--tune_kernels={cfg.tune_kernels}: use auto, 1 or 0")
     need(cfg.attn_backend in ("auto", "fa3", "flex", "sdpa"), f"--attn_backend={cfg.attn_backend}: use auto, fa3, flex or sdpa")
     need(cfg.compile_scope in ("auto", "whole", "split", "regional"),
@@ -1692,7 +1700,7 @@ class GPT(nn.Module):
         if self.copy_pointer is not None:
             copy = (cfg.vocab_size, *self.copy_pointer(x, tokens, targets, torch.cumsum(starts.long(), 0)))
         if cfg.fp8_head:
-            return fp8_softcapped_head(x, self.lm_head.weight, targets, cap, use_triton, mtp, copy)
+            return fp8_softcapped_head(x, self.lm_head.weight, targets, cap, use_triton, mtp, copy, cfg.head_wgrad_rows)
         logits = x @ self.lm_head.weight.to(x.dtype).T
         if copy is not None:
             return copy_mixture_losses(softcap(logits, cap), targets, *copy, mtp).mean()
@@ -4991,21 +4999,21 @@ if triton is not None:
             tl.store(Grad + slot, grad.to(Grad.dtype.element_ty))
 
     @triton.jit
-    def _transpose_kernel(In, Out, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        """Out [N, M] = In [M, N]^T for one [BLOCK_M, BLOCK_N] tile of a contiguous In."""
+    def _transpose_kernel(In, Out, M, N, row_step, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Out [N, M] = In[::row_step] [M, N]^T for one [BLOCK_M, BLOCK_N] tile of a contiguous In."""
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         inside = (rows[:, None] < M) & (cols[None, :] < N)
-        tile = tl.load(In + rows[:, None].to(tl.int64) * N + cols[None, :], mask=inside)
+        tile = tl.load(In + (rows[:, None] * row_step).to(tl.int64) * N + cols[None, :], mask=inside)
         tl.store(Out + cols[:, None].to(tl.int64) * M + rows[None, :], tl.trans(tile), mask=tl.trans(inside))
 
 
-def transpose_fp8(x: Tensor, block_m: int = 64, block_n: int = 128, warps: int = 4) -> Tensor:
-    """A contiguous copy of x.T (x: contiguous [M, N] FP8) with the Triton tile kernel, about 9 times as fast as
-    torch's copy of the transposed view (bench/bench_loss.py fp8_grad, docs/design.md)."""
-    M, N = x.shape
+def transpose_fp8(x: Tensor, block_m: int = 64, block_n: int = 128, warps: int = 4, row_step: int = 1) -> Tensor:
+    """A contiguous copy of x[::row_step].T (x: contiguous [M, N] FP8) with the Triton tile kernel, about 9 times as
+    fast as torch's copy of the transposed view (bench/bench_loss.py fp8_grad, docs/design.md)."""
+    M, N = -(-x.size(0) // row_step), x.size(1)
     out = x.new_empty(N, M)
-    _transpose_kernel[(triton.cdiv(M, block_m), triton.cdiv(N, block_n))](x, out, M, N, BLOCK_M=block_m,
+    _transpose_kernel[(triton.cdiv(M, block_m), triton.cdiv(N, block_n))](x, out, M, N, row_step, BLOCK_M=block_m,
                                                                         BLOCK_N=block_n, num_warps=warps)
     return out
 
@@ -5048,11 +5056,13 @@ class _Fp8SoftcappedHead(torch.autograd.Function):
     grad_x = grad @ w and grad_w = grad^T @ x (the latter straight into float32). `fast`: torch._scaled_mm and
     the Triton kernels; otherwise the same quantised arithmetic in plain torch (CPUs, tests). With log_copy and
     log_sink (the copy pointer's, [rows] each) the next token's loss is the copy mixture's, column `slot` its gate
-    (copy_mixture_losses), and the two get their gradients too."""
+    (copy_mixture_losses), and the two get their gradients too. With wgrad_rows = k > 1 grad_w sums rows 0, k, 2k,
+    ... only, times k: an unbiased estimate (the rows are alike in distribution) for 1/k of its matmul and transpose."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, targets: Tensor, cap: tuple, fast: bool, mtp_weights: Tensor | None,
-                period: int, slot: int = 0, log_copy: Tensor | None = None, log_sink: Tensor | None = None) -> Tensor:
+                period: int, slot: int = 0, log_copy: Tensor | None = None, log_sink: Tensor | None = None,
+                wgrad_rows: int = 1) -> Tensor:
         mtp = (mtp_weights, period) if mtp_weights is not None else None
         x_scale = x.new_full((), x.size(1) ** 0.5 / E4M3_MAX, dtype=torch.float32)
         w_scale = (weight.detach().abs().amax().float() / E4M3_MAX).clamp(min=1e-30)
@@ -5084,7 +5094,7 @@ class _Fp8SoftcappedHead(torch.autograd.Function):
             grad_q = (GRAD_E5M2_MAX * d * (cap[0] / cap[2]) * s * (1.0 - s)).to(torch.float8_e5m2)
         ctx.save_for_backward(x_q, w_q, x_scale, w_scale, grad_q,
                               *((d_copy, d_sink) if log_copy is not None else ()))
-        ctx.fast, ctx.x_dtype, ctx.w_dtype = fast, x.dtype, weight.dtype
+        ctx.fast, ctx.x_dtype, ctx.w_dtype, ctx.wgrad_rows = fast, x.dtype, weight.dtype, wgrad_rows
         ctx.copy_dtype = log_copy.dtype if log_copy is not None else None
         return losses.mean()
 
@@ -5092,21 +5102,22 @@ class _Fp8SoftcappedHead(torch.autograd.Function):
     def backward(ctx, grad_loss: Tensor):
         x_q, w_q, x_scale, w_scale, grad_q, *pointer_grads = ctx.saved_tensors
         grad_scale = grad_loss.float() / grad_q.size(0) / GRAD_E5M2_MAX
+        k = ctx.wgrad_rows  # grad_w from rows 0, k, 2k, ..., times k
         if ctx.fast:
-            grad_qt = transpose_fp8(grad_q)
+            grad_qt = transpose_fp8(grad_q, row_step=k)
             # _scaled_mm wants its second operand column-major: the transposed copies are small.
             grad_x = torch._scaled_mm(grad_q, w_q.t().contiguous().t(), scale_a=grad_scale, scale_b=w_scale,
                                       out_dtype=ctx.x_dtype)
-            grad_w = torch._scaled_mm(grad_qt, x_q.t().contiguous().t(), scale_a=grad_scale, scale_b=x_scale,
-                                      out_dtype=torch.float32)
+            grad_w = torch._scaled_mm(grad_qt, x_q[::k].t().contiguous().t(), scale_a=grad_scale * k,
+                                      scale_b=x_scale, out_dtype=torch.float32)
         else:
             grad = grad_q.float() * grad_scale
             grad_x = (grad @ (w_q.float() * w_scale)).to(ctx.x_dtype)
-            grad_w = grad.t() @ (x_q.float() * x_scale)
+            grad_w = (grad[::k] * k).t() @ (x_q[::k].float() * x_scale)
         grad_copy = grad_sink = None
         if pointer_grads:  # the mean's upstream gradient times each row's derivatives
             grad_copy, grad_sink = ((g * (grad_loss.float() / grad_q.size(0))).to(ctx.copy_dtype) for g in pointer_grads)
-        return grad_x, grad_w.to(ctx.w_dtype), None, None, None, None, None, None, grad_copy, grad_sink
+        return grad_x, grad_w.to(ctx.w_dtype), None, None, None, None, None, None, grad_copy, grad_sink, None
 
 
 def multi_token_grad(z: Tensor, targets: Tensor, mtp: tuple | None) -> Tensor:
@@ -5145,13 +5156,15 @@ def copy_mixture_grad(z: Tensor, targets: Tensor, slot: int, log_copy: Tensor, l
 
 
 def fp8_softcapped_head(x: Tensor, weight: Tensor, targets: Tensor, cap: tuple, use_triton: bool,
-                        mtp: tuple | None = None, copy: tuple | None = None) -> Tensor:
+                        mtp: tuple | None = None, copy: tuple | None = None, wgrad_rows: int = 1) -> Tensor:
     """Mean softcapped cross-entropy of x @ weight.T (x: [rows, dim] rms-normed, weight: [vocab, dim]) with
     FP8 matmuls, next-token or multi-token (mtp), the next token's of the copy mixture with copy = (the gate's
     column, log_copy, log_sink): _Fp8SoftcappedHead. With use_triton (Kernels.loss; CUDA) the fast kernels,
-    otherwise plain torch."""
+    otherwise plain torch. The weight's gradient comes from every wgrad_rows-th row."""
     weights, period = mtp if mtp is not None else (None, 0)
-    return _Fp8SoftcappedHead.apply(x, weight, targets, cap, use_triton, weights, period, *(copy or ()))
+    slot, log_copy, log_sink = copy or (0, None, None)
+    return _Fp8SoftcappedHead.apply(x, weight, targets, cap, use_triton, weights, period, slot, log_copy, log_sink,
+                                    wgrad_rows)
 
 
 if triton is not None:

@@ -42,6 +42,23 @@ def test_plain_fp8_head_matches_the_float64_reference():
     assert relative_error(grad_x, exact_x) < 0.15 and relative_error(grad_w, exact_w) < 0.15
 
 
+def test_plain_fp8_head_takes_its_weight_gradient_from_every_kth_row():
+    """wgrad_rows=4 (--head_wgrad_rows): the input gradient as with every row; the weight gradient is the float64
+    reference's with rows 0, 4, 8, ... at 4 times their upstream gradient and the others at none, which differs from
+    the whole sum."""
+    x, weight, targets = head_inputs()
+    rows, cap = x.size(0), (30.0, 0.0, 7.5)
+    xs, ws = x.clone().requires_grad_(), weight.clone().requires_grad_()
+    tg._Fp8SoftcappedHead.apply(xs, ws, targets, cap, False, None, 0, 0, None, None, 4).backward(torch.tensor(0.7))
+    every = torch.full((rows,), 0.7 / rows)
+    sampled = torch.zeros(rows)
+    sampled[::4] = 4 * 0.7 / rows
+    _, ref_x, whole_w = fp8_head_reference(x, weight, targets, 30.0, every)
+    _, _, ref_w = fp8_head_reference(x, weight, targets, 30.0, sampled)
+    assert relative_error(xs.grad, ref_x) < 1e-3 and relative_error(ws.grad, ref_w) < 1e-3
+    assert relative_error(ws.grad, whole_w) > 0.05
+
+
 def test_plain_fp8_head_with_multi_token_weights_matches_the_float64_reference():
     """Three offsets weighted 1 : 0.5 : 0.25 normalised, micro-batches of 32 rows, the speedrun's
     23 * sigmoid((x + 5) / 7.5): the plain-torch path of the FP8 head against the float64 reference with the same

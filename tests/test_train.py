@@ -966,10 +966,12 @@ def _train_on_rank(rank, world_size, cfg):
                                     dict(xsa_layers="1,3", value_gate_reads_embed=1, doc_len_schedule="32,64,128"),
                                     dict(sublayer_scales=1, attn_input_from=1, muon_qk_blocks=2, mudd=1, token_gates=1,
                                          xsa_layers="1,3", bigram_dims=24, bigram_signs=16),
-                                    dict(copy_pointer=1, copy_band=128, fp8_head=1, copy_sink_key=1, longest_match=1),
+                                    dict(copy_pointer=1, copy_band=128, fp8_head=1, copy_sink_key=1, longest_match=1,
+                                         head_wgrad_rows=4),
                                     dict(bf16_grad_comms=1)],
                          ids=["plain", "adam_period_3_slow_momentum", "paired_short_and_long", "xsa_ve_gate_doc_lens",
-                              "sublayer_scales_mudd_token_gates_bigram_signs", "copy_pointer_fp8_head_longest_match",
+                              "sublayer_scales_mudd_token_gates_bigram_signs",
+                              "copy_pointer_fp8_head_longest_match_head_wgrad_rows",
                               "bf16_grad_comms"])
 def test_world_size_1_and_2_give_the_same_losses(tiny_data, tmp_path, extras):
     """Also what the gradients travel as: fp32, or bf16 with --bf16_grad_comms (the reduce-scatters, and the bigram

@@ -65,16 +65,19 @@ FP8_GRAD_CHECK = textwrap.dedent("""
     quantised = (torch.randn(rows, vocab, generator=g) * 100).to(torch.float8_e5m2)
     print(((losses.double() - ref.detach()).abs().max() / ref.detach().abs().max()).item(),
           ((grad.double() / tg.GRAD_E5M2_MAX - x.grad).norm() / x.grad.norm()).item(),
-          tg.transpose_fp8(quantised).view(torch.uint8).equal(quantised.view(torch.uint8).t().contiguous()))
+          tg.transpose_fp8(quantised).view(torch.uint8).equal(quantised.view(torch.uint8).t().contiguous()),
+          tg.transpose_fp8(quantised, row_step=3).view(torch.uint8).equal(
+              quantised.view(torch.uint8)[::3].t().contiguous()))
 """)
 
 
 def test_fp8_loss_and_gradient_kernel_matches_float64_and_the_transpose_keeps_the_bits_in_the_interpreter():
     stdout = run_in_interpreter(FP8_GRAD_CHECK)
-    loss_error, grad_error, same = stdout.split()
+    loss_error, grad_error, same, same_sampled = stdout.split()
     assert float(loss_error) < 1e-5, stdout
     assert float(grad_error) < 1e-5, stdout
     assert same == "True", "transpose_fp8 must give the bits of torch's transpose"
+    assert same_sampled == "True", "transpose_fp8(row_step=3) must give the bits of torch's transpose of x[::3]"
 
 
 MTP_CHECK = textwrap.dedent("""

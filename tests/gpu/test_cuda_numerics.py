@@ -301,17 +301,19 @@ def test_row_embedding_grads_match_dense_ones_on_the_gpu():
         assert relative_error(sparse, dense) < 1e-5
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_fp8_head_matches_float64(compiled):
+@pytest.mark.parametrize("compiled, wgrad_rows", [(False, 1), (True, 1), (True, 4)])
+def test_fp8_head_matches_float64(compiled, wgrad_rows):
     """--fp8_head's CUDA path (_scaled_mm and the fused loss-and-gradient kernel) against the same quantised
-    arithmetic in float64 (tests/helpers.py), and against the unquantised head."""
+    arithmetic in float64 (tests/helpers.py), and against the unquantised head. With wgrad_rows=4
+    (--head_wgrad_rows) the weight gradient is the reference's from rows 0, 4, 8, ... at 4 times their weight."""
     from helpers import fp8_head_reference, unquantised_head_reference
     rows, dim, vocab = 1024, 768, 50304
     g = torch.Generator().manual_seed(7)
     x = tg.rms_norm(torch.randn(rows, dim, generator=g)).to(torch.bfloat16)
     weight = torch.randn(vocab, dim, generator=g) * 0.05
     targets = torch.randint(0, vocab, (rows,), generator=g)
-    head = lambda x, w, y: tg._Fp8SoftcappedHead.apply(x, w, y, (30.0, 0.0, 7.5), True, None, 0)  # noqa: E731
+    head = lambda x, w, y: tg._Fp8SoftcappedHead.apply(x, w, y, (30.0, 0.0, 7.5), True, None, 0,  # noqa: E731
+                                                        0, None, None, wgrad_rows)
     if compiled:
         head = torch.compile(head, fullgraph=True, dynamic=False)
     xc, wc = x.cuda().requires_grad_(), weight.cuda().requires_grad_()
@@ -320,11 +322,16 @@ def test_fp8_head_matches_float64(compiled):
     assert xc.grad.dtype == torch.bfloat16 and wc.grad.dtype == torch.float32
     assert all(torch.isfinite(t).all() for t in (loss, xc.grad, wc.grad))
 
-    ref_losses, ref_x, ref_w = fp8_head_reference(x, weight, targets, 30.0, torch.full((rows,), 1 / rows))
+    every = torch.full((rows,), 1 / rows)
+    sampled = torch.zeros(rows)
+    sampled[::wgrad_rows] = wgrad_rows / rows
+    ref_losses, ref_x, _ = fp8_head_reference(x, weight, targets, 30.0, every)
+    _, _, ref_w = fp8_head_reference(x, weight, targets, 30.0, sampled)
     assert relative_error(loss.detach().cpu(), ref_losses.mean()) < 2e-3  # the logits are bf16 here
     assert relative_error(xc.grad.cpu(), ref_x) < 5e-2  # bf16 logits move a few e5m2 roundings
     assert relative_error(wc.grad.cpu(), ref_w) < 5e-2
-    _, exact_x, exact_w = unquantised_head_reference(x, weight, targets, 30.0, torch.full((rows,), 1 / rows))
+    _, exact_x, _ = unquantised_head_reference(x, weight, targets, 30.0, every)
+    _, _, exact_w = unquantised_head_reference(x, weight, targets, 30.0, sampled)
     assert relative_error(xc.grad.cpu(), exact_x) < 0.15 and relative_error(wc.grad.cpu(), exact_w) < 0.15
 
 
@@ -439,14 +446,16 @@ def test_copy_pointer_kernels_match_float64(band):
 
 
 @pytest.mark.parametrize("shape", [(16384, 50304), (1000, 50257)])
-def test_fp8_transpose_kernel_keeps_the_bits(shape):
+@pytest.mark.parametrize("row_step", [1, 4])
+def test_fp8_transpose_kernel_keeps_the_bits(shape, row_step):
     """transpose_fp8 makes the FP8 weight gradient's [V, T] layout: it must equal torch's transpose bit for bit,
-    at the trainer's shape and at one that leaves partial tiles on both edges."""
+    at the trainer's shape and at one that leaves partial tiles on both edges; of every row_step-th row too."""
     g = torch.Generator(device="cuda").manual_seed(3)
     x = (torch.randn(*shape, generator=g, device="cuda") * 100).to(torch.float8_e5m2)
-    got = tg.transpose_fp8(x)
-    assert got.shape == shape[::-1] and got.is_contiguous()
-    assert torch.equal(got.view(torch.uint8), x.view(torch.uint8).t().contiguous())
+    got = tg.transpose_fp8(x, row_step=row_step)
+    want = x.view(torch.uint8)[::row_step].t().contiguous()
+    assert got.shape == want.shape and got.is_contiguous()
+    assert torch.equal(got.view(torch.uint8), want)
 
 
 def test_row_gradient_kernel_matches_float64():
