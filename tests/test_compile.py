@@ -112,6 +112,7 @@ def test_compiled_runs_match_eager_and_reuse_the_cache_file(module_tiny_data, ea
     hits = [int(re.search(r"graphs:\d+ cache_hits:(\d+)", log).group(1)) for log in (first, second)]
     graphs = [int(re.search(r"graphs:(\d+)", log).group(1)) for log in (first, second)]
     assert hits[0] == 0 and hits[1] >= graphs[1] > 0  # the second run's graphs all came from the file
+    assert re.search(r" cache_misses:0 cache_bypasses:0 ", second)
     assert all("\ngraphs compiled in the timed region: 0\n" in log for log in (first, second))
     losses = [float(VAL.search(log).group(1)) for log in (first, second, eager)]
     assert losses[0] == losses[1]
