@@ -37,8 +37,10 @@ if [ -d .fa3 ] && [[ " ${BENCHES:-} " == *" fa3"* ]]; then source bench/fa3_buil
 
 if [ "$what" = record ]; then  # the default configuration's whole schedule
     start=$SECONDS
+    # with a compile cache file, so that --tune_kernels=auto tunes the kernels, as a record attempt would
     timeout 580 torchrun --nproc_per_node="$nproc" train_gpt.py --train_files='/tmp/bench2/docs_train_*.bin' \
         --val_files=/tmp/bench2/docs_val_000000.bin --val_tokens=2097152 --train_repeat=1 --val_loss_every=250 \
+        --compile_cache=/tmp/record_compile_cache.bin \
         --run_id="default_x$nproc" "${flags[@]}" > "$OUT/default_x$nproc.stdout" 2>&1
     echo "== default run, $nproc GPUs: exit $? after $((SECONDS - start))s"
     grep -E "^compile_time|val_loss|^(rank [0-9]+: )?(step times|slow step|peak memory)|train_time|graphs" \
