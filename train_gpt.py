@@ -3767,6 +3767,7 @@ class CompileCache:
         if not self.comm.is_main or artifacts is None:
             return
         tmp = f"{self.path}.tmp{os.getpid()}"
+        Path(tmp).parent.mkdir(parents=True, exist_ok=True)
         Path(tmp).write_bytes(artifacts[0])
         os.replace(tmp, self.path)
         self.log(f"compile cache {self.path}: saved {len(artifacts[0]):,} bytes, {self.counts(artifacts[1])}")
