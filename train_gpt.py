@@ -1741,6 +1741,11 @@ def current_rank_and_world() -> tuple[int, int]:
 # step); each step() does its own gradient communication, so a sharded optimizer drops in unchanged.
 
 
+def grads_or_zeros(params: list[Tensor]) -> list[Tensor]:
+    """Each parameter's gradient, zeros for one that got none (what both optimizers send for it)."""
+    return [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+
+
 class _LaunchWhenGradsReady:
     """The backward hooks DistAdam and Muon share. While armed (the training loop arms them for the last
     forward's backward), `launch(unit)` runs as soon as every parameter of a unit (an Adam bucket,
@@ -1986,10 +1991,6 @@ class DistAdam(torch.optim.Optimizer):
                 rows = union_of_rows(self.deferred_rows.pop(p, []) + list(row_lists), p.size(0))
                 self.row_exchanges[p] = _RowExchange(p, rows, self.rank, self.world_size, self.cpu_group)
 
-    @staticmethod
-    def _grads(bucket: _AdamBucket) -> list[Tensor]:
-        return [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
-
     def _reduce_scatter(self, flat: Tensor, shard: int):
         """Launch the averaging reduce-scatter of flat (in grad_dtype when set); returns a function that waits and
         gives this rank's shard in flat's dtype."""
@@ -2000,11 +2001,11 @@ class DistAdam(torch.optim.Optimizer):
 
     def _launch_reduce(self, bucket):
         if isinstance(bucket, _MergedBuckets):
-            packed = bucket.pack([member.flat(self._grads(member)) for member in bucket.members])
+            packed = bucket.pack([member.flat(grads_or_zeros(member.params)) for member in bucket.members])
             bucket.pending = self._reduce_scatter(packed, bucket.shard)
             self.launched.append(bucket)
             return
-        grads = self._grads(bucket)
+        grads = grads_or_zeros(bucket.params)
         exchange = self.row_exchanges.pop(bucket.params[0], None)
         if exchange is not None:
             bucket.pending = exchange.launch(grads[0], self.grad_dtype)
@@ -2254,7 +2255,7 @@ class Muon(torch.optim.Optimizer):
         self.grad_hooks.armed = True
 
     def _launch_reduce(self, group: _MuonGroup):
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in group.params]
+        grads = grads_or_zeros(group.params)
         grads += [torch.zeros_like(grads[0])] * group.padding
         stacked = torch.stack(grads)
         if self.grad_dtype is not None:
@@ -3418,12 +3419,13 @@ def build_optimizers(model: GPT, cfg: Config) -> list[torch.optim.Optimizer]:
     dim, qk = cfg.model_dim, cfg.muon_qk_blocks
     attn_split = 4 if qk == 1 else ((dim // qk, 2 * qk), (dim, 2))  # Q and K in qk blocks each, then V and O
     layer_of = {p: i for i, block in enumerate(model.blocks) for p in block.parameters()}
+    grad_dtype = torch.bfloat16 if cfg.bf16_grad_comms else None  # what both optimizers' gradients travel as
     muon = Muon([dict(params=matrices["attn"], split=attn_split), dict(params=matrices["mlp_in"]),
                  dict(params=matrices["mlp_out"], lr_mul=cfg.muon_proj_lr_mul)],
                 lr=cfg.muon_lr, momentum=cfg.muon_momentum, weight_decay=cfg.muon_weight_decay,
                 beta2=cfg.normuon_beta2, shape_lr=cfg.muon_shape_lr, use_triton=model.kernels.newton_schulz,
                 layers=[layer_of[p] for kind in ("attn", "mlp_in", "mlp_out") for p in matrices[kind]],
-                slow_momentum=cfg.muon_slow_momentum, grad_dtype=torch.bfloat16 if cfg.bf16_grad_comms else None)
+                slow_momentum=cfg.muon_slow_momentum, grad_dtype=grad_dtype)
     bigram = [model.bigram_embed.weight] if model.bigram_embed is not None else []
     tables = [ve.weight for ve in model.value_embeds] + bigram
     scalars = [model.skip_gate] + [block.value_scales for block in model.blocks]
@@ -3484,7 +3486,7 @@ def build_optimizers(model: GPT, cfg: Config) -> list[torch.optim.Optimizer]:
                     sparse_params=bigram if cfg.sparse_bigram_comms else (),
                     compiled=cfg.compile and next(model.parameters()).is_cuda,
                     tied=(model.embed.weight, model.lm_head.weight) if cfg.tie_embed else None,
-                    grad_dtype=torch.bfloat16 if cfg.bf16_grad_comms else None)
+                    grad_dtype=grad_dtype)
     # Muon steps first. The collectives of both share one NCCL stream, and every wait on them is a wait of
     # the compute stream: Adam's step ends waiting for its all-gathers (its tables, the largest transfer
     # of the step), so a Muon stepping after it would start its Newton-Schulz only then. Stepping first,
@@ -5114,7 +5116,7 @@ class _Fp8SoftcappedHead(torch.autograd.Function):
         else:
             grad = grad_q.float() * grad_scale
             grad_x = (grad @ (w_q.float() * w_scale)).to(ctx.x_dtype)
-            grad_w = (grad[::k] * k).t() @ (x_q[::k].float() * x_scale)
+            grad_w = grad[::k].t() @ (x_q[::k].float() * (x_scale * k))
         grad_copy = grad_sink = None
         if pointer_grads:  # the mean's upstream gradient times each row's derivatives
             grad_copy, grad_sink = ((g * (grad_loss.float() / grad_q.size(0))).to(ctx.copy_dtype) for g in pointer_grads)
