@@ -280,6 +280,9 @@ class Config:
     # is rounded to bf16 before the average at every world size (one rank rounds it too), so 1, 2, 4 and 8 ranks
     # keep the same math up to the order of the bf16 sums.
     bf16_grad_comms: bool = _optim(False, "Muon's and Adam's gradients rounded to bf16 and reduce-scattered in it")
+    # The forward reads the value and bigram tables only as rows cast to the compute dtype, so their all-gather can
+    # travel in it (bf16 on GPUs: half of the Adam all-gathers' bytes) and every rank still runs the one-rank forward.
+    bf16_table_gathers: bool = _optim(False, "Adam all-gathers the value and bigram tables in the compute dtype (bf16)")
     # The speedrun's pull request #371: the head's weight gradient from every 4th token row, times 4, an unbiased
     # estimate for a quarter of its matmul and of the FP8 gradient's transpose.
     head_wgrad_rows: int = _optim(1, "the FP8 head's weight gradient from every this-many-th token row, scaled to match")
@@ -644,6 +647,12 @@ def validate_config(cfg: Config) -> None:
          "--init_from is read by --eval_only=1 or --sample (to train on, use --resume)")
     need(cfg.sample_tokens >= 1 and cfg.temperature >= 0,
          f"--sample_tokens={cfg.sample_tokens} --temperature={cfg.temperature}: need at least 1 and at least 0")
+    # Other ranks' slices of a table gathered in bf16 are rounded: only the forward may read them.
+    need(not (cfg.bf16_table_gathers and cfg.diloco), "--bf16_table_gathers with --diloco: DiLoCo reads whole "
+         "tables; pass --bf16_table_gathers=0")
+    need(not (cfg.bf16_table_gathers and cfg.tail_ema_from and (cfg.tail_ema_all or cfg.tail_ema_kinds)),
+         "--bf16_table_gathers with a tail average of the value tables (--tail_ema_all or --tail_ema_kinds): pass "
+         "--bf16_table_gathers=0")
     if cfg.diloco:
         need(cfg.adam_period <= 1, f"--adam_period={cfg.adam_period}: DiLoCo runs need 1 (a sync would land "
              "between the steps whose gradients Adam sums)")
@@ -1795,6 +1804,7 @@ class _AdamBucket:
         # zero-padded flat copy.
         self.in_place = len(params) == 1 and self.padded == self.numel
         self.pending = None  # waits for the communication; returns this rank's averaged gradient shard
+        self.gather_dtype = None  # what its all-gather sends, when narrower than the parameter (DistAdam decides)
 
     def flat(self, tensors: list[Tensor]) -> Tensor:
         if self.in_place:
@@ -1909,6 +1919,11 @@ class DistAdam(torch.optim.Optimizer):
          slice (adam_update_, compiled on CUDA), launch all_gather_into_tensor of the updated slice into the
          parameter;
       3. wait for every all-gather (and unpack packed buckets into their parameters).
+    A parameter under gather_dtypes (--bf16_table_gathers: the value and bigram tables, which the forward reads
+    only as rows cast to the compute dtype) is all-gathered in that dtype, half the bytes of fp32: each rank keeps
+    its own slice in full precision and the others' slices as the owners' values rounded, which cast to the
+    compute dtype give the same rows as the full values, so every rank's forward is the one rank's. exact_params()
+    gathers the full values when the whole weights are read (a checkpoint).
     No all_reduce is issued. A step while `accumulating` (--adam_period > 1) sends nothing and updates
     nothing: its gradients add to the next step's, which sends their sum (and the union of both steps' rows).
 
@@ -1927,7 +1942,7 @@ class DistAdam(torch.optim.Optimizer):
 
     def __init__(self, params, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, sparse_params=(), compiled: bool = False, tied: tuple | None = None,
-                 grad_dtype: torch.dtype | None = None):
+                 grad_dtype: torch.dtype | None = None, gather_dtypes: dict | None = None):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.grad_dtype = grad_dtype  # gradients rounded to it before they travel (--bf16_grad_comms); None: as is
         # compiled: one fused kernel per bucket shape (CUDA); the lr and decay go in as tensors, so a new value
@@ -1958,7 +1973,10 @@ class DistAdam(torch.optim.Optimizer):
         # adds its gradient shard to the leader's and is overwritten with the leader after each step. Whether they
         # are still tied lives in the follower's state (empty until untie()), so a loaded state dict carries it.
         self.tied = tied
-        apart = self.sparse_params | set(tied or ())  # these keep their own collectives
+        for bucket in self.buckets:  # what the all-gather of each one-parameter bucket sends (None: its own dtype)
+            dtype = (gather_dtypes or {}).get(bucket.params[0]) if len(bucket.params) == 1 else None
+            bucket.gather_dtype = dtype if self.distributed and dtype != bucket.params[0].dtype else None
+        apart = self.sparse_params | set(tied or ()) | {b.params[0] for b in self.buckets if b.gather_dtype is not None}
         mergeable = [b for b in self.buckets if b.numel < self.MERGE and not set(b.params) & apart]
         merged = [_MergedBuckets(mergeable, self.world_size)] if self.distributed and len(mergeable) > 1 else []
         # what travels in one collective: a bucket, or the merged small ones
@@ -2043,7 +2061,7 @@ class DistAdam(torch.optim.Optimizer):
                 for member, own, grad_shard in zip(bucket.members, owned, bucket.split_block(bucket.pending())):
                     self._update(member, own, grad_shard)
                 packed = owned[0].new_empty(bucket.shard * self.world_size)
-                gathers.append((bucket, packed, dist.all_gather_into_tensor(packed, torch.cat(owned), async_op=True)))
+                gathers.append((bucket, packed, dist.all_gather_into_tensor(packed, torch.cat(owned), async_op=True).wait))
                 continue
             if tied and bucket is self.tied_buckets[0]:
                 continue  # its gradient goes into the leader's update below
@@ -2054,12 +2072,12 @@ class DistAdam(torch.optim.Optimizer):
             owned = bucket.owned(flat, self.rank)
             self._update(bucket, owned, grad_shard)
             if self.distributed:
-                gathers.append((bucket, flat, dist.all_gather_into_tensor(flat, owned, async_op=True)))
+                gathers.append((bucket, flat, self._all_gather(bucket, flat, owned)))
             elif not bucket.in_place:
                 gathers.append((bucket, flat, None))
-        for bucket, flat, work in gathers:
-            if work is not None:
-                work.wait()
+        for bucket, flat, finish in gathers:
+            if finish is not None:
+                finish()
             if isinstance(bucket, _MergedBuckets):
                 for member, member_flat in zip(bucket.members, bucket.unpack(flat)):
                     self._copy_into_params(member, member_flat)
@@ -2072,6 +2090,33 @@ class DistAdam(torch.optim.Optimizer):
         self.launched = []
         self.row_exchanges = {}
         self.grad_hooks.disarm()
+
+    def _all_gather(self, bucket: _AdamBucket, flat: Tensor, owned: Tensor):
+        """Launch the all-gather of this rank's updated slice (owned, a view of flat) into flat; returns the function
+        that waits for it. In the bucket's gather_dtype the others' slices arrive rounded and this rank's own stays."""
+        if bucket.gather_dtype is None:
+            return dist.all_gather_into_tensor(flat, owned, async_op=True).wait
+        gathered = flat.new_empty(bucket.padded, dtype=bucket.gather_dtype)
+        work = dist.all_gather_into_tensor(gathered, owned.to(bucket.gather_dtype), async_op=True)
+        start, end = self.rank * bucket.shard, (self.rank + 1) * bucket.shard
+
+        def finish():
+            work.wait()
+            flat[:start].copy_(gathered[:start])
+            flat[end:].copy_(gathered[end:])
+        return finish
+
+    @torch.no_grad()
+    def exact_params(self):
+        """Give every rank the full-precision values of the parameters all-gathered in a narrower dtype, from their
+        owners (one all-gather each, in their own dtype): before the whole weights are read, as a checkpoint does.
+        The forward is the same before and after."""
+        for bucket in self.buckets:
+            if bucket.gather_dtype is not None:
+                flat = bucket.flat(bucket.params)
+                dist.all_gather_into_tensor(flat, bucket.owned(flat, self.rank).clone())
+                if not bucket.in_place:
+                    self._copy_into_params(bucket, flat)
 
     @staticmethod
     def _copy_into_params(bucket: _AdamBucket, flat: Tensor):
@@ -3336,6 +3381,7 @@ def save_checkpoint(path: str, model: GPT, optimizers, cfg: Config, comm: Comm, 
                     progress: dict) -> None:
     """Everything a resume needs, from every rank's shards, into `path` (written by rank 0, atomically).
     progress: the training loop's own position (time, losses, validations) and the data it reads."""
+    optimizers[1].exact_params()  # the full values of tables all-gathered in bf16 (--bf16_table_gathers)
     muon_state, adam_state = gather_optimizer_states(model, optimizers, comm, device)
     if comm.rank == 0:
         checkpoint = dict(kind=CHECKPOINT_KIND, format=CHECKPOINT_FORMAT, step=step, config=dataclasses.asdict(cfg),
@@ -3486,7 +3532,8 @@ def build_optimizers(model: GPT, cfg: Config) -> list[torch.optim.Optimizer]:
                     sparse_params=bigram if cfg.sparse_bigram_comms else (),
                     compiled=cfg.compile and next(model.parameters()).is_cuda,
                     tied=(model.embed.weight, model.lm_head.weight) if cfg.tie_embed else None,
-                    grad_dtype=grad_dtype)
+                    grad_dtype=grad_dtype,
+                    gather_dtypes={table: model.compute_dtype for table in tables} if cfg.bf16_table_gathers else None)
     # Muon steps first. The collectives of both share one NCCL stream, and every wait on them is a wait of
     # the compute stream: Adam's step ends waiting for its all-gathers (its tables, the largest transfer
     # of the step), so a Muon stepping after it would start its Newton-Schulz only then. Stepping first,

@@ -104,6 +104,9 @@ def main():
     names = {id(p): n for n, p in model.named_parameters()}
     matrices = [p for g in muon.param_groups for p in g["params"]]
     grad_bytes, grad_name = (2, "bf16") if cfg.bf16_grad_comms else (4, "fp32")  # what a gradient value travels as
+    # --bf16_table_gathers: the value and bigram tables' all-gathers in the GPU's compute dtype
+    bf16_tables = [ve.weight for ve in model.value_embeds] + ([model.bigram_embed.weight] if model.bigram_embed is not None else [])
+    bf16_tables = bf16_tables if cfg.bf16_table_gathers else []
     per_step = {}  # (world, stage) -> MB per rank per step, averaged over Adam's period
     for w in WORLDS:
         f = (w - 1) / w
@@ -122,14 +125,15 @@ def main():
         apart = [q for q in (bigram, follower, model.lm_head.weight if follower is not None else None) if q is not None]
         for p, numel, padded in adam_buckets(adam, w, apart):
             name = p if isinstance(p, str) else names[id(p)]
-            dense = f * padded * 4  # fp32 parameters
+            gather_bytes = 2 if any(p is t for t in bf16_tables) else 4  # fp32 parameters, or bf16 tables
+            dense = f * padded * gather_bytes
             sparse = p is bigram and w > 1
             adam_rs += 0.0 if sparse else f * padded * grad_bytes
             ag_untied += dense
             ag_tied += 0.0 if p is follower else dense
             print(f"  Adam bucket {name}: {numel:,} values (padded {padded:,}), every {period} steps: reduce-scatter "
                   f"{grad_name} {'sparse, below' if sparse else f'{f * padded * grad_bytes / MB:.1f}'}, all-gather "
-                  f"fp32 {dense / MB:.1f}"
+                  f"{'bf16' if gather_bytes == 2 else 'fp32'} {dense / MB:.1f}"
                   + (" (none while tied)" if p is follower else ""))
         print(f"  Muon per step: {muon_rs / MB:.1f} + {muon_ag / MB:.1f} = {(muon_rs + muon_ag) / MB:.1f}")
         print(f"  Adam per update, dense: reduce-scatter {adam_rs / MB:.1f}, all-gather {ag_tied / MB:.1f} tied, "

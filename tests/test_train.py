@@ -1005,6 +1005,28 @@ def test_one_rank_rounds_its_gradients_as_they_would_travel():
         assert torch.equal(adam.units[0].pending().view(4, 8), want)
 
 
+def _table_gather_dtypes_on_rank(rank, world_size, cfg, compute_dtype):
+    model = tg.GPT(cfg, tg.SdpaAttention(), compute_dtype)
+    _, adam = tg.build_optimizers(model, cfg)
+    names = {p: name for name, p in model.named_parameters()}
+    return {names[b.params[0]]: b.gather_dtype for b in adam.buckets if b.gather_dtype is not None}
+
+
+def test_bf16_table_gathers_send_the_value_and_bigram_tables_in_the_compute_dtype(tiny_data, tmp_path):
+    """Only the tables the forward reads as rows cast to the compute dtype, and only where that is narrower than
+    their fp32 (a GPU's bf16; on the CPU's fp32 nothing changes)."""
+    cfg = tiny_config(*tiny_data, bf16_table_gathers=1, log_dir=str(tmp_path))
+    assert cfg.bigram_rows and cfg.value_embed_layout.strip(".")
+    tables = {f"value_embeds.{i}.weight" for i in range(len(tg.GPT(cfg, tg.SdpaAttention(), torch.float32).value_embeds))}
+    for compute_dtype, want in ((torch.bfloat16, tables | {"bigram_embed.weight"}), (torch.float32, set())):
+        for gathered in run_on_ranks(_table_gather_dtypes_on_rank, 2, cfg, compute_dtype):
+            assert gathered == dict.fromkeys(want, compute_dtype)
+    assert _table_gather_dtypes_on_rank(0, 1, cfg, torch.bfloat16) == {}  # one rank gathers nothing
+    for refused in (dict(diloco=1), dict(tail_ema_from=0.5, tail_ema_all=1)):
+        with pytest.raises(tg.UserError, match="--bf16_table_gathers"):
+            tg.validate_config(dataclasses.replace(cfg, **refused))
+
+
 def _train_noting_gradient_dtypes_on_rank(rank, world_size, cfg):
     """Train, noting the dtypes of the floating-point tensors this rank sent in reduce-scatters and all-to-alls."""
     sent = set()
