@@ -8,7 +8,8 @@
 #    docs/performance.md), "split" (world size N in two graphs, --compile_scope=split, whose backward overlaps the last
 #    layers' reduce-scatters), "split1" (the same at world size 1, for the graph cut's own cost), "unmerged" (world
 #    size N with a collective per DistAdam bucket, BENCH_ADAM_MERGE=0), "bf16" (world size N with --bf16_grad_comms),
-#    "tables" (world size N with --bf16_table_gathers) and "fa3" / "fa3_1" (FlashAttention-3 at world size N / 1, carrying .fa3: bench/fa3_build.sh). The benches read
+#    "tables" (world size N with --bf16_table_gathers), "ranks" (tests/gpu/test_cuda_ranks.py: two GPUs over NCCL,
+#    checked against fp32 gathers) and "fa3" / "fa3_1" (FlashAttention-3 at world size N / 1, carrying .fa3: bench/fa3_build.sh). The benches read
 #    the bench stream (real document lengths and bigram rows);
 # 2. DiLoCo against data parallelism at equal tokens on bench2, on data that does not repeat (micro-batches of
 #    4,096 tokens; up to STEPS=300 read under the stream's 51.3M tokens): data parallelism on 2 GPUs with a replica's
@@ -68,6 +69,8 @@ if [ "$what" = all ] || [ "$what" = bench ]; then
         unmerged) BENCH_ADAM_MERGE=0 bench bench_unmerged "$nproc" ;;  # a collective per DistAdam bucket
         bf16) bench bench_bf16 "$nproc" --bf16_grad_comms=1 ;;  # gradients reduce-scattered in bf16
         tables) bench bench_tables "$nproc" --bf16_table_gathers=1 ;;  # value and bigram tables gathered in bf16
+        ranks) timeout 600 python3 -m pytest -q tests/gpu/test_cuda_ranks.py > "$OUT/test_cuda_ranks.txt" 2>&1
+               echo "== tests/gpu/test_cuda_ranks.py (exit $?)"; tail -3 "$OUT/test_cuda_ranks.txt" ;;
         split1) bench bench_split1 1 --compile_scope=split ;;
         fa3) bench bench_fa3 "$nproc" --attn_backend=fa3 --tune_kernels=0 ;;
         fa3_1) bench bench_fa3_1 1 --attn_backend=fa3 --tune_kernels=0 ;;

@@ -1,0 +1,63 @@
+"""Two ranks on two GPUs over NCCL. Skipped with fewer than two CUDA GPUs (bench/multi_gpu_bench.sh runs it)."""
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import train_gpt as tg
+from helpers import TINY, free_port
+
+pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+
+
+def _train_on_gpu(rank, world_size, port, cfg, results):
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            device_id=torch.device("cuda", rank))
+    received = []
+    original = dist.all_gather_into_tensor
+
+    def noting(output, *args, **kwargs):
+        received.append((str(output.dtype), output.numel()))
+        return original(output, *args, **kwargs)
+    dist.all_gather_into_tensor = noting
+    try:
+        comm = tg.Comm(rank, world_size, rank)
+        result = tg.train(cfg, comm, tg.RunLog(cfg, comm))
+        results.put((rank, (result.train_losses, set(received))))
+    finally:
+        dist.destroy_process_group()
+
+
+def train_on_two_gpus(cfg):
+    """Rank 0's training losses and the (dtype, size) of what its all-gathers received."""
+    ctx = mp.get_context("spawn")
+    results, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_train_on_gpu, args=(r, 2, port, cfg, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    by_rank = dict(results.get(timeout=600) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    assert all(p.exitcode == 0 for p in procs)
+    return by_rank[0]
+
+
+def test_tables_gathered_in_bf16_train_as_tables_gathered_in_fp32(tiny_data, tmp_path):
+    """--bf16_table_gathers: the value and bigram tables' all-gathers travel in bf16 over NCCL, and the forward,
+    which reads the tables as bf16 rows, is unchanged: the same losses as with fp32 gathers."""
+    train, val = tiny_data
+    cfg, _ = tg.parse_cli(["--device=cuda", *TINY, f"--train_files={train}", f"--val_files={val}",
+                           "--micro_batch_tokens=128", "--num_iterations=6", "--val_loss_every=0", "--compile=0",
+                           "--adam_period=1", f"--log_dir={tmp_path}", "--run_id=fp32"])
+    fp32_losses, fp32_gathers = train_on_two_gpus(cfg)
+    bf16_losses, bf16_gathers = train_on_two_gpus(dataclasses.replace(cfg, bf16_table_gathers=True, run_id="bf16"))
+    # Muon's all-gathers are bf16 in both; the tables' are the new ones, one per table size
+    tables = tg.GPT(cfg, tg.SdpaAttention(), torch.float32)
+    sizes = {t.weight.numel() for t in list(tables.value_embeds) + [tables.bigram_embed]}
+    assert {(dtype, n) for dtype, n in bf16_gathers - fp32_gathers} == {("torch.bfloat16", n) for n in sizes}
+    assert len(bf16_losses) == cfg.num_iterations and bf16_losses[-1] < bf16_losses[0]
+    np.testing.assert_allclose(bf16_losses, fp32_losses, rtol=1e-6)
