@@ -48,7 +48,8 @@ def train_on_two_gpus(cfg):
 
 def test_tables_gathered_in_bf16_train_as_tables_gathered_in_fp32(tiny_data, tmp_path):
     """--bf16_table_gathers: the value and bigram tables' all-gathers travel in bf16 over NCCL, and the forward,
-    which reads the tables as bf16 rows, is unchanged: the same losses as with fp32 gathers."""
+    which reads the tables as bf16 rows, is unchanged: the same losses as with fp32 gathers, up to the order in which
+    the row-gradient kernel's atomic adds land (rtol 1e-5, as the CPU tests across world sizes)."""
     train, val = tiny_data
     cfg, _ = tg.parse_cli(["--device=cuda", *TINY, f"--train_files={train}", f"--val_files={val}",
                            "--micro_batch_tokens=128", "--num_iterations=6", "--val_loss_every=0", "--compile=0",
@@ -60,4 +61,4 @@ def test_tables_gathered_in_bf16_train_as_tables_gathered_in_fp32(tiny_data, tmp
     sizes = {t.weight.numel() for t in list(tables.value_embeds) + [tables.bigram_embed]}
     assert {(dtype, n) for dtype, n in bf16_gathers - fp32_gathers} == {("torch.bfloat16", n) for n in sizes}
     assert len(bf16_losses) == cfg.num_iterations and bf16_losses[-1] < bf16_losses[0]
-    np.testing.assert_allclose(bf16_losses, fp32_losses, rtol=1e-6)
+    np.testing.assert_allclose(bf16_losses, fp32_losses, rtol=1e-5)
