@@ -1945,6 +1945,7 @@ class DistAdam(torch.optim.Optimizer):
                  grad_dtype: torch.dtype | None = None, gather_dtypes: dict | None = None):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.grad_dtype = grad_dtype  # gradients rounded to it before they travel (--bf16_grad_comms); None: as is
+        self.gather_dtypes = dict(gather_dtypes or {})  # {parameter: what its all-gather sends}
         # compiled: one fused kernel per bucket shape (CUDA); the lr and decay go in as tensors, so a new value
         # is no new graph. The shards under MERGE values share one graph of symbolic length per betas and eps
         # (update_small_): the default model's 26 buckets came to 16 graphs, each compiled in a cold start, where the
@@ -1974,7 +1975,7 @@ class DistAdam(torch.optim.Optimizer):
         # are still tied lives in the follower's state (empty until untie()), so a loaded state dict carries it.
         self.tied = tied
         for bucket in self.buckets:  # what the all-gather of each one-parameter bucket sends (None: its own dtype)
-            dtype = (gather_dtypes or {}).get(bucket.params[0]) if len(bucket.params) == 1 else None
+            dtype = self.gather_dtypes.get(bucket.params[0]) if len(bucket.params) == 1 else None
             bucket.gather_dtype = dtype if self.distributed and dtype != bucket.params[0].dtype else None
         apart = self.sparse_params | set(tied or ()) | {b.params[0] for b in self.buckets if b.gather_dtype is not None}
         mergeable = [b for b in self.buckets if b.numel < self.MERGE and not set(b.params) & apart]
@@ -2072,7 +2073,7 @@ class DistAdam(torch.optim.Optimizer):
             owned = bucket.owned(flat, self.rank)
             self._update(bucket, owned, grad_shard)
             if self.distributed:
-                gathers.append((bucket, flat, self._all_gather(bucket, flat, owned)))
+                gathers.append((bucket, flat, self._all_gather(bucket, flat, owned, bucket.gather_dtype)))
             elif not bucket.in_place:
                 gathers.append((bucket, flat, None))
         for bucket, flat, finish in gathers:
@@ -2091,13 +2092,13 @@ class DistAdam(torch.optim.Optimizer):
         self.row_exchanges = {}
         self.grad_hooks.disarm()
 
-    def _all_gather(self, bucket: _AdamBucket, flat: Tensor, owned: Tensor):
+    def _all_gather(self, bucket: _AdamBucket, flat: Tensor, owned: Tensor, dtype: torch.dtype | None = None):
         """Launch the all-gather of this rank's updated slice (owned, a view of flat) into flat; returns the function
-        that waits for it. In the bucket's gather_dtype the others' slices arrive rounded and this rank's own stays."""
-        if bucket.gather_dtype is None:
+        that waits for it. In a narrower dtype the others' slices arrive rounded and this rank's own stays."""
+        if dtype is None:
             return dist.all_gather_into_tensor(flat, owned, async_op=True).wait
-        gathered = flat.new_empty(bucket.padded, dtype=bucket.gather_dtype)
-        work = dist.all_gather_into_tensor(gathered, owned.to(bucket.gather_dtype), async_op=True)
+        gathered = flat.new_empty(bucket.padded, dtype=dtype)
+        work = dist.all_gather_into_tensor(gathered, owned.to(dtype), async_op=True)
         start, end = self.rank * bucket.shard, (self.rank + 1) * bucket.shard
 
         def finish():
@@ -2114,7 +2115,7 @@ class DistAdam(torch.optim.Optimizer):
         for bucket in self.buckets:
             if bucket.gather_dtype is not None:
                 flat = bucket.flat(bucket.params)
-                dist.all_gather_into_tensor(flat, bucket.owned(flat, self.rank).clone())
+                self._all_gather(bucket, flat, bucket.owned(flat, self.rank))()
                 if not bucket.in_place:
                     self._copy_into_params(bucket, flat)
 

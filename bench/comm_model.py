@@ -28,7 +28,7 @@ MB = 1e6
 
 def model_and_optimizers(cfg):
     with torch.device("meta"):
-        model = tg.GPT(cfg, tg.SdpaAttention(), torch.float32)
+        model = tg.GPT(cfg, tg.SdpaAttention(), torch.bfloat16)  # a GPU's compute dtype
     muon, adam = tg.build_optimizers(model, cfg)  # world size 1 here; the buckets are recomputed per W below
     return model, muon, adam
 
@@ -104,9 +104,6 @@ def main():
     names = {id(p): n for n, p in model.named_parameters()}
     matrices = [p for g in muon.param_groups for p in g["params"]]
     grad_bytes, grad_name = (2, "bf16") if cfg.bf16_grad_comms else (4, "fp32")  # what a gradient value travels as
-    # --bf16_table_gathers: the value and bigram tables' all-gathers in the GPU's compute dtype
-    bf16_tables = [ve.weight for ve in model.value_embeds] + ([model.bigram_embed.weight] if model.bigram_embed is not None else [])
-    bf16_tables = bf16_tables if cfg.bf16_table_gathers else []
     per_step = {}  # (world, stage) -> MB per rank per step, averaged over Adam's period
     for w in WORLDS:
         f = (w - 1) / w
@@ -125,7 +122,8 @@ def main():
         apart = [q for q in (bigram, follower, model.lm_head.weight if follower is not None else None) if q is not None]
         for p, numel, padded in adam_buckets(adam, w, apart):
             name = p if isinstance(p, str) else names[id(p)]
-            gather_bytes = 2 if any(p is t for t in bf16_tables) else 4  # fp32 parameters, or bf16 tables
+            # fp32 parameters, or what the trainer all-gathers them in (--bf16_table_gathers: bf16 tables)
+            gather_bytes = 4 if isinstance(p, str) else adam.gather_dtypes.get(p, p.dtype).itemsize
             dense = f * padded * gather_bytes
             sparse = p is bigram and w > 1
             adam_rs += 0.0 if sparse else f * padded * grad_bytes
