@@ -938,24 +938,80 @@ class FlexAttention:
         return y[0].transpose(0, 1)
 
 
-class FlashAttention3:
-    """FlashAttention-3 varlen kernels (Hopper): documents as separate sequences, a sliding window.
+# FA3's kernels take the window and max_seqlen as host ints. Passed as ints through a compiled graph, each new value
+# is a graph of its own (one whole-model compile per window pair and per validation length); under automatic dynamic
+# they turn symbolic, but CUDA graphs still record again for each value. So the trainer hands them to FA3 inside an
+# opaque op of its own, in a small CPU tensor read when the op runs: one graph serves every window pair and length.
+# The op is tagged cudagraph-unsafe, so inductor's graph partitioning runs it between the CUDA graphs of the rest.
+_fa3_kernels = None  # flash_attn_interface (or a stand-in), set by FlashAttention3
 
-    The window is a Python int to the kernel, so each window size is its own compiled graph; the
-    warm-up runs every window pair of the schedule so none compiles in the timed region.
+
+def _fa3_unsafe_tags() -> tuple:
+    tag = getattr(torch.Tag, "cudagraph_unsafe", None)
+    return (tag,) if tag is not None else ()
+
+
+@torch.library.custom_op("gpt::fa3_varlen", mutates_args=(), tags=_fa3_unsafe_tags())
+def fa3_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, sizes: Tensor) -> tuple[Tensor, Tensor]:
+    """Causal FA3 over documents (cu_seqlens) with a sliding window: sizes = [window, max_seqlen] on the CPU.
+    Returns the output and the log-sum-exp the backward needs."""
+    window, max_seqlen = sizes.tolist()
+    out, lse, *_ = _fa3_kernels._flash_attn_forward(
+        q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen,
+        softmax_scale=1.0, causal=True, window_size_left=window - 1, window_size_right=0)
+    return out, lse
+
+
+@fa3_varlen.register_fake
+def _(q, k, v, cu_seqlens, sizes):
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("gpt::fa3_varlen_backward", mutates_args=(), tags=_fa3_unsafe_tags())
+def fa3_varlen_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_seqlens: Tensor,
+                        sizes: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    window, max_seqlen = sizes.tolist()
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    _fa3_kernels._flash_attn_backward(
+        grad, q, k, v, out, lse, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen,
+        max_seqlen_k=max_seqlen, dq=dq, dk=dk, dv=dv, softmax_scale=1.0, is_causal=True,
+        window_size_left=window - 1, window_size_right=0)
+    return dq, dk, dv
+
+
+@fa3_varlen_backward.register_fake
+def _(grad, q, k, v, out, lse, cu_seqlens, sizes):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _fa3_save(ctx, inputs, output):
+    q, k, v, cu_seqlens, sizes = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], cu_seqlens, sizes)
+
+
+def _fa3_backward(ctx, grad, _lse_grad):
+    return *fa3_varlen_backward(grad, *ctx.saved_tensors), None, None
+
+
+fa3_varlen.register_autograd(_fa3_backward, setup_context=_fa3_save)
+
+
+class FlashAttention3:
+    """FlashAttention-3 varlen kernels (Hopper): documents as separate sequences, a sliding window, through
+    the opaque op fa3_varlen, so one compiled graph serves every window pair and validation length.
 
     FA3's backward launches a thread block for every (sequence, key tile of max_seqlen) pair, empty
     ones included, so the kernels get the document starts cut to one entry per 256 tokens (of the
     loader's one per 16) and max_seqlen the longest a document can be, when the loader says the
     forward allows it: with all the loader's starts, or max_seqlen the whole forward, the empty blocks
     take most of the backward's time (docs/performance.md). Training documents never pass max_doc_len; a forward with
-    a longer one (validation chunks are not cut) takes max_seqlen = the forward's length, a graph of its own.
+    a longer one (validation chunks are not cut) takes max_seqlen = the forward's length.
     """
     name = "fa3"
-    compiles_for_longest_document = True  # the warm-up compiles validation's longer documents too
 
     def __init__(self, module, max_doc_len: int):
-        self.module, self.varlen = module, module.flash_attn_varlen_func
+        global _fa3_kernels
+        _fa3_kernels = self.module = module
         self.max_doc_len = max_doc_len
 
     def for_paired_heads(self):
@@ -968,13 +1024,10 @@ class FlashAttention3:
         if documents is not None and documents < entries:  # the cut keeps at least one closing T
             cu_seqlens = cu_seqlens[:entries]
         max_seqlen = self.max_doc_len if longest is not None and longest <= self.max_doc_len else T
-        return {kind: (cu_seqlens, max_seqlen, w) for kind, w in windows.items()}
+        return {kind: (cu_seqlens, torch.tensor([w, max_seqlen], dtype=torch.int64)) for kind, w in windows.items()}
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask) -> Tensor:
-        cu_seqlens, max_seqlen, window = mask
-        y = self.varlen(q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen,
-                        max_seqlen_k=max_seqlen, softmax_scale=1.0, causal=True, window_size=(window - 1, 0))
-        return y[0] if isinstance(y, tuple) else y
+        return fa3_varlen(q, k, v, *mask)[0]
 
 
 def make_attention(cfg: Config, device: torch.device, seq_len: int):
@@ -3631,18 +3684,16 @@ def evaluate(model: GPT, cfg: Config, comm: Comm, val_paths: list[str], windows:
     return total.item() / (count * comm.world_size)
 
 
-def dummy_batches(cfg: Config, seed: int, one_document: bool = False):
-    """Random token windows for the warm-up: documents of random length, none longer than max_doc_len as in
-    training (FA3 compiles for that bound), or with one_document each window one document, as a validation
-    chunk may hold."""
+def dummy_batches(cfg: Config, seed: int):
+    """Random token windows for the warm-up: documents of random length, none longer than max_doc_len, as in
+    training."""
     rng = np.random.default_rng(seed)
     while True:
         window = rng.integers(0, cfg.vocab_size - 1, cfg.micro_batch_tokens + 1)
         window += window >= cfg.bos_token  # any token but BOS, which marks the starts
         window[0] = cfg.bos_token
-        if not one_document:
-            window[rng.integers(1, cfg.micro_batch_tokens, cfg.micro_batch_tokens // 512 + 1)] = cfg.bos_token
-            window[:: cfg.max_doc_len] = cfg.bos_token
+        window[rng.integers(1, cfg.micro_batch_tokens, cfg.micro_batch_tokens // 512 + 1)] = cfg.bos_token
+        window[:: cfg.max_doc_len] = cfg.bos_token
         window = window.astype(np.uint16)
         yield window
 
@@ -3653,8 +3704,8 @@ def warm_up(model: GPT, optimizers, cfg: Config, comm: Comm, schedule: Schedule,
     empty the optimizer state. Nothing here is timed.
 
     Under CUDA graphs each window pair runs as many forwards per step as the stages that use it, and at
-    least two: a graph is recorded at its second call (the first runs in a warm-up mode), and FA3 has a
-    graph per window pair; with one, the timed region would record two graphs per stage."""
+    least two: a graph is recorded at its second call (the first runs in a warm-up mode); with one, the
+    timed region would record the stage's graphs."""
     initial = {name: t.detach().clone() for name, t in model.state_dict().items()}
     forwards = {windows: 1 for windows in schedule.all_windows()}
     if model.replays_cuda_graphs:
@@ -3667,18 +3718,6 @@ def warm_up(model: GPT, optimizers, cfg: Config, comm: Comm, schedule: Schedule,
             train_step(model, optimizers, batches, windows, forwards=forwards[windows])
     finally:
         batches.close()
-    # Validation chunks are not cut at max_doc_len: where the backend compiles for the longest document (FA3),
-    # a forward with a longer one is a graph of its own, for each window pair validation uses (twice: CUDA graphs
-    # record at the second call). Validation runs with autograd on and no backward, as here.
-    if getattr(model.attend, "compiles_for_longest_document", False):
-        validated = [step for step in range(schedule.total_steps + 1) if schedule.validates(step)]
-        batches = prefetch(dummy_batches(cfg, seed=cfg.seed, one_document=True), cfg, device, packed)
-        try:
-            for windows in sorted({schedule.windows(schedule.validation_step(step)) for step in validated}):
-                for _ in range(2):
-                    forward_loss(model, batches.next(), windows)
-        finally:
-            batches.close()
     model.load_state_dict(initial)
     for opt in optimizers:
         opt.state.clear()
@@ -3728,14 +3767,15 @@ def resolve_forward_micro_batches(cfg: Config, world_size: int, device_memory_gi
     return cfg.forward_micro_batches
 
 
-def resolve_compile_mode(cfg: Config, comm: Comm, device: torch.device) -> str:
+def resolve_compile_mode(cfg: Config, comm: Comm, device: torch.device, attention: str) -> str:
     """--compile_mode=auto: reduce-overhead (CUDA graphs) on a single GPU, where its steps are faster than
     default's; default on several GPUs, where graphs are no faster and move the weights further from default's
-    than two default runs differ (docs/performance.md), and on CPUs, which have no graphs."""
+    than two default runs differ (docs/performance.md), on CPUs, which have no graphs, and with FA3, whose op
+    reads its window on the host: the graphs would have to be partitioned around each call."""
     if cfg.compile_mode != "auto":
         return cfg.compile_mode
     single_gpu = device.type == "cuda" and comm.world_size == 1 and not cfg.diloco
-    return "reduce-overhead" if single_gpu else "default"
+    return "reduce-overhead" if single_gpu and attention != "fa3" else "default"
 
 
 def check_gpu_features(cfg: Config, device: torch.device, kernels: Kernels) -> None:
@@ -3771,7 +3811,7 @@ def build_model(cfg: Config, comm: Comm, log: RunLog) -> tuple[GPT, torch.device
     return model, device, packed
 
 
-def configure_inductor(cfg: Config, device: torch.device) -> None:
+def configure_inductor(cfg: Config, device: torch.device, attention: str) -> None:
     """Inductor's options for our graphs, set before they compile (torch keeps them process-wide)."""
     import torch._functorch.config as functorch
     import torch._inductor.config as inductor
@@ -3782,6 +3822,10 @@ def configure_inductor(cfg: Config, device: torch.device) -> None:
     # start, warm caches and --compile_cache notwithstanding. Dynamo traces each Function's forward and backward into
     # the graph, so the cache key covers them.
     functorch.autograd_cache_allow_custom_autograd_functions = True
+    # FA3's op reads its window and max_seqlen on the host as it runs, so it must not be captured in a CUDA graph:
+    # under a CUDA-graph --compile_mode inductor partitions the graph around it (the op is tagged cudagraph-unsafe).
+    if attention == "fa3":
+        inductor.graph_partition = True
 
 
 class CompileCache:
@@ -3835,11 +3879,9 @@ def compile_model(model: GPT, cfg: Config, comm: Comm, device: torch.device) -> 
     scope = cfg.compile_scope
     if scope == "auto":
         # The one whole-model graph makes faster steps than a graph per block (fewer launches from the
-        # host, fusion across blocks), for a longer cold compile. FA3 takes its window as a Python int, so
-        # there each window pair is a whole graph of its own (four for the default schedule), and the steps
-        # are still the faster (docs/performance.md).
+        # host, fusion across blocks), for a longer cold compile (docs/performance.md).
         scope = "whole"
-    compile_mode = resolve_compile_mode(cfg, comm, device)
+    compile_mode = resolve_compile_mode(cfg, comm, device, model.attend.name)
     mode = None if compile_mode == "default" else compile_mode
     model.replays_cuda_graphs = cfg.compile and compile_mode in CUDA_GRAPH_MODES
     if cfg.compile and scope == "whole":
@@ -3866,7 +3908,7 @@ def build_and_warm_up(cfg: Config, comm: Comm, log: RunLog) -> Trainer:
     start = time.perf_counter()
     optimizers = build_optimizers(model, cfg)
     if cfg.compile:
-        configure_inductor(cfg, device)
+        configure_inductor(cfg, device, model.attend.name)
     cache = CompileCache(cfg.compile_cache, log, comm) if cfg.compile and cfg.compile_cache else None
     if cache is not None:
         cache.load()

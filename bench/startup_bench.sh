@@ -8,7 +8,12 @@
 #        versus    -> cold run with --compile_scope=regional, then one with whole: step_avg of both on one machine;
 #        ab        -> cold run, then warm runs with plain-torch Newton-Schulz (--triton_kernels=0) and
 #                     with Triton again: Muon's kernel A/B at equal length on one machine;
-#        profile   -> cold run under cProfile: where the compile time goes ($OUT/cold_profile.txt).
+#        file      -> a cold run with --compile_cache=FILE (writing it), then a run from that file into empty
+#                     caches: the start from the file alone, without the untuned cold run of 'startup';
+#        profile   -> cold run under cProfile: where the compile time goes ($OUT/cold_profile.txt);
+#        against   -> cold runs of train_gpt.py and of AGAINST=PATH (another version of it, e.g. from
+#                     `git show REV:train_gpt.py`), each into empty caches: both starts and step times in one call;
+#                     AGAINST_LIMIT seconds for the second (default RUN_LIMIT_S), whose cold start may be longer.
 # Prints each run's compile_time / since_process_start / graphs / step_avg; logs land in $OUT. FLAGS="..." adds
 # train_gpt.py flags to every run (e.g. FLAGS="--attn_backend=fa3" after `source bench/fa3_build.sh site`).
 set -uo pipefail
@@ -51,6 +56,12 @@ ab)
     run torch_ns train_gpt.py /tmp/ind_c /tmp/triton_c --triton_kernels=0
     run triton train_gpt.py /tmp/ind_c /tmp/triton_c
     ;;
+file)
+    rm -rf /tmp/artifacts.bin /tmp/ind_fw /tmp/triton_fw /tmp/ind_ff /tmp/triton_ff
+    run write train_gpt.py /tmp/ind_fw /tmp/triton_fw --compile_cache=/tmp/artifacts.bin
+    run from_file train_gpt.py /tmp/ind_ff /tmp/triton_ff --compile_cache=/tmp/artifacts.bin
+    ls -l /tmp/artifacts.bin
+    ;;
 profile)
     python3 -c "import os, torch._inductor.config as c; print('compile_threads', c.compile_threads, 'cpus', len(os.sched_getaffinity(0)))"
     run cold_prof "-m cProfile -o /tmp/cold.prof train_gpt.py" /tmp/ind_p /tmp/triton_p
@@ -59,6 +70,11 @@ import pstats, sys
 for key in ('cumulative', 'tottime'):
     pstats.Stats('/tmp/cold.prof', stream=sys.stdout).sort_stats(key).print_stats(45)
 " > "$OUT/cold_profile.txt" 2>&1
+    ;;
+against)
+    run cold_this train_gpt.py /tmp/ind_t /tmp/triton_t
+    limit=${AGAINST_LIMIT:-$limit} run cold_against "${AGAINST:?AGAINST=PATH of the other train_gpt.py}" /tmp/ind_o \
+        /tmp/triton_o
     ;;
 *) echo "unknown scope $scope"; exit 2 ;;
 esac

@@ -436,24 +436,53 @@ def test_flex_needs_whole_blocks():
         tg.FlexAttention(1000, torch.device("cpu"))
 
 
-def test_fa3_path_passes_documents_and_window():
-    """FA3 itself needs a Hopper GPU; a naive varlen stand-in checks what we hand it."""
-    def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size):
-        assert causal and softmax_scale == 1.0 and window_size[1] == 0
-        bounds = cu_seqlens_q.tolist()
-        assert max_seqlen_q == max_seqlen_k >= max(end - start for start, end in zip(bounds, bounds[1:]))
-        assert bounds[-1] == len(q)
-        out = torch.zeros_like(q)
-        for start, end in zip(bounds, bounds[1:]):
-            if end > start:  # FA3 semantics: window_size[0] keys to the left of the query, plus itself
-                seq = [torch.as_tensor(t[start:end]) for t in (q, k, v)]
-                doc_tokens = torch.full((end - start,), 7, dtype=torch.int32)
-                out[start:end] = naive_attention(*seq, doc_tokens, window_size[0] + 1).to(q.dtype)
-        return out, None
+class StandInFA3:
+    """FA3's two interface functions as the trainer's fa3_varlen op calls them, in plain float32 torch:
+    causal attention within each document of cu_seqlens, FA3's window semantics (window_size_left keys to the
+    left of the query, plus itself), with the output's log-sum-exp. Records each call's max_seqlen."""
 
-    class FakeModule:
-        flash_attn_varlen_func = staticmethod(varlen)
+    def __init__(self):
+        self.max_seqlens = []
 
+    @staticmethod
+    def _scores(q, k, cu_seqlens, window_left):
+        positions = torch.arange(len(q))
+        doc = torch.searchsorted(cu_seqlens[1:].long(), positions, right=True)
+        distance = positions[:, None] - positions[None, :]
+        allowed = (doc[:, None] == doc[None, :]) & (distance >= 0) & (distance <= window_left)
+        return torch.einsum("qhd,khd->hqk", q.float(), k.float()).masked_fill(~allowed, float("-inf"))
+
+    def _attend(self, q, k, v, cu_seqlens, max_seqlen, window_left):
+        bounds = cu_seqlens.tolist()
+        assert bounds[-1] == len(q) and max_seqlen >= max(end - start for start, end in zip(bounds, bounds[1:]))
+        scores = self._scores(q, k, cu_seqlens, window_left)
+        out = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.float()).to(q.dtype)
+        return out, scores.logsumexp(-1)
+
+    def _flash_attn_forward(self, q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                            causal, window_size_left, window_size_right):
+        assert causal and softmax_scale == 1.0 and window_size_right == 0
+        assert cu_seqlens_q is cu_seqlens_k and max_seqlen_q == max_seqlen_k
+        self.max_seqlens.append(max_seqlen_q)
+        out, lse = self._attend(q, k, v, cu_seqlens_q, max_seqlen_q, window_size_left)
+        return out, lse, None, None
+
+    def _flash_attn_backward(self, grad, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                             dq, dk, dv, softmax_scale, is_causal, window_size_left, window_size_right):
+        # The op runs below autograd, so the gradients are written out: dS = P (dP - rowsum(dO * O)).
+        probs = self._scores(q, k, cu_seqlens_q, window_size_left).softmax(-1)
+        grad, out = grad.float(), out.float()
+        d_probs = torch.einsum("qhd,khd->hqk", grad, v.float())
+        d_scores = probs * (d_probs - (grad * out).sum(-1).T[:, :, None])
+        dq.copy_(torch.einsum("hqk,khd->qhd", d_scores, k.float()))
+        dk.copy_(torch.einsum("hqk,qhd->khd", d_scores, q.float()))
+        dv.copy_(torch.einsum("hqk,qhd->khd", probs, grad))
+
+
+def test_fa3_path_passes_documents_window_and_length():
+    """FA3 itself needs a Hopper GPU; a varlen stand-in checks what we hand it: the document starts cut to T/256 + 1
+    entries and max_seqlen the bound on documents, or the length where a document is longer (or where the loader
+    gave no facts), with the output and gradients of SDPA's."""
     T = 2048
     tokens, q, k, v = random_attention_inputs(T=T, seed=2)
     slot = tg._Slot(T, pin=False, bos=BOS)
@@ -461,16 +490,50 @@ def test_fa3_path_passes_documents_and_window():
     longest, entries = slot.longest_document, T // 256 + 1
     assert slot.documents < entries and longest < T and len(slot.cu_seqlens) > entries
     sdpa = tg.SdpaAttention()
-    want = sdpa(q, k, v, sdpa.prepare(tokens.numel(), cu_seqlens_of(tokens, BOS), {"S": 9})["S"])
-    # With the loader's facts: the document starts cut to T/256 + 1 entries, and max_seqlen the bound on documents,
-    # or the length where a document is longer. Without them: the whole padded list, and the length.
+    qkv = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = sdpa(*qkv, sdpa.prepare(tokens.numel(), cu_seqlens_of(tokens, BOS), {"S": 9})["S"])
+    want_grads = torch.autograd.grad(want.square().sum(), qkv)
+    kernels = StandInFA3()
     for max_doc_len, facts, want_entries, want_max in ((longest, (slot.documents, longest), entries, longest),
                                                        (longest - 1, (slot.documents, longest), entries, T),
                                                        (longest, (), len(slot.cu_seqlens), T)):
-        fa3 = tg.FlashAttention3(FakeModule, max_doc_len)
-        mask = fa3.prepare(tokens.numel(), slot.cu_seqlens, {"S": 9}, *facts)["S"]
-        assert len(mask[0]) == want_entries and mask[1] == want_max
-        assert torch.allclose(fa3(q, k, v, mask), want, atol=1e-5)
+        fa3 = tg.FlashAttention3(kernels, max_doc_len)
+        cu_seqlens, sizes = fa3.prepare(tokens.numel(), slot.cu_seqlens, {"S": 9}, *facts)["S"]
+        assert len(cu_seqlens) == want_entries and sizes.device.type == "cpu" and sizes.tolist() == [9, want_max]
+        qkv = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = fa3(*qkv, (cu_seqlens, sizes))
+        assert torch.allclose(out, want, atol=1e-5) and kernels.max_seqlens[-1] == want_max
+        for got, expected in zip(torch.autograd.grad(out.square().sum(), qkv), want_grads):
+            assert torch.allclose(got, expected, atol=1e-4)
+
+
+def test_fa3_compiles_one_graph_for_every_window_and_length():
+    """The window and max_seqlen reach FA3 in a CPU tensor, not as ints the graph would specialize on: one compiled
+    graph (forward and backward) serves three windows and both max_seqlen cases, each equal to eager."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    T = 2048
+    tokens, q, k, v = random_attention_inputs(T=T, seed=3)
+    slot = tg._Slot(T, pin=False, bos=BOS)
+    slot.fill([np.concatenate([tokens.numpy(), [0]]).astype(np.uint16)])
+    fa3 = tg.FlashAttention3(StandInFA3(), slot.longest_document)
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    attend = torch.compile(lambda q, k, v, mask: fa3(q, k, v, mask).square().sum(), backend=counter, fullgraph=True,
+                           dynamic=False)
+    lengths = set()
+    for window in (9, 130, 700):
+        for longest in (slot.longest_document, slot.longest_document + 1):  # the second longer, as in validation
+            mask = fa3.prepare(tokens.numel(), slot.cu_seqlens, {"S": window}, slot.documents, longest)["S"]
+            lengths.add(mask[1][1].item())
+            results = []
+            for run in (attend, lambda q, k, v, mask: fa3(q, k, v, mask).square().sum()):
+                qkv = [t.clone().requires_grad_() for t in (q, k, v)]
+                loss = run(*qkv, mask)
+                results.append((loss, *torch.autograd.grad(loss, qkv)))
+            for got, expected in zip(*results):
+                assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5)
+    assert lengths == {slot.longest_document, T}
+    assert counter.frame_count == 1
 
 
 # --------------------------------------------------------------------------------------- model pieces
@@ -1352,16 +1415,17 @@ def test_cuda_graph_modes_give_every_parameter_a_kept_gradient(tiny_data):
             assert has_zeros == (expected == "all" or id(p) in tables), (replays, p.shape)
 
 
-def test_auto_compile_mode_uses_cuda_graphs_on_one_gpu_only(tiny_data):
+def test_auto_compile_mode_uses_cuda_graphs_on_one_gpu_without_fa3_only(tiny_data):
     cfg = tiny_config(*tiny_data)
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     assert cfg.compile_mode == "auto"
-    assert tg.resolve_compile_mode(cfg, tg.Comm(0, 1, 0), cuda) == "reduce-overhead"
-    assert tg.resolve_compile_mode(cfg, tg.Comm(0, 8, 0), cuda) == "default"
-    assert tg.resolve_compile_mode(cfg, tg.Comm(0, 1, 0), cpu) == "default"
-    assert tg.resolve_compile_mode(dataclasses.replace(cfg, diloco=True), tg.Comm(0, 1, 0), cuda) == "default"
+    assert tg.resolve_compile_mode(cfg, tg.Comm(0, 1, 0), cuda, "flex") == "reduce-overhead"
+    assert tg.resolve_compile_mode(cfg, tg.Comm(0, 8, 0), cuda, "flex") == "default"
+    assert tg.resolve_compile_mode(cfg, tg.Comm(0, 1, 0), cpu, "sdpa") == "default"
+    assert tg.resolve_compile_mode(dataclasses.replace(cfg, diloco=True), tg.Comm(0, 1, 0), cuda, "flex") == "default"
+    assert tg.resolve_compile_mode(cfg, tg.Comm(0, 1, 0), cuda, "fa3") == "default"  # FA3 reads its window on the host
     explicit = dataclasses.replace(cfg, compile_mode="max-autotune-no-cudagraphs")
-    assert tg.resolve_compile_mode(explicit, tg.Comm(0, 8, 0), cuda) == "max-autotune-no-cudagraphs"
+    assert tg.resolve_compile_mode(explicit, tg.Comm(0, 8, 0), cuda, "fa3") == "max-autotune-no-cudagraphs"
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
