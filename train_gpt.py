@@ -942,7 +942,8 @@ class FlexAttention:
 # is a graph of its own (one whole-model compile per window pair and per validation length); under automatic dynamic
 # they turn symbolic, but CUDA graphs still record again for each value. So the trainer hands them to FA3 inside an
 # opaque op of its own, in a small CPU tensor read when the op runs: one graph serves every window pair and length.
-# The op is tagged cudagraph-unsafe, so inductor's graph partitioning runs it between the CUDA graphs of the rest.
+# A CUDA graph would freeze the values it was recorded with, so the op is tagged cudagraph-unsafe and FA3 runs
+# without CUDA graphs (resolve_compile_mode).
 _fa3_kernels = None  # flash_attn_interface (or a stand-in), set by FlashAttention3
 
 
@@ -3771,7 +3772,10 @@ def resolve_compile_mode(cfg: Config, comm: Comm, device: torch.device, attentio
     """--compile_mode=auto: reduce-overhead (CUDA graphs) on a single GPU, where its steps are faster than
     default's; default on several GPUs, where graphs are no faster and move the weights further from default's
     than two default runs differ (docs/performance.md), on CPUs, which have no graphs, and with FA3, whose op
-    reads its window on the host: the graphs would have to be partitioned around each call."""
+    reads its window on the host as it runs: a CUDA graph would freeze the window it was recorded with."""
+    if cfg.compile and attention == "fa3" and cfg.compile_mode in CUDA_GRAPH_MODES:
+        raise UserError(f"--compile_mode={cfg.compile_mode} replays CUDA graphs, which would freeze FA3's window: "
+                        f"use auto, default or max-autotune-no-cudagraphs with FA3")
     if cfg.compile_mode != "auto":
         return cfg.compile_mode
     single_gpu = device.type == "cuda" and comm.world_size == 1 and not cfg.diloco
@@ -3811,7 +3815,7 @@ def build_model(cfg: Config, comm: Comm, log: RunLog) -> tuple[GPT, torch.device
     return model, device, packed
 
 
-def configure_inductor(cfg: Config, device: torch.device, attention: str) -> None:
+def configure_inductor(cfg: Config, device: torch.device) -> None:
     """Inductor's options for our graphs, set before they compile (torch keeps them process-wide)."""
     import torch._functorch.config as functorch
     import torch._inductor.config as inductor
@@ -3822,10 +3826,6 @@ def configure_inductor(cfg: Config, device: torch.device, attention: str) -> Non
     # start, warm caches and --compile_cache notwithstanding. Dynamo traces each Function's forward and backward into
     # the graph, so the cache key covers them.
     functorch.autograd_cache_allow_custom_autograd_functions = True
-    # FA3's op reads its window and max_seqlen on the host as it runs, so it must not be captured in a CUDA graph:
-    # under a CUDA-graph --compile_mode inductor partitions the graph around it (the op is tagged cudagraph-unsafe).
-    if attention == "fa3":
-        inductor.graph_partition = True
 
 
 class CompileCache:
@@ -3908,7 +3908,7 @@ def build_and_warm_up(cfg: Config, comm: Comm, log: RunLog) -> Trainer:
     start = time.perf_counter()
     optimizers = build_optimizers(model, cfg)
     if cfg.compile:
-        configure_inductor(cfg, device, model.attend.name)
+        configure_inductor(cfg, device)
     cache = CompileCache(cfg.compile_cache, log, comm) if cfg.compile and cfg.compile_cache else None
     if cache is not None:
         cache.load()

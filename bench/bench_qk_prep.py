@@ -52,7 +52,7 @@ def prep(rotary, heads, head_dim):
 def main():
     out_dir = Path(os.environ.get("OUT", "/tmp"))
     cfg = tg.Config()
-    tg.configure_inductor(cfg, torch.device("cuda"), "flex")  # the trainer's inductor options
+    tg.configure_inductor(cfg, torch.device("cuda"))  # the trainer's inductor options
     T, heads, head_dim = 8 * cfg.micro_batch_tokens, cfg.num_heads, cfg.head_dim
     dim = heads * head_dim
     rope = tg.Rotary(head_dim, T, period=cfg.micro_batch_tokens).cuda()

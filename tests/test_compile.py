@@ -196,7 +196,7 @@ def test_kernel_tuning_is_for_gpus_and_by_default_only_where_a_compile_cache_kee
                                           ("auto", "", "cuda", False), ("auto", "f.bin", "cuda", True),
                                           ("auto", "f.bin", "cpu", False)):
             cfg = dataclasses.replace(tg.Config(), tune_kernels=tune, compile_cache=cache)
-            tg.configure_inductor(cfg, torch.device(device), "sdpa")
+            tg.configure_inductor(cfg, torch.device(device))
             assert torch._inductor.config.coordinate_descent_tuning is want, (tune, cache, device)
     with pytest.raises(tg.UserError, match=r"^--tune_kernels=yes: use auto, 1 or 0$"):
         tg.validate_config(dataclasses.replace(tg.Config(), tune_kernels="yes"))
@@ -246,7 +246,7 @@ def test_graphs_with_custom_autograd_functions_are_cached():
     x = torch.randn(8, requires_grad=True)
     with torch._inductor.config.patch(coordinate_descent_tuning=False), \
             torch._functorch.config.patch(autograd_cache_allow_custom_autograd_functions=False):
-        tg.configure_inductor(dataclasses.replace(tg.Config(), compile=True), torch.device("cpu"), "sdpa")
+        tg.configure_inductor(dataclasses.replace(tg.Config(), compile=True), torch.device("cpu"))
         summaries = []
         for _ in range(2):  # the second compile, after dynamo forgets the first, comes from the cache
             torch._dynamo.reset()

@@ -1426,6 +1426,11 @@ def test_auto_compile_mode_uses_cuda_graphs_on_one_gpu_without_fa3_only(tiny_dat
     assert tg.resolve_compile_mode(cfg, tg.Comm(0, 1, 0), cuda, "fa3") == "default"  # FA3 reads its window on the host
     explicit = dataclasses.replace(cfg, compile_mode="max-autotune-no-cudagraphs")
     assert tg.resolve_compile_mode(explicit, tg.Comm(0, 8, 0), cuda, "fa3") == "max-autotune-no-cudagraphs"
+    for mode in tg.CUDA_GRAPH_MODES:  # they would freeze the window FA3's op reads on the host
+        graphs = dataclasses.replace(cfg, compile=True, compile_mode=mode)
+        assert tg.resolve_compile_mode(graphs, tg.Comm(0, 1, 0), cuda, "flex") == mode
+        with pytest.raises(tg.UserError, match=f"--compile_mode={mode} replays CUDA graphs, which would freeze FA3"):
+            tg.resolve_compile_mode(graphs, tg.Comm(0, 1, 0), cuda, "fa3")
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
