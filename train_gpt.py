@@ -954,9 +954,10 @@ def _fa3_unsafe_tags() -> tuple:
 
 @torch.library.custom_op("gpt::fa3_varlen", mutates_args=(), tags=_fa3_unsafe_tags())
 def fa3_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, sizes: Tensor) -> tuple[Tensor, Tensor]:
-    """Causal FA3 over documents (cu_seqlens) with a sliding window: sizes = [window, max_seqlen] on the CPU.
-    Returns the output and the log-sum-exp the backward needs."""
-    window, max_seqlen = sizes.tolist()
+    """Causal FA3 over documents with a sliding window: sizes = [window, max_seqlen, entries] on the CPU, and the
+    kernels take the first `entries` of cu_seqlens. Returns the output and the log-sum-exp the backward needs."""
+    window, max_seqlen, entries = sizes.tolist()
+    cu_seqlens = cu_seqlens[:entries]
     out, lse, *_ = _fa3_kernels._flash_attn_forward(
         q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen,
         softmax_scale=1.0, causal=True, window_size_left=window - 1, window_size_right=0)
@@ -971,7 +972,8 @@ def _(q, k, v, cu_seqlens, sizes):
 @torch.library.custom_op("gpt::fa3_varlen_backward", mutates_args=(), tags=_fa3_unsafe_tags())
 def fa3_varlen_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_seqlens: Tensor,
                         sizes: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    window, max_seqlen = sizes.tolist()
+    window, max_seqlen, entries = sizes.tolist()
+    cu_seqlens = cu_seqlens[:entries]
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     _fa3_kernels._flash_attn_backward(
         grad, q, k, v, out, lse, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen,
@@ -1003,7 +1005,8 @@ class FlashAttention3:
 
     FA3's backward launches a thread block for every (sequence, key tile of max_seqlen) pair, empty
     ones included, so the kernels get the document starts cut to one entry per 256 tokens (of the
-    loader's one per 16) and max_seqlen the longest a document can be, when the loader says the
+    loader's one per 16; the op cuts, so the graph always sees the loader's fixed length whatever
+    the forward holds) and max_seqlen the longest a document can be, when the loader says the
     forward allows it: with all the loader's starts, or max_seqlen the whole forward, the empty blocks
     take most of the backward's time (docs/performance.md). Training documents never pass max_doc_len; a forward with
     a longer one (validation chunks are not cut) takes max_seqlen = the forward's length.
@@ -1022,10 +1025,11 @@ class FlashAttention3:
                 longest: int | None = None) -> dict:
         T = length
         entries = T // 256 + 1
-        if documents is not None and documents < entries:  # the cut keeps at least one closing T
-            cu_seqlens = cu_seqlens[:entries]
+        if documents is None or documents >= entries:  # the cut keeps at least one closing T
+            entries = len(cu_seqlens)
         max_seqlen = self.max_doc_len if longest is not None and longest <= self.max_doc_len else T
-        return {kind: (cu_seqlens, torch.tensor([w, max_seqlen], dtype=torch.int64)) for kind, w in windows.items()}
+        return {kind: (cu_seqlens, torch.tensor([w, max_seqlen, entries], dtype=torch.int64))
+                for kind, w in windows.items()}
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask) -> Tensor:
         return fa3_varlen(q, k, v, *mask)[0]

@@ -439,10 +439,11 @@ def test_flex_needs_whole_blocks():
 class StandInFA3:
     """FA3's two interface functions as the trainer's fa3_varlen op calls them, in plain float32 torch:
     causal attention within each document of cu_seqlens, FA3's window semantics (window_size_left keys to the
-    left of the query, plus itself), with the output's log-sum-exp. Records each call's max_seqlen."""
+    left of the query, plus itself), with the output's log-sum-exp. Records each call's max_seqlen and how many
+    document starts it was given."""
 
     def __init__(self):
-        self.max_seqlens = []
+        self.calls = []
 
     @staticmethod
     def _scores(q, k, cu_seqlens, window_left):
@@ -463,7 +464,7 @@ class StandInFA3:
                             causal, window_size_left, window_size_right):
         assert causal and softmax_scale == 1.0 and window_size_right == 0
         assert cu_seqlens_q is cu_seqlens_k and max_seqlen_q == max_seqlen_k
-        self.max_seqlens.append(max_seqlen_q)
+        self.calls.append((max_seqlen_q, len(cu_seqlens_q)))
         out, lse = self._attend(q, k, v, cu_seqlens_q, max_seqlen_q, window_size_left)
         return out, lse, None, None
 
@@ -499,17 +500,19 @@ def test_fa3_path_passes_documents_window_and_length():
                                                        (longest, (), len(slot.cu_seqlens), T)):
         fa3 = tg.FlashAttention3(kernels, max_doc_len)
         cu_seqlens, sizes = fa3.prepare(tokens.numel(), slot.cu_seqlens, {"S": 9}, *facts)["S"]
-        assert len(cu_seqlens) == want_entries and sizes.device.type == "cpu" and sizes.tolist() == [9, want_max]
+        assert cu_seqlens is slot.cu_seqlens  # the op cuts it, so the compiled graph sees one shape
+        assert sizes.device.type == "cpu" and sizes.tolist() == [9, want_max, want_entries]
         qkv = [t.clone().requires_grad_() for t in (q, k, v)]
         out = fa3(*qkv, (cu_seqlens, sizes))
-        assert torch.allclose(out, want, atol=1e-5) and kernels.max_seqlens[-1] == want_max
+        assert torch.allclose(out, want, atol=1e-5) and kernels.calls[-1] == (want_max, want_entries)
         for got, expected in zip(torch.autograd.grad(out.square().sum(), qkv), want_grads):
             assert torch.allclose(got, expected, atol=1e-4)
 
 
 def test_fa3_compiles_one_graph_for_every_window_and_length():
-    """The window and max_seqlen reach FA3 in a CPU tensor, not as ints the graph would specialize on: one compiled
-    graph (forward and backward) serves three windows and both max_seqlen cases, each equal to eager."""
+    """The window, max_seqlen and the count of document starts reach FA3 in a CPU tensor, not as ints or shapes the
+    graph would specialize on: one compiled graph (forward and backward) serves three windows, both max_seqlen cases
+    and the cut and uncut document starts, each equal to eager."""
     from torch._dynamo.testing import CompileCounterWithBackend
     T = 2048
     tokens, q, k, v = random_attention_inputs(T=T, seed=3)
@@ -520,11 +523,14 @@ def test_fa3_compiles_one_graph_for_every_window_and_length():
     counter = CompileCounterWithBackend("aot_eager")
     attend = torch.compile(lambda q, k, v, mask: fa3(q, k, v, mask).square().sum(), backend=counter, fullgraph=True,
                            dynamic=False)
-    lengths = set()
+    sizes = set()
+    entries = T // 256 + 1
     for window in (9, 130, 700):
-        for longest in (slot.longest_document, slot.longest_document + 1):  # the second longer, as in validation
-            mask = fa3.prepare(tokens.numel(), slot.cu_seqlens, {"S": window}, slot.documents, longest)["S"]
-            lengths.add(mask[1][1].item())
+        # the second longer, as in validation; the third with as many documents as the cut keeps starts
+        for documents, longest in ((slot.documents, slot.longest_document), (slot.documents, slot.longest_document + 1),
+                                   (entries, slot.longest_document)):
+            mask = fa3.prepare(tokens.numel(), slot.cu_seqlens, {"S": window}, documents, longest)["S"]
+            sizes.add(tuple(mask[1].tolist()[1:]))
             results = []
             for run in (attend, lambda q, k, v, mask: fa3(q, k, v, mask).square().sum()):
                 qkv = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -532,7 +538,7 @@ def test_fa3_compiles_one_graph_for_every_window_and_length():
                 results.append((loss, *torch.autograd.grad(loss, qkv)))
             for got, expected in zip(*results):
                 assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5)
-    assert lengths == {slot.longest_document, T}
+    assert sizes == {(slot.longest_document, entries), (T, entries), (slot.longest_document, len(slot.cu_seqlens))}
     assert counter.frame_count == 1
 
 
