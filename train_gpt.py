@@ -3283,6 +3283,44 @@ class CompileCacheWatch:
         return [f"compile cache bypassed {n}x: {reason}" for reason, n in self.reasons.most_common()]
 
 
+class TritonJitWatch:
+    """Triton kernels compiled on their first launch in this process while it watches (or read from Triton's own
+    cache): our kernels launched outside compiled graphs (the row gradients, Newton-Schulz). Their seconds are warm-up
+    time that torch's compile phases do not count, and a --compile_cache file does not hold them. Watches through
+    Triton's JIT hooks, calling any hooks already set."""
+
+    def __init__(self):
+        self.kernels, self.seconds, self._started = 0, 0.0, {}
+        try:
+            from triton import knobs
+        except ImportError:  # no Triton (or one without knobs): nothing to watch
+            self.runtime = None
+            return
+        self.runtime = knobs.runtime
+        self._before_was, self._after_was = self.runtime.jit_cache_hook, self.runtime.jit_post_compile_hook
+        self.runtime.jit_cache_hook, self.runtime.jit_post_compile_hook = self._before, self._after
+
+    def _before(self, **info):
+        self._started[info.get("repr")] = time.perf_counter()
+        # a true value tells Triton to skip the compile: only an earlier hook may say so
+        return self._before_was(**info) if self._before_was else None
+
+    def _after(self, **info):
+        start = self._started.pop(info.get("repr"), None)
+        if start is not None:
+            self.kernels += 1
+            self.seconds += time.perf_counter() - start
+        return self._after_was(**info) if self._after_was else None
+
+    def close(self) -> None:
+        if self.runtime is not None:
+            self.runtime.jit_cache_hook, self.runtime.jit_post_compile_hook = self._before_was, self._after_was
+            self.runtime = None
+
+    def summary(self) -> str:
+        return f"Triton JIT outside the graphs: {self.kernels} kernels, {self.seconds:.1f}s"
+
+
 def compile_phase_times(top: int = 12) -> str:
     """Where the compile time went: torch's own phase timers (nested, so they do not add up), longest
     first. The names are torch internals and vary across versions."""
@@ -3917,7 +3955,7 @@ def build_and_warm_up(cfg: Config, comm: Comm, log: RunLog) -> Trainer:
     if cache is not None:
         cache.load()
     scope, compile_mode = compile_model(model, cfg, comm, device)
-    caches = CompileCacheWatch()
+    caches, jit = CompileCacheWatch(), TritonJitWatch()
     try:
         warm_up(model, optimizers, cfg, comm, schedule, device, packed)
     except torch.OutOfMemoryError as e:
@@ -3926,6 +3964,7 @@ def build_and_warm_up(cfg: Config, comm: Comm, log: RunLog) -> Trainer:
                         "--micro_batch_tokens") from None
     finally:
         caches.close()
+        jit.close()
     if device.type == "cuda":
         torch.cuda.synchronize()
     recompiles = RecompileWatch()
@@ -3936,7 +3975,7 @@ def build_and_warm_up(cfg: Config, comm: Comm, log: RunLog) -> Trainer:
         log(line)
     if cfg.compile:
         log(f"compile scope: {scope}, mode: {compile_mode}" + (" (auto)" if cfg.compile_mode == "auto" else "")
-            + f"; phases: {compile_phase_times()}")
+            + f"; phases: {compile_phase_times()}; {jit.summary()}")
     if cache is not None:
         cache.save()
     return Trainer(model, optimizers, schedule, device, recompiles, packed)

@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 import weakref
 
 import numpy as np
@@ -1458,3 +1459,29 @@ print(before, mapped_bytes_with_a_64mb_buffer())
     assert out.returncode == 0, out.stderr
     before, after = map(int, out.stdout.split())
     assert before >= 64 * 2**20 > after  # glibc mapped the buffer by itself (freed: unmapped), then no longer
+
+
+def test_triton_jit_watch_times_first_launch_compiles_and_keeps_other_hooks():
+    """TritonJitWatch counts what Triton's JIT hooks report (a compile between the hook before and the hook after),
+    passes each call on to hooks set before it, and puts those back when closed."""
+    knobs = pytest.importorskip("triton").knobs
+    seen = []
+    before = lambda **info: seen.append(("before", info["repr"]))  # noqa: E731
+    after = lambda **info: seen.append(("after", info["repr"]))  # noqa: E731
+    was = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
+    knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = before, after
+    try:
+        watch = tg.TritonJitWatch()
+        for name in ("rows[num_warps=4]", "newton_schulz[num_warps=8]"):
+            assert not knobs.runtime.jit_cache_hook(key=name, repr=name, fn=None, compile={}, is_manual_warmup=False,
+                                                    already_compiled=False)
+            time.sleep(0.05)
+            knobs.runtime.jit_post_compile_hook(key=name, repr=name, fn=None, compile={}, is_manual_warmup=False,
+                                                already_compiled=False)
+        assert watch.kernels == 2 and 0.1 <= watch.seconds < 5
+        assert watch.summary() == f"Triton JIT outside the graphs: 2 kernels, {watch.seconds:.1f}s"
+        assert [which for which, _ in seen] == ["before", "after"] * 2
+        watch.close()
+        assert (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook) == (before, after)
+    finally:
+        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = was
