@@ -39,13 +39,17 @@ run() {  # run NAME TRAINER INDUCTOR_DIR TRITON_DIR [flags...]
     grep -E "^step:$steps/$steps val_loss" "$OUT/$name.stdout" || echo "(no final line)"
 }
 
+write_then_load() {  # write_then_load WRITE_NAME LOAD_NAME: a cold run writing --compile_cache, then one from it
+    rm -rf /tmp/artifacts.bin "/tmp/ind_$1" "/tmp/triton_$1" "/tmp/ind_$2" "/tmp/triton_$2"
+    run "$1" train_gpt.py "/tmp/ind_$1" "/tmp/triton_$1" --compile_cache=/tmp/artifacts.bin
+    run "$2" train_gpt.py "/tmp/ind_$2" "/tmp/triton_$2" --compile_cache=/tmp/artifacts.bin
+    ls -l /tmp/artifacts.bin
+}
+
 case "$scope" in
 startup)
-    rm -f /tmp/artifacts.bin
     run cold train_gpt.py /tmp/ind_a /tmp/triton_a
-    run tuned train_gpt.py /tmp/ind_b /tmp/triton_b --compile_cache=/tmp/artifacts.bin
-    run artifacts train_gpt.py /tmp/ind_c /tmp/triton_c --compile_cache=/tmp/artifacts.bin
-    ls -l /tmp/artifacts.bin
+    write_then_load tuned artifacts
     ;;
 versus)
     run regional train_gpt.py /tmp/ind_r /tmp/triton_r --compile_scope=regional
@@ -57,10 +61,7 @@ ab)
     run triton train_gpt.py /tmp/ind_c /tmp/triton_c
     ;;
 file)
-    rm -rf /tmp/artifacts.bin /tmp/ind_fw /tmp/triton_fw /tmp/ind_ff /tmp/triton_ff
-    run write train_gpt.py /tmp/ind_fw /tmp/triton_fw --compile_cache=/tmp/artifacts.bin
-    run from_file train_gpt.py /tmp/ind_ff /tmp/triton_ff --compile_cache=/tmp/artifacts.bin
-    ls -l /tmp/artifacts.bin
+    write_then_load write from_file
     ;;
 profile)
     python3 -c "import os, torch._inductor.config as c; print('compile_threads', c.compile_threads, 'cpus', len(os.sched_getaffinity(0)))"
