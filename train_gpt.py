@@ -952,15 +952,20 @@ def _fa3_unsafe_tags() -> tuple:
     return (tag,) if tag is not None else ()
 
 
+def _fa3_arguments(cu_seqlens: Tensor, sizes: Tensor) -> dict:
+    """What FA3's forward and backward both take, from sizes = [window, max_seqlen, entries] on the CPU: the first
+    `entries` of cu_seqlens, max_seqlen, FA3's window (keys to the left of the query, besides itself), no scale."""
+    window, max_seqlen, entries = sizes.tolist()
+    cu_seqlens = cu_seqlens[:entries]
+    return dict(cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen,
+                softmax_scale=1.0, window_size_left=window - 1, window_size_right=0)
+
+
 @torch.library.custom_op("gpt::fa3_varlen", mutates_args=(), tags=_fa3_unsafe_tags())
 def fa3_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, sizes: Tensor) -> tuple[Tensor, Tensor]:
     """Causal FA3 over documents with a sliding window: sizes = [window, max_seqlen, entries] on the CPU, and the
     kernels take the first `entries` of cu_seqlens. Returns the output and the log-sum-exp the backward needs."""
-    window, max_seqlen, entries = sizes.tolist()
-    cu_seqlens = cu_seqlens[:entries]
-    out, lse, *_ = _fa3_kernels._flash_attn_forward(
-        q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen,
-        softmax_scale=1.0, causal=True, window_size_left=window - 1, window_size_right=0)
+    out, lse, *_ = _fa3_kernels._flash_attn_forward(q, k, v, causal=True, **_fa3_arguments(cu_seqlens, sizes))
     return out, lse
 
 
@@ -972,13 +977,9 @@ def _(q, k, v, cu_seqlens, sizes):
 @torch.library.custom_op("gpt::fa3_varlen_backward", mutates_args=(), tags=_fa3_unsafe_tags())
 def fa3_varlen_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_seqlens: Tensor,
                         sizes: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    window, max_seqlen, entries = sizes.tolist()
-    cu_seqlens = cu_seqlens[:entries]
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    _fa3_kernels._flash_attn_backward(
-        grad, q, k, v, out, lse, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen,
-        max_seqlen_k=max_seqlen, dq=dq, dk=dk, dv=dv, softmax_scale=1.0, is_causal=True,
-        window_size_left=window - 1, window_size_right=0)
+    _fa3_kernels._flash_attn_backward(grad, q, k, v, out, lse, dq=dq, dk=dk, dv=dv, is_causal=True,
+                                      **_fa3_arguments(cu_seqlens, sizes))
     return dq, dk, dv
 
 
@@ -2120,7 +2121,7 @@ class DistAdam(torch.optim.Optimizer):
                 for member, own, grad_shard in zip(bucket.members, owned, bucket.split_block(bucket.pending())):
                     self._update(member, own, grad_shard)
                 packed = owned[0].new_empty(bucket.shard * self.world_size)
-                gathers.append((bucket, packed, dist.all_gather_into_tensor(packed, torch.cat(owned), async_op=True).wait))
+                gathers.append((bucket, packed, self._all_gather(bucket, packed, torch.cat(owned))))
                 continue
             if tied and bucket is self.tied_buckets[0]:
                 continue  # its gradient goes into the leader's update below
@@ -2150,9 +2151,10 @@ class DistAdam(torch.optim.Optimizer):
         self.row_exchanges = {}
         self.grad_hooks.disarm()
 
-    def _all_gather(self, bucket: _AdamBucket, flat: Tensor, owned: Tensor, dtype: torch.dtype | None = None):
-        """Launch the all-gather of this rank's updated slice (owned, a view of flat) into flat; returns the function
-        that waits for it. In a narrower dtype the others' slices arrive rounded and this rank's own stays."""
+    def _all_gather(self, bucket, flat: Tensor, owned: Tensor, dtype: torch.dtype | None = None):
+        """Launch the all-gather of this rank's updated slice (owned; a view of flat for a bucket, the packed block
+        of merged ones) into flat; returns the function that waits for it. In a narrower dtype (a bucket's) the
+        others' slices arrive rounded and this rank's own stays."""
         if dtype is None:
             return dist.all_gather_into_tensor(flat, owned, async_op=True).wait
         gathered = flat.new_empty(bucket.padded, dtype=dtype)
