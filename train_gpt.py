@@ -26,6 +26,7 @@ import platform
 import queue
 import random
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -33,6 +34,7 @@ import time
 import typing
 import unicodedata
 import uuid
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -1499,7 +1501,8 @@ class GPT(nn.Module):
         bigram_dims = cfg.bigram_dims or dim
         self.bigram_embed = nn.Embedding(cfg.bigram_rows, bigram_dims) if cfg.bigram_rows else None
         if cfg.bigram_rows and cfg.bigram_signs:  # fixed, the same in every run and on every rank
-            signs = torch.randint(0, 2, (cfg.bigram_signs, bigram_dims), generator=torch.Generator().manual_seed(0))
+            signs = torch.randint(0, 2, (cfg.bigram_signs, bigram_dims), generator=torch.Generator().manual_seed(0),
+                                  device="cpu")
             self.register_buffer("bigram_signs", (2 * signs - 1).float(), persistent=False)
         else:
             self.bigram_signs = None
@@ -3288,11 +3291,11 @@ class CompileCacheWatch:
 class TritonJitWatch:
     """Triton kernels compiled on their first launch in this process while it watches (or read from Triton's own
     cache): our kernels launched outside compiled graphs (the row gradients, Newton-Schulz). Their seconds are warm-up
-    time that torch's compile phases do not count, and a --compile_cache file does not hold them. Watches through
-    Triton's JIT hooks, calling any hooks already set."""
+    time that torch's compile phases do not count; their names tell CompileCache which of Triton's cache entries to
+    keep. Watches through Triton's JIT hooks, calling any hooks already set."""
 
     def __init__(self):
-        self.kernels, self.seconds, self._started = 0, 0.0, {}
+        self.kernels, self.seconds, self.names, self._started = 0, 0.0, set(), {}
         try:
             from triton import knobs
         except ImportError:  # no Triton (or one without knobs): nothing to watch
@@ -3312,6 +3315,8 @@ class TritonJitWatch:
         if start is not None:
             self.kernels += 1
             self.seconds += time.perf_counter() - start
+        if getattr(info.get("fn"), "name", None):  # the qualified name; Triton's cache names the kernel by its last part
+            self.names.add(info["fn"].name.rsplit(".", 1)[-1])
         return self._after_was(**info) if self._after_was else None
 
     def close(self) -> None:
@@ -3849,7 +3854,9 @@ def build_model(cfg: Config, comm: Comm, log: RunLog) -> tuple[GPT, torch.device
     compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     kernels = choose_kernels(cfg, device)
     check_gpu_features(cfg, device, kernels)
-    model = GPT(cfg, attend, compute_dtype, forward_micro_batches=packed, kernels=kernels).to(device)
+    # Built on its device: the tables' random init on a CPU took about 3 s of every start on an H100 machine.
+    with device:
+        model = GPT(cfg, attend, compute_dtype, forward_micro_batches=packed, kernels=kernels).to(device)
     if comm.distributed:  # same seed gives the same init, but make certain
         for t in model.state_dict().values():
             dist.broadcast(t, 0)
@@ -3872,10 +3879,25 @@ def configure_inductor(cfg: Config, device: torch.device) -> None:
     functorch.autograd_cache_allow_custom_autograd_functions = True
 
 
+def triton_cache_dir() -> Path:
+    """Where Triton keeps its compiled kernels, as Triton itself decides (TRITON_CACHE_DIR, else under ~/.triton)."""
+    try:
+        from triton import knobs
+        return Path(knobs.cache.dir)
+    except ImportError:
+        return Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+
+
 class CompileCache:
-    """--compile_cache=PATH: torch's portable compile artifacts, loaded before the warm-up and written
-    (by rank 0) after it, so a fresh machine or an empty TORCHINDUCTOR_CACHE_DIR skips most compiling.
-    A file that cannot be used (corrupt, foreign, another torch version) is ignored with a warning."""
+    """--compile_cache=PATH: torch's portable compile artifacts, loaded before the warm-up and written (by rank 0)
+    after it, so a fresh machine or an empty TORCHINDUCTOR_CACHE_DIR skips most compiling. The file is a zip of
+    torch's artifacts (TORCH_MEMBER) and, under TRITON_FOLDER, Triton's cache entries for our kernels launched outside
+    the graphs (by kernel name: TritonJitWatch.names) and its compiled launchers (each a .so), which torch's artifacts
+    do not hold: loading puts back any entry that Triton's cache lacks. Entries are found by a hash of the source,
+    the GPU and the Triton version, so a foreign one is never read. A file that cannot be used (corrupt, foreign,
+    another torch version) is ignored with a warning."""
+
+    TORCH_MEMBER, TRITON_FOLDER = "torch_artifacts.bin", "triton"
 
     def __init__(self, path: str, log: RunLog, comm: Comm):
         self.path, self.log, self.comm = path, log, comm
@@ -3887,28 +3909,72 @@ class CompileCache:
         torch_log = logging.getLogger("torch.compiler._cache")
         level = torch_log.level
         torch_log.setLevel(logging.ERROR)  # torch logs a traceback for unreadable files; we say it in one line
+        info, reason, restored = None, "corrupt, or written by another torch version", 0
         try:
-            info = torch.compiler.load_cache_artifacts(Path(self.path).read_bytes())
+            with zipfile.ZipFile(self.path) as bundle:
+                info = torch.compiler.load_cache_artifacts(bundle.read(self.TORCH_MEMBER))
+                if info is not None:
+                    restored = self.restore_triton_entries(bundle, triton_cache_dir())
         except Exception as e:  # whatever the file holds, a bad cache must never stop a run
             info, reason = None, f"{type(e).__name__}: {e}"
-        else:
-            reason = "corrupt, or written by another torch version"
         finally:
             torch_log.setLevel(level)
         if info is None:
             self.log(f"warning: compile cache {self.path} ignored ({reason}); compiling from scratch")
         else:
-            self.log(f"compile cache {self.path}: loaded {self.counts(info)}")
+            self.log(f"compile cache {self.path}: loaded {self.counts(info)}; {restored} Triton cache entries put back")
 
-    def save(self):
+    def save(self, kernel_names: set[str]):
         artifacts = torch.compiler.save_cache_artifacts()
         if not self.comm.is_main or artifacts is None:
             return
         tmp = f"{self.path}.tmp{os.getpid()}"
         Path(tmp).parent.mkdir(parents=True, exist_ok=True)
-        Path(tmp).write_bytes(artifacts[0])
+        with zipfile.ZipFile(tmp, "w") as bundle:  # stored, not deflated: cubins and pickles barely shrink
+            bundle.writestr(self.TORCH_MEMBER, artifacts[0])
+            entries = self.add_triton_entries(bundle, triton_cache_dir(), kernel_names)
         os.replace(tmp, self.path)
-        self.log(f"compile cache {self.path}: saved {len(artifacts[0]):,} bytes, {self.counts(artifacts[1])}")
+        self.log(f"compile cache {self.path}: saved {os.path.getsize(self.path):,} bytes, {self.counts(artifacts[1])}, "
+                 f"{entries} Triton cache entries")
+
+    @classmethod
+    def add_triton_entries(cls, bundle: zipfile.ZipFile, cache: Path, kernel_names: set[str]) -> int:
+        """Each entry of Triton's cache (a folder named by a hash) that holds one of the kernels named (its group
+        file __grp__NAME.json) or a compiled launcher (.so): the number added."""
+        groups = {f"__grp__{name}.json" for name in kernel_names}
+        added = 0
+        for entry in sorted(cache.iterdir()) if cache.is_dir() else ():
+            files = [f for f in entry.iterdir() if f.is_file()] if entry.is_dir() else []
+            if any(f.name in groups or f.suffix == ".so" for f in files):
+                for f in files:
+                    bundle.write(f, f"{cls.TRITON_FOLDER}/{entry.name}/{f.name}")
+                added += 1
+        return added
+
+    @classmethod
+    def restore_triton_entries(cls, bundle: zipfile.ZipFile, cache: Path) -> int:
+        """Writes each bundled entry that the cache lacks, whole or not at all (a folder renamed into place), so
+        that a process reading the cache at the same time never sees half an entry: the number written."""
+        entries: dict[str, list[zipfile.ZipInfo]] = {}
+        for member in bundle.infolist():
+            parts = member.filename.split("/")
+            if len(parts) == 3 and parts[0] == cls.TRITON_FOLDER and all(p not in ("", ".", "..") for p in parts[1:]):
+                entries.setdefault(parts[1], []).append(member)
+        restored = 0
+        for name, members in entries.items():
+            if (cache / name).exists():
+                continue
+            cache.mkdir(parents=True, exist_ok=True)
+            tmp = cache / f".{name}.tmp{os.getpid()}"
+            tmp.mkdir(exist_ok=True)
+            for member in members:
+                (tmp / member.filename.rsplit("/", 1)[1]).write_bytes(bundle.read(member))
+            try:
+                os.rename(tmp, cache / name)
+                restored += 1
+            except OSError:  # another process put it there first
+                shutil.rmtree(tmp, ignore_errors=True)
+        return restored
 
     @staticmethod
     def counts(info) -> str:
@@ -3979,7 +4045,7 @@ def build_and_warm_up(cfg: Config, comm: Comm, log: RunLog) -> Trainer:
         log(f"compile scope: {scope}, mode: {compile_mode}" + (" (auto)" if cfg.compile_mode == "auto" else "")
             + f"; phases: {compile_phase_times()}; {jit.summary()}")
     if cache is not None:
-        cache.save()
+        cache.save(jit.names)
     return Trainer(model, optimizers, schedule, device, recompiles, packed)
 
 

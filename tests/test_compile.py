@@ -104,8 +104,10 @@ def test_compiled_runs_match_eager_and_reuse_the_cache_file(module_tiny_data, ea
 
     assert re.search(rf"^warning: compile cache {re.escape(str(cache))} ignored", first, re.M)
     # what the file holds, by kind, when written and when read back
-    saved = re.search(r"^compile cache .*: saved [\d,]+ bytes, (\d+) artifacts \((.*)\)$", first, re.M)
-    loaded = re.search(r"^compile cache .*: loaded (\d+) artifacts \((.*)\)$", second, re.M)
+    saved = re.search(r"^compile cache .*: saved [\d,]+ bytes, (\d+) artifacts \((.*)\), \d+ Triton cache entries$",
+                      first, re.M)
+    loaded = re.search(r"^compile cache .*: loaded (\d+) artifacts \((.*)\); \d+ Triton cache entries put back$",
+                       second, re.M)
     assert saved and loaded and "inductor " in loaded.group(2) and int(loaded.group(1)) > 0
     # auto picks one whole-model graph where windows are tensors, and no CUDA graphs on a CPU
     assert "compile scope: whole, mode: default (auto);" in first

@@ -10,7 +10,9 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import weakref
+import zipfile
 
 import numpy as np
 import pytest
@@ -1472,16 +1474,51 @@ def test_triton_jit_watch_times_first_launch_compiles_and_keeps_other_hooks():
     knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = before, after
     try:
         watch = tg.TritonJitWatch()
-        for name in ("rows[num_warps=4]", "newton_schulz[num_warps=8]"):
-            assert not knobs.runtime.jit_cache_hook(key=name, repr=name, fn=None, compile={}, is_manual_warmup=False,
+        for name, qualified in (("rows[num_warps=4]", "rows"), ("newton_schulz[num_warps=8]", "kernels.<locals>.ns")):
+            fn = types.SimpleNamespace(name=qualified)  # Triton passes the kernel's qualified name so
+            assert not knobs.runtime.jit_cache_hook(key=name, repr=name, fn=fn, compile={}, is_manual_warmup=False,
                                                     already_compiled=False)
             time.sleep(0.05)
-            knobs.runtime.jit_post_compile_hook(key=name, repr=name, fn=None, compile={}, is_manual_warmup=False,
+            knobs.runtime.jit_post_compile_hook(key=name, repr=name, fn=fn, compile={}, is_manual_warmup=False,
                                                 already_compiled=False)
         assert watch.kernels == 2 and 0.1 <= watch.seconds < 5
+        assert watch.names == {"rows", "ns"}  # as Triton's cache names them
         assert watch.summary() == f"Triton JIT outside the graphs: 2 kernels, {watch.seconds:.1f}s"
         assert [which for which, _ in seen] == ["before", "after"] * 2
         watch.close()
         assert (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook) == (before, after)
     finally:
         knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = was
+
+
+def test_compile_cache_file_carries_our_triton_kernels_and_launchers_into_an_empty_triton_cache(tmp_path):
+    """Of Triton's cache, the file keeps the entries of the kernels named and those holding a launcher (.so), not
+    inductor's (its artifacts hold those); loading writes each missing entry whole and leaves present ones alone."""
+    source = tmp_path / "source"
+    entries = {"aa": {"__grp__rows.json": b"{}", "rows.cubin": b"\x01rows"},
+               "bb": {"__grp__triton_poi_fused_add_0.json": b"{}", "triton_poi_fused_add_0.cubin": b"\x02"},
+               "cc": {"__triton_launcher.cpython-312-x86_64-linux-gnu.so": b"\x7fELF"},
+               "dd": {"__grp__ns.json": b"{}", "ns.cubin": b"\x03ns", "ns.json": b"{\"name\": \"ns\"}"}}
+    for entry, files in entries.items():
+        (source / entry).mkdir(parents=True)
+        for name, data in files.items():
+            (source / entry / name).write_bytes(data)
+    bundle_path = tmp_path / "cache.zip"
+    with zipfile.ZipFile(bundle_path, "w") as bundle:
+        assert tg.CompileCache.add_triton_entries(bundle, source, {"rows", "ns"}) == 3
+        bundle.writestr("triton/../escape/x", b"not a cache entry")  # never written outside the cache
+    target = tmp_path / "target"
+    (target / "dd").mkdir(parents=True)  # present already: left as it is
+    (target / "dd" / "ns.cubin").write_bytes(b"mine")
+    with zipfile.ZipFile(bundle_path) as bundle:
+        assert tg.CompileCache.restore_triton_entries(bundle, target) == 2
+    assert sorted(p.name for p in target.iterdir()) == ["aa", "cc", "dd"]
+    for entry in ("aa", "cc"):
+        assert {f.name: f.read_bytes() for f in (target / entry).iterdir()} == entries[entry]
+    assert [f.name for f in (target / "dd").iterdir()] == ["ns.cubin"]
+    assert (target / "dd" / "ns.cubin").read_bytes() == b"mine"
+    assert not (tmp_path / "escape").exists()
+    with zipfile.ZipFile(bundle_path) as bundle:  # a second load finds everything in place
+        assert tg.CompileCache.restore_triton_entries(bundle, target) == 0
+    with zipfile.ZipFile(tmp_path / "none.zip", "w") as bundle:  # no Triton cache yet: nothing to add
+        assert tg.CompileCache.add_triton_entries(bundle, tmp_path / "absent", {"rows"}) == 0
