@@ -5,21 +5,32 @@
 #                     kernels untuned), then a cold run with --compile_cache=FILE (so --tune_kernels=auto tunes, and
 #                     the file keeps the tuned configs), then a run from that file into empty caches: the three
 #                     starts, and in the step-time lines of the first and third, untuned against tuned kernels;
+#        cold      -> one cold run (empty caches, no --compile_cache): the default config's cold start alone;
 #        versus    -> cold run with --compile_scope=regional, then one with whole: step_avg of both on one machine;
 #        ab        -> cold run, then warm runs with plain-torch Newton-Schulz (--triton_kernels=0) and
 #                     with Triton again: Muon's kernel A/B at equal length on one machine;
 #        file      -> a cold run with --compile_cache=FILE (writing it), then a run from that file into empty
 #                     caches: the start from the file alone, without the untuned cold run of 'startup';
+#        fileprofile -> 'file' with the run from the file under cProfile ($OUT/file_profile.txt): where a start
+#                     from the file spends its time, imports and the model's build included;
 #        profile   -> cold run under cProfile: where the compile time goes ($OUT/cold_profile.txt);
 #        against   -> cold runs of train_gpt.py and of AGAINST=PATH (another version of it, e.g. from
 #                     `git show REV:train_gpt.py`), each into empty caches: both starts and step times in one call;
 #                     AGAINST_LIMIT seconds for the second (default RUN_LIMIT_S), whose cold start may be longer.
 # Prints each run's compile_time / since_process_start / graphs / step_avg; logs land in $OUT. FLAGS="..." adds
 # train_gpt.py flags to every run (e.g. FLAGS="--attn_backend=fa3" after `source bench/fa3_build.sh site`).
+# LOADS=N: 'file' and 'startup' start N times from the file, each into empty caches (default 1): starts vary by
+# several seconds from run to run. BYTECODE=1: Python keeps compiled bytecode (in /tmp/pycache) even where the
+# environment says not to (PYTHONDONTWRITEBYTECODE, as on the device machine, whose torch has no .pyc files); the
+# first run fills it, as a pip install would have, so that later starts do not compile torch's sources again.
 set -uo pipefail
 steps=$1; scope=$2; limit=${3:-450}
 OUT=${OUT:-/tmp/device_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+if [ "${BYTECODE:-0}" = 1 ]; then
+    unset PYTHONDONTWRITEBYTECODE; export PYTHONPYCACHEPREFIX=/tmp/pycache
+fi
+python3 -c "import sys; print('Python bytecode cache:', 'off' if sys.dont_write_bytecode else sys.pycache_prefix or 'on')"
 
 python3 bench/unpack_bench.py
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
@@ -39,17 +50,34 @@ run() {  # run NAME TRAINER INDUCTOR_DIR TRITON_DIR [flags...]
     grep -E "^step:$steps/$steps val_loss" "$OUT/$name.stdout" || echo "(no final line)"
 }
 
-write_then_load() {  # write_then_load WRITE_NAME LOAD_NAME: a cold run writing --compile_cache, then one from it
-    rm -rf /tmp/artifacts.bin "/tmp/ind_$1" "/tmp/triton_$1" "/tmp/ind_$2" "/tmp/triton_$2"
+write_then_load() {  # write_then_load WRITE_NAME LOAD_NAME [LOAD_TRAINER]: a cold run writing --compile_cache, then
+    # one from it (LOAD_TRAINER: how the second starts, default train_gpt.py)
+    local i
+    rm -rf /tmp/artifacts.bin "/tmp/ind_$1" "/tmp/triton_$1"
     run "$1" train_gpt.py "/tmp/ind_$1" "/tmp/triton_$1" --compile_cache=/tmp/artifacts.bin
-    run "$2" train_gpt.py "/tmp/ind_$2" "/tmp/triton_$2" --compile_cache=/tmp/artifacts.bin
     ls -l /tmp/artifacts.bin
+    for i in $(seq "${LOADS:-1}"); do
+        rm -rf "/tmp/ind_$2" "/tmp/triton_$2"
+        run "$2$([ "$i" = 1 ] || echo "$i")" "${3:-train_gpt.py}" "/tmp/ind_$2" "/tmp/triton_$2" \
+            --compile_cache=/tmp/artifacts.bin
+    done
+}
+
+print_profile() {  # print_profile PROF_FILE OUT_FILE: the 45 longest calls, by cumulative and by own time
+    python3 -c "
+import pstats, sys
+for key in ('cumulative', 'tottime'):
+    pstats.Stats('$1', stream=sys.stdout).sort_stats(key).print_stats(45)
+" > "$2" 2>&1
 }
 
 case "$scope" in
 startup)
     run cold train_gpt.py /tmp/ind_a /tmp/triton_a
     write_then_load tuned artifacts
+    ;;
+cold)
+    run cold train_gpt.py /tmp/ind_a /tmp/triton_a
     ;;
 versus)
     run regional train_gpt.py /tmp/ind_r /tmp/triton_r --compile_scope=regional
@@ -63,14 +91,14 @@ ab)
 file)
     write_then_load write from_file
     ;;
+fileprofile)
+    write_then_load write from_file "-m cProfile -o /tmp/file.prof train_gpt.py"
+    print_profile /tmp/file.prof "$OUT/file_profile.txt"
+    ;;
 profile)
     python3 -c "import os, torch._inductor.config as c; print('compile_threads', c.compile_threads, 'cpus', len(os.sched_getaffinity(0)))"
     run cold_prof "-m cProfile -o /tmp/cold.prof train_gpt.py" /tmp/ind_p /tmp/triton_p
-    python3 -c "
-import pstats, sys
-for key in ('cumulative', 'tottime'):
-    pstats.Stats('/tmp/cold.prof', stream=sys.stdout).sort_stats(key).print_stats(45)
-" > "$OUT/cold_profile.txt" 2>&1
+    print_profile /tmp/cold.prof "$OUT/cold_profile.txt"
     ;;
 against)
     run cold_this train_gpt.py /tmp/ind_t /tmp/triton_t
