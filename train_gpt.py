@@ -3872,6 +3872,8 @@ def configure_inductor(cfg: Config, device: torch.device) -> None:
     import torch._inductor.config as inductor
     tune = cfg.tune_kernels == "1" or (cfg.tune_kernels == "auto" and bool(cfg.compile_cache))
     inductor.coordinate_descent_tuning = tune and device.type == "cuda"
+    if inductor.coordinate_descent_tuning:
+        keep_tuned_configs_on_cache_hits()
     # AOTAutograd's cache refuses graphs with custom autograd Functions unless told otherwise, and the FP8 head, the
     # loss and the copy pointer are such Functions: the whole-model graph was traced and compiled afresh at every
     # start, warm caches and --compile_cache notwithstanding. Dynamo traces each Function's forward and backward into
@@ -3886,6 +3888,45 @@ def triton_cache_dir() -> Path:
         return Path(knobs.cache.dir)
     except ImportError:
         return Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+
+
+def keep_tuned_configs_on_cache_hits() -> bool:
+    """Torch without the fix of pytorch#172819 tunes every coordinate-descent-tuned kernel again when its graph comes
+    from a cache (a warm inductor cache, or --compile_cache): a kernel compiled with one config never takes its tuned
+    config from the autotune cache, and one that finds it does not mark it as tuned. Where the installed torch's
+    CachingAutotuner.recheck_autotune_cache has that guard (len(configs) > 1), recheck_tuned_config takes its place.
+    Returns whether it did."""
+    import inspect
+    from torch._inductor.runtime import triton_heuristics
+    autotuner = triton_heuristics.CachingAutotuner
+    try:
+        source = inspect.getsource(autotuner.recheck_autotune_cache)
+    except (AttributeError, OSError, TypeError):  # another torch: leave it as it is
+        return False
+    if "len(configs) > 1" not in source:
+        return False
+    autotuner.recheck_autotune_cache = recheck_tuned_config
+    return True
+
+
+def recheck_tuned_config(self, reload_kernel_from_src) -> None:
+    """CachingAutotuner.recheck_autotune_cache as torch fixed it: a kernel loaded from a cache runs the config the
+    autotune cache holds for it, with coordinate descent's mark where tuning found it, whatever it was compiled with."""
+    from torch._inductor.runtime import triton_heuristics as heuristics
+    compiled = [result.config for result in self.compile_results]
+    cached, _, self.autotune_cache_info = heuristics.check_autotune_cache(compiled, self.filename, self.inductor_meta)
+    if len(cached) != 1:
+        return
+    best = cached[0]
+    key = heuristics.triton_config_to_hashable(best)
+    same = [result for result in self.compile_results if heuristics.triton_config_to_hashable(result.config) == key]
+    if same:
+        same[0].config.found_by_coordesc = getattr(best, "found_by_coordesc", False)
+        self.compile_results = same[:1]
+    else:  # found at run time (coordinate descent): never compiled ahead, so compile it now
+        if self.fn.fn is None:
+            self.fn = reload_kernel_from_src().fn
+        self.compile_results = [self._precompile_config(best)]
 
 
 class CompileCache:

@@ -1,11 +1,13 @@
 """Compilation on the CPU (whole-model and regional): same losses as eager, and --compile_cache reused across
 fresh runs."""
 import contextlib
+import inspect
 import os
 import re
 import shutil
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -261,3 +263,59 @@ def test_graphs_with_custom_autograd_functions_are_cached():
     # The first compile may find some of its pieces in the inductor cache that earlier tests filled.
     assert re.fullmatch(r"cache_hits:\d+ cache_misses:\d+ cache_bypasses:0", summaries[0]), summaries
     assert re.fullmatch(r"cache_hits:[1-9]\d* cache_misses:0 cache_bypasses:0", summaries[1]), summaries
+
+
+def test_kernels_loaded_from_a_cache_run_their_tuned_config_without_tuning_again(monkeypatch):
+    """recheck_tuned_config (torch's fix of pytorch#172819, put in where the installed torch lacks it): a kernel
+    compiled with the config coordinate descent chose, even its only one, is marked as tuned so it is not tuned again;
+    one whose tuned config was never compiled compiles it; a cache miss leaves the compiled configs as they are."""
+    import train_gpt as tg
+    triton = pytest.importorskip("triton")
+    heuristics = pytest.importorskip("torch._inductor.runtime.triton_heuristics")
+    tuned = triton.Config({"XBLOCK": 256}, num_warps=8)
+    tuned.found_by_coordesc = True
+    cached = []
+    monkeypatch.setattr(heuristics, "check_autotune_cache", lambda configs, filename, meta: (cached, None, {"hit": 1}))
+
+    def kernel(*configs):
+        autotuner = types.SimpleNamespace(filename="k.py", inductor_meta={}, fn=types.SimpleNamespace(fn=None),
+                                          compile_results=[types.SimpleNamespace(config=c) for c in configs])
+        autotuner._precompile_config = lambda config: types.SimpleNamespace(config=config, fresh=True)
+        return autotuner
+
+    only = kernel(triton.Config({"XBLOCK": 256}, num_warps=8))
+    cached[:] = [tuned]
+    tg.recheck_tuned_config(only, reload_kernel_from_src=None)
+    assert len(only.compile_results) == 1 and only.compile_results[0].config.found_by_coordesc
+    assert not hasattr(only.compile_results[0], "fresh") and only.autotune_cache_info == {"hit": 1}
+
+    two = kernel(triton.Config({"XBLOCK": 64}, num_warps=4), triton.Config({"XBLOCK": 128}, num_warps=4))
+    reloaded = types.SimpleNamespace(fn="source")
+    tg.recheck_tuned_config(two, reload_kernel_from_src=lambda: reloaded)
+    assert [r.config for r in two.compile_results] == [tuned] and two.compile_results[0].fresh and two.fn == "source"
+
+    missed = kernel(triton.Config({"XBLOCK": 64}, num_warps=4), triton.Config({"XBLOCK": 128}, num_warps=4))
+    before = list(missed.compile_results)
+    cached[:] = []
+    tg.recheck_tuned_config(missed, reload_kernel_from_src=None)
+    assert missed.compile_results == before
+
+
+def test_the_tuned_config_fix_goes_in_only_where_torch_lacks_it(monkeypatch):
+    import train_gpt as tg
+    heuristics = pytest.importorskip("torch._inductor.runtime.triton_heuristics")
+    autotuner = heuristics.CachingAutotuner
+    installed = autotuner.__dict__.get("recheck_autotune_cache")
+    assert installed is not None
+    monkeypatch.setattr(autotuner, "recheck_autotune_cache", installed)  # put back after the test, whatever it does
+    fixed_upstream = "len(configs) > 1" not in inspect.getsource(installed)
+    assert tg.keep_tuned_configs_on_cache_hits() is not fixed_upstream
+    assert (autotuner.recheck_autotune_cache is tg.recheck_tuned_config) is not fixed_upstream
+
+    def guarded(self, reload_kernel_from_src):  # the shape of the method before the fix
+        configs = self.compile_results
+        if len(configs) > 1:
+            pass
+
+    monkeypatch.setattr(autotuner, "recheck_autotune_cache", guarded)
+    assert tg.keep_tuned_configs_on_cache_hits() and autotuner.recheck_autotune_cache is tg.recheck_tuned_config
