@@ -3278,10 +3278,15 @@ class CompileCacheWatch:
             logger.removeFilter(self._collect)
             logger.setLevel(level)
 
-    def summary(self) -> str:
-        """'cache_hits:H cache_misses:M cache_bypasses:B' for the graphs compiled while watched."""
+    def counts(self) -> collections.Counter:
+        """hits, misses and bypasses of the graphs compiled while watched."""
         counts = self._counts()
         counts.subtract(self.start)
+        return counts
+
+    def summary(self) -> str:
+        """'cache_hits:H cache_misses:M cache_bypasses:B' for the graphs compiled while watched."""
+        counts = self.counts()
         return " ".join(f"cache_{kind}:{counts[kind]}" for kind in ("hits", "misses", "bypasses"))
 
     def bypass_lines(self) -> list[str]:
@@ -3942,6 +3947,7 @@ class CompileCache:
 
     def __init__(self, path: str, log: RunLog, comm: Comm):
         self.path, self.log, self.comm = path, log, comm
+        self.loaded = False
 
     def load(self):
         if not os.path.exists(self.path):
@@ -3963,9 +3969,17 @@ class CompileCache:
         if info is None:
             self.log(f"warning: compile cache {self.path} ignored ({reason}); compiling from scratch")
         else:
+            self.loaded = True
             self.log(f"compile cache {self.path}: loaded {self.counts(info)}; {restored} Triton cache entries put back")
 
-    def save(self, kernel_names: set[str]):
+    def save(self, kernel_names: set[str], graph_cache: collections.Counter):
+        """Writes the file, unless this run loaded it and it served most graphs (graph_cache: their hits and misses):
+        torch saves only the artifacts this process used, and a start from the file uses fewer than the run that
+        compiled them (of a tuned file's 139, 88 came back), so rewriting it would lose tuned configs."""
+        if self.loaded and graph_cache["hits"] >= graph_cache["misses"]:
+            self.log(f"compile cache {self.path}: it served this run ({graph_cache['hits']} cache hits, "
+                     f"{graph_cache['misses']} misses), so it is left as it is; delete it to write a new one")
+            return
         artifacts = torch.compiler.save_cache_artifacts()
         if not self.comm.is_main or artifacts is None:
             return
@@ -4086,7 +4100,7 @@ def build_and_warm_up(cfg: Config, comm: Comm, log: RunLog) -> Trainer:
         log(f"compile scope: {scope}, mode: {compile_mode}" + (" (auto)" if cfg.compile_mode == "auto" else "")
             + f"; phases: {compile_phase_times()}; {jit.summary()}")
     if cache is not None:
-        cache.save(jit.names)
+        cache.save(jit.names, caches.counts())
     return Trainer(model, optimizers, schedule, device, recompiles, packed)
 
 

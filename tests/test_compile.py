@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import types
+import zipfile
 
 import pytest
 
@@ -111,6 +112,7 @@ def test_compiled_runs_match_eager_and_reuse_the_cache_file(module_tiny_data, ea
     loaded = re.search(r"^compile cache .*: loaded (\d+) artifacts \((.*)\); \d+ Triton cache entries put back$",
                        second, re.M)
     assert saved and loaded and "inductor " in loaded.group(2) and int(loaded.group(1)) > 0
+    assert re.search(rf"^compile cache {re.escape(str(cache))}: it served this run .* left as it is", second, re.M)
     # auto picks one whole-model graph where windows are tensors, and no CUDA graphs on a CPU
     assert "compile scope: whole, mode: default (auto);" in first
     hits = [int(re.search(r"graphs:\d+ cache_hits:(\d+)", log).group(1)) for log in (first, second)]
@@ -319,3 +321,28 @@ def test_the_tuned_config_fix_goes_in_only_where_torch_lacks_it(monkeypatch):
 
     monkeypatch.setattr(autotuner, "recheck_autotune_cache", guarded)
     assert tg.keep_tuned_configs_on_cache_hits() and autotuner.recheck_autotune_cache is tg.recheck_tuned_config
+
+
+def test_compile_cache_file_is_rewritten_only_where_it_did_not_serve_the_run(tmp_path, monkeypatch):
+    """A start from the file saves fewer artifacts than the run that compiled them, so a file that served the run
+    stays as it is; one that did not load, or whose graphs mostly missed (other flags, other code), is written."""
+    import collections
+
+    import torch
+    import train_gpt as tg
+    info = types.SimpleNamespace(artifacts={"inductor": ["a", "b"]})
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"new artifacts", info))
+    monkeypatch.setattr(tg, "triton_cache_dir", lambda: tmp_path / "no_triton_cache")
+    path, lines = tmp_path / "cache.zip", []
+    path.write_bytes(b"old")
+    cache = tg.CompileCache(str(path), lines.append, tg.Comm())
+    cache.loaded = True
+    cache.save(set(), collections.Counter(hits=17, misses=1))
+    assert path.read_bytes() == b"old" and "it served this run (17 cache hits, 1 misses)" in lines[-1]
+    cache.save(set(), collections.Counter(hits=2, misses=12))
+    with zipfile.ZipFile(path) as bundle:
+        assert bundle.read(tg.CompileCache.TORCH_MEMBER) == b"new artifacts"
+    assert lines[-1].endswith("2 artifacts (inductor 2), 0 Triton cache entries")
+    path.unlink()
+    tg.CompileCache(str(path), lines.append, tg.Comm()).save(set(), collections.Counter(hits=17))  # none loaded
+    assert zipfile.is_zipfile(path)
