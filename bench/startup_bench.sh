@@ -18,7 +18,8 @@
 #                     `git show REV:train_gpt.py`), each into empty caches: both starts and step times in one call;
 #                     AGAINST_LIMIT seconds for the second (default RUN_LIMIT_S), whose cold start may be longer.
 # Prints each run's compile_time / since_process_start / graphs / step_avg; logs land in $OUT. FLAGS="..." adds
-# train_gpt.py flags to every run (e.g. FLAGS="--attn_backend=fa3" after `source bench/fa3_build.sh site`).
+# train_gpt.py flags to every run (e.g. FLAGS="--attn_backend=fa3" after `source bench/fa3_build.sh site`; once
+# FA3 imports, --attn_backend=auto picks it, so name --attn_backend=flex to measure flex).
 # LOADS=N: 'file' and 'startup' start N times from the file, each into empty caches (default 1): starts vary by
 # several seconds from run to run. BYTECODE=1: Python keeps compiled bytecode (in /tmp/pycache) even where the
 # environment says not to (PYTHONDONTWRITEBYTECODE, as on the device machine, whose torch has no .pyc files); the
