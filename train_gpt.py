@@ -3486,6 +3486,19 @@ def set_rng_states(states: dict) -> None:
         torch.cuda.set_rng_state(states["cuda"])
 
 
+def write_atomically(target: Path, write):
+    """write(temporary) writes a file beside target, which then replaces target in one rename: a reader sees the old
+    file or the new one, never half of one, and a failed write leaves nothing behind. Returns what write returns."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        result = write(temporary)
+        os.replace(temporary, target)
+        return result
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
 def save_checkpoint(path: str, model: GPT, optimizers, cfg: Config, comm: Comm, device: torch.device, step: int,
                     progress: dict) -> None:
     """Everything a resume needs, from every rank's shards, into `path` (written by rank 0, atomically).
@@ -3496,14 +3509,7 @@ def save_checkpoint(path: str, model: GPT, optimizers, cfg: Config, comm: Comm, 
         checkpoint = dict(kind=CHECKPOINT_KIND, format=CHECKPOINT_FORMAT, step=step, config=dataclasses.asdict(cfg),
                           model={name: t.detach().cpu().clone() for name, t in model.state_dict().items()},
                           muon=muon_state, adam=adam_state, rng=rng_states(), **progress)
-        target = Path(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-        try:
-            torch.save(checkpoint, temporary)
-            os.replace(temporary, target)
-        finally:
-            temporary.unlink(missing_ok=True)
+        write_atomically(Path(path), lambda temporary: torch.save(checkpoint, temporary))
     if comm.distributed:
         dist.barrier()
 
@@ -3983,12 +3989,12 @@ class CompileCache:
         artifacts = torch.compiler.save_cache_artifacts()
         if not self.comm.is_main or artifacts is None:
             return
-        tmp = f"{self.path}.tmp{os.getpid()}"
-        Path(tmp).parent.mkdir(parents=True, exist_ok=True)
-        with zipfile.ZipFile(tmp, "w") as bundle:  # stored, not deflated: cubins and pickles barely shrink
-            bundle.writestr(self.TORCH_MEMBER, artifacts[0])
-            entries = self.add_triton_entries(bundle, triton_cache_dir(), kernel_names)
-        os.replace(tmp, self.path)
+        def write(temporary: Path) -> int:
+            with zipfile.ZipFile(temporary, "w") as bundle:  # stored, not deflated: cubins and pickles barely shrink
+                bundle.writestr(self.TORCH_MEMBER, artifacts[0])
+                return self.add_triton_entries(bundle, triton_cache_dir(), kernel_names)
+
+        entries = write_atomically(Path(self.path), write)
         self.log(f"compile cache {self.path}: saved {os.path.getsize(self.path):,} bytes, {self.counts(artifacts[1])}, "
                  f"{entries} Triton cache entries")
 
