@@ -22,14 +22,18 @@
 # FA3 imports, --attn_backend=auto picks it, so name --attn_backend=flex to measure flex).
 # LOADS=N: 'file' and 'startup' start N times from the file, each into empty caches (default 1): starts vary by
 # several seconds from run to run. BYTECODE=1: Python keeps compiled bytecode (in /tmp/pycache) even where the
-# environment says not to (PYTHONDONTWRITEBYTECODE, as on the device machine, whose torch has no .pyc files); the
-# first run fills it, as a pip install would have, so that later starts do not compile torch's sources again.
+# environment says not to (PYTHONDONTWRITEBYTECODE, as on the device machine, whose torch has no .pyc files), and
+# the installed packages are compiled to it first, as a pip install would have: no run compiles torch's sources.
 set -uo pipefail
 steps=$1; scope=$2; limit=${3:-450}
 OUT=${OUT:-/tmp/device_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 if [ "${BYTECODE:-0}" = 1 ]; then
     unset PYTHONDONTWRITEBYTECODE; export PYTHONPYCACHEPREFIX=/tmp/pycache
+    start=$SECONDS
+    python3 -m compileall -q -j 0 "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
+        > /dev/null 2>&1
+    echo "installed packages compiled to bytecode in $((SECONDS - start))s"
 fi
 python3 -c "import sys; print('Python bytecode cache:', 'off' if sys.dont_write_bytecode else sys.pycache_prefix or 'on')"
 
