@@ -3940,12 +3940,35 @@ def recheck_tuned_config(self, reload_kernel_from_src) -> None:
         self.compile_results = [self._precompile_config(best)]
 
 
+def tuned_kernel_entries() -> set[str]:
+    """The Triton cache entries (folder names) of the configs coordinate descent chose in this process. torch bundles
+    a graph's kernels as it compiles the graph, before they are tuned at their first run, so its artifacts lack the
+    tuned configs' binaries, and a start from the file compiled each of them again, one after another in the main
+    process (30.6 s of a 66.8 s start with FA3 on an H100). Each autotuner's launchers run the configs it chose, and
+    a launcher's binary carries the hash Triton files it under."""
+    try:
+        from torch._inductor.runtime.runtime_utils import triton_hash_to_path_key
+        from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+    except ImportError:  # another torch: the tuned configs compile again at the next start, as before
+        return set()
+    entries = set()
+    for obj in gc.get_objects():
+        # type(), not isinstance: that reads __class__, which raises on a dead weak proxy and warns on deprecated names
+        if issubclass(type(obj), CachingAutotuner):
+            for launcher in getattr(obj, "launchers", None) or ():
+                binary_hash = getattr(getattr(launcher, "bin", None), "hash", None)
+                if getattr(getattr(launcher, "config", None), "found_by_coordesc", False) and binary_hash:
+                    entries.add(triton_hash_to_path_key(binary_hash))
+    return entries
+
+
 class CompileCache:
     """--compile_cache=PATH: torch's portable compile artifacts, loaded before the warm-up and written (by rank 0)
     after it, so a fresh machine or an empty TORCHINDUCTOR_CACHE_DIR skips most compiling. The file is a zip of
-    torch's artifacts (TORCH_MEMBER) and, under TRITON_FOLDER, Triton's cache entries for our kernels launched outside
-    the graphs (by kernel name: TritonJitWatch.names) and its compiled launchers (each a .so), which torch's artifacts
-    do not hold: loading puts back any entry that Triton's cache lacks. Entries are found by a hash of the source,
+    torch's artifacts (TORCH_MEMBER) and, under TRITON_FOLDER, the Triton cache entries that torch's artifacts do not
+    hold: our kernels launched outside the graphs (by kernel name: TritonJitWatch.names), the compiled launchers (each
+    a .so), and the configs coordinate descent chose (tuned_kernel_entries); loading puts back any entry that
+    Triton's cache lacks. Entries are found by a hash of the source,
     the GPU and the Triton version, so a foreign one is never read. A file that cannot be used (corrupt, foreign,
     another torch version) is ignored with a warning."""
 
@@ -3989,24 +4012,27 @@ class CompileCache:
         artifacts = torch.compiler.save_cache_artifacts()
         if not self.comm.is_main or artifacts is None:
             return
+        tuned = tuned_kernel_entries()
+
         def write(temporary: Path) -> int:
             with zipfile.ZipFile(temporary, "w") as bundle:  # stored, not deflated: cubins and pickles barely shrink
                 bundle.writestr(self.TORCH_MEMBER, artifacts[0])
-                return self.add_triton_entries(bundle, triton_cache_dir(), kernel_names)
+                return self.add_triton_entries(bundle, triton_cache_dir(), kernel_names, tuned)
 
         entries = write_atomically(Path(self.path), write)
         self.log(f"compile cache {self.path}: saved {os.path.getsize(self.path):,} bytes, {self.counts(artifacts[1])}, "
                  f"{entries} Triton cache entries")
 
     @classmethod
-    def add_triton_entries(cls, bundle: zipfile.ZipFile, cache: Path, kernel_names: set[str]) -> int:
+    def add_triton_entries(cls, bundle: zipfile.ZipFile, cache: Path, kernel_names: set[str],
+                           entry_names: set[str] = frozenset()) -> int:
         """Each entry of Triton's cache (a folder named by a hash) that holds one of the kernels named (its group
-        file __grp__NAME.json) or a compiled launcher (.so): the number added."""
+        file __grp__NAME.json) or a compiled launcher (.so), or is one of entry_names: the number added."""
         groups = {f"__grp__{name}.json" for name in kernel_names}
         added = 0
         for entry in sorted(cache.iterdir()) if cache.is_dir() else ():
             files = [f for f in entry.iterdir() if f.is_file()] if entry.is_dir() else []
-            if any(f.name in groups or f.suffix == ".so" for f in files):
+            if files and (entry.name in entry_names or any(f.name in groups or f.suffix == ".so" for f in files)):
                 for f in files:
                     bundle.write(f, f"{cls.TRITON_FOLDER}/{entry.name}/{f.name}")
                 added += 1

@@ -1522,3 +1522,28 @@ def test_compile_cache_file_carries_our_triton_kernels_and_launchers_into_an_emp
         assert tg.CompileCache.restore_triton_entries(bundle, target) == 0
     with zipfile.ZipFile(tmp_path / "none.zip", "w") as bundle:  # no Triton cache yet: nothing to add
         assert tg.CompileCache.add_triton_entries(bundle, tmp_path / "absent", {"rows"}) == 0
+    with zipfile.ZipFile(tmp_path / "tuned.zip", "w") as bundle:  # an entry named (a tuned config's): kept whole
+        assert tg.CompileCache.add_triton_entries(bundle, source, set(), {"bb", "zz"}) == 2  # bb, and cc's launcher
+        assert {"triton/bb/triton_poi_fused_add_0.cubin", "triton/bb/__grp__triton_poi_fused_add_0.json"} <= set(
+            bundle.namelist())
+
+
+def test_tuned_kernel_entries_are_the_binaries_that_coordinate_descent_chose():
+    """Of the process's autotuners, the launchers whose config coordinate descent found name their binaries' Triton
+    cache entries (as torch names them from the hash); launchers of untuned configs, and objects that merely look
+    like launchers, do not."""
+    heuristics = pytest.importorskip("torch._inductor.runtime.triton_heuristics")
+    from torch._inductor.runtime.runtime_utils import triton_hash_to_path_key
+
+    def launcher(binary_hash, tuned):
+        return types.SimpleNamespace(bin=types.SimpleNamespace(hash=binary_hash),
+                                     config=types.SimpleNamespace(found_by_coordesc=tuned))
+    tuned = object.__new__(heuristics.CachingAutotuner)  # the attributes the search reads, nothing compiled
+    tuned.launchers = [launcher("aa11" * 16, True)]
+    untuned = object.__new__(heuristics.CachingAutotuner)
+    untuned.launchers = [launcher("bb22" * 16, False)]
+    not_an_autotuner = types.SimpleNamespace(launchers=[launcher("cc33" * 16, True)])
+    entries = tg.tuned_kernel_entries()
+    assert triton_hash_to_path_key("aa11" * 16) in entries
+    assert not {triton_hash_to_path_key(h * 16) for h in ("bb22", "cc33")} & entries
+    del tuned, untuned, not_an_autotuner
