@@ -3967,10 +3967,9 @@ class CompileCache:
     after it, so a fresh machine or an empty TORCHINDUCTOR_CACHE_DIR skips most compiling. The file is a zip of
     torch's artifacts (TORCH_MEMBER) and, under TRITON_FOLDER, the Triton cache entries that torch's artifacts do not
     hold: our kernels launched outside the graphs (by kernel name: TritonJitWatch.names), the compiled launchers (each
-    a .so), and the configs coordinate descent chose (tuned_kernel_entries); loading puts back any entry that
-    Triton's cache lacks. Entries are found by a hash of the source,
-    the GPU and the Triton version, so a foreign one is never read. A file that cannot be used (corrupt, foreign,
-    another torch version) is ignored with a warning."""
+    a .so), and the configs coordinate descent chose (tuned_kernel_entries); loading puts back any entry that Triton's
+    cache lacks. Entries are found by a hash of the source, the GPU and the Triton version, so a foreign one is never
+    read. A file that cannot be used (corrupt, foreign, another torch version) is ignored with a warning."""
 
     TORCH_MEMBER, TRITON_FOLDER = "torch_artifacts.bin", "triton"
 
@@ -4012,16 +4011,17 @@ class CompileCache:
         artifacts = torch.compiler.save_cache_artifacts()
         if not self.comm.is_main or artifacts is None:
             return
-        tuned = tuned_kernel_entries()
+        cache, tuned = triton_cache_dir(), tuned_kernel_entries()
 
         def write(temporary: Path) -> int:
             with zipfile.ZipFile(temporary, "w") as bundle:  # stored, not deflated: cubins and pickles barely shrink
                 bundle.writestr(self.TORCH_MEMBER, artifacts[0])
-                return self.add_triton_entries(bundle, triton_cache_dir(), kernel_names, tuned)
+                return self.add_triton_entries(bundle, cache, kernel_names, tuned)
 
         entries = write_atomically(Path(self.path), write)
+        tuned_present = sum((cache / name).is_dir() for name in tuned)
         self.log(f"compile cache {self.path}: saved {os.path.getsize(self.path):,} bytes, {self.counts(artifacts[1])}, "
-                 f"{entries} Triton cache entries")
+                 f"{entries} Triton cache entries" + (f", {tuned_present} of them tuned configs" if tuned else ""))
 
     @classmethod
     def add_triton_entries(cls, bundle: zipfile.ZipFile, cache: Path, kernel_names: set[str],

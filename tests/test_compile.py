@@ -346,3 +346,13 @@ def test_compile_cache_file_is_rewritten_only_where_it_did_not_serve_the_run(tmp
     path.unlink()
     tg.CompileCache(str(path), lines.append, tg.Comm()).save(set(), collections.Counter(hits=17))  # none loaded
     assert zipfile.is_zipfile(path)
+    # the configs coordinate descent chose go in whole, and the line says how many of them Triton's cache held
+    triton = tmp_path / "triton"
+    (triton / "tuned").mkdir(parents=True)
+    (triton / "tuned" / "triton_poi_fused_0.cubin").write_bytes(b"\x01")
+    monkeypatch.setattr(tg, "triton_cache_dir", lambda: triton)
+    monkeypatch.setattr(tg, "tuned_kernel_entries", lambda: {"tuned", "not_on_disk"})
+    tg.CompileCache(str(path), lines.append, tg.Comm()).save(set(), collections.Counter())
+    assert lines[-1].endswith(", 1 Triton cache entries, 1 of them tuned configs")
+    with zipfile.ZipFile(path) as bundle:
+        assert "triton/tuned/triton_poi_fused_0.cubin" in bundle.namelist()
