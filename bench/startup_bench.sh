@@ -10,7 +10,9 @@
 #        ab        -> cold run, then warm runs with plain-torch Newton-Schulz (--triton_kernels=0) and
 #                     with Triton again: Muon's kernel A/B at equal length on one machine;
 #        file      -> a cold run with --compile_cache=FILE (writing it), then a run from that file into empty
-#                     caches: the start from the file alone, without the untuned cold run of 'startup';
+#                     caches: the start from the file alone, without the untuned cold run of 'startup'. The file
+#                     makes --tune_kernels=auto tune: the write then takes about 7 minutes with FA3 on an H100;
+#                     FLAGS="--tune_kernels=0 ..." gives the untuned write (about 2 minutes), as a plain cold start;
 #        fileprofile -> 'file' with the run from the file under cProfile ($OUT/file_profile.txt): where a start
 #                     from the file spends its time, imports and the model's build included;
 #        profile   -> cold run under cProfile: where the compile time goes ($OUT/cold_profile.txt);
