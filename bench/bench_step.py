@@ -6,8 +6,9 @@
 After the trainer's own warm-up it runs, for every stage of the schedule (its micro-batch count and
 attention windows), a few untimed steps and then N timed ones, and prints per stage: median step ms,
 tokens/s, MFU, the slowest step against the median, the per-phase split from CUDA events (forward,
-backward, each optimizer; comm waits sit inside the optimizers), and graphs compiled in the timed
-region. BENCH_SYNC_DEBUG=1 turns on torch's sync debug mode there: a warning at every host sync.
+backward, each optimizer; comm waits sit inside the optimizers), the host's time to issue a step and each
+phase (where it nears the GPU's, the GPU waits on the host), and graphs compiled in the timed region.
+BENCH_SYNC_DEBUG=1 turns on torch's sync debug mode there: a warning at every host sync.
 FLEX_KERNEL_OPTIONS='{"bwd_num_stages":2,...}' passes flex attention these kernel_options (an A/B of flex's tiles in
 the whole model; 1xH100, 2026-11-24: torch's defaults were fastest, 651.9 ms per last-stage step against 655.0 with
 2 backward stages and 657.4 with backward tiles of 32 x 128 and 128 x 32).
@@ -210,24 +211,32 @@ def rank_communication(trace: dict, steps: int) -> str:
 
 
 class EventMarks:
-    """CUDA events recorded at one step's start and each phase end; read after the timed steps' synchronize."""
+    """CUDA events recorded at one step's start and each phase end, read after the timed steps' synchronize, and
+    the host's clock at the same points: what the host spends issuing each phase (it waits only where the launch
+    queue is full or something synchronizes, so a host phase as long as the GPU's means the GPU may wait on it)."""
 
     def __init__(self):
         self.events = []
 
     def start(self):
-        self.events = [("start", torch.cuda.Event(enable_timing=True))]
+        self.events = [("start", torch.cuda.Event(enable_timing=True), time.perf_counter())]
         self.events[0][1].record()
 
     def __call__(self, phase: str):
         event = torch.cuda.Event(enable_timing=True)
         event.record()
-        self.events.append((phase, event))
+        self.events.append((phase, event, time.perf_counter()))
 
     def split_ms(self) -> dict[str, float]:
         totals = {}
-        for (_, before), (phase, after) in zip(self.events, self.events[1:]):
+        for (_, before, _), (phase, after, _) in zip(self.events, self.events[1:]):
             totals[phase] = totals.get(phase, 0.0) + before.elapsed_time(after)
+        return totals
+
+    def host_split_ms(self) -> dict[str, float]:
+        totals = {}
+        for (_, _, before), (phase, _, after) in zip(self.events, self.events[1:]):
+            totals[phase] = totals.get(phase, 0.0) + 1000 * (after - before)
         return totals
 
 
@@ -295,6 +304,8 @@ def main() -> int:
                     end.record()
                     synchronize()
                     starts = [m.events[0][1] for m in step_marks] + [end]
+                    host_phases = {k: statistics.median(m.host_split_ms()[k] for m in step_marks)
+                                   for k in step_marks[0].host_split_ms()}
                     times = [a.elapsed_time(b) for a, b in zip(starts, starts[1:])]
                     splits = [m.split_ms() for m in step_marks]
                 else:
@@ -306,6 +317,9 @@ def main() -> int:
                 say(f"{stage:>5} {micro:>5} {str(windows):>11} {median:8.1f} {max(times) / median:7.2f} "
                     f"{tokens_per_s:10,.0f} {'' if mfu is None else f'{100 * mfu:5.1f}%'}  "
                     + " ".join(f"{k} {v:.1f}" for k, v in phases.items()))
+                if cuda:  # the host's time to issue a step, beside the GPU's to run it
+                    say(f"{'':>31}host {statistics.median(wall_times):8.1f} ms per step to issue: "
+                        + " ".join(f"{k} {v:.1f}" for k, v in host_phases.items()))
             reasons = trainer.recompiles.new_reasons()
             say(f"graphs compiled in the timed region: {len(reasons)}"
                 + (f"; peak memory {torch.cuda.max_memory_allocated() // 2**20} MiB" if cuda else ""))
