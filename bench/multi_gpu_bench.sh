@@ -9,8 +9,10 @@
 #    layers' reduce-scatters), "split1" (the same at world size 1, for the graph cut's own cost), "unmerged" (world
 #    size N with a collective per DistAdam bucket, BENCH_ADAM_MERGE=0), "bf16" (world size N with --bf16_grad_comms),
 #    "tables" (world size N with --bf16_table_gathers), "ranks" (tests/gpu/test_cuda_ranks.py: two GPUs over NCCL,
-#    checked against fp32 gathers) and "fa3" / "fa3_1" (FlashAttention-3 at world size N / 1, carrying .fa3: bench/fa3_build.sh). The benches read
-#    the bench stream (real document lengths and bigram rows);
+#    checked against fp32 gathers), "fa3" / "fa3_1" (FlashAttention-3 at world size N / 1, carrying .fa3:
+#    bench/fa3_build.sh) and "fwd1" / "fwd1_graphs" (world size N at one micro-batch per forward, the size each forward
+#    has at 8 GPUs, without / with CUDA graphs; FLAGS picks the attention, and FLAGS naming fa3 installs it from .fa3
+#    too). The benches read the bench stream (real document lengths and bigram rows);
 # 2. DiLoCo against data parallelism at equal tokens on bench2, on data that does not repeat (micro-batches of
 #    4,096 tokens; up to STEPS=300 read under the stream's 51.3M tokens): data parallelism on 2 GPUs with a replica's
 #    batch doubled (16/32/48 micro-batches) and Adam on every step, as DiLoCo's inner Adam steps, then streaming
@@ -34,7 +36,7 @@ restore_inductor_cache  # .cache/inductor.tar.xz.part* when carried: kernels com
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 nproc=${NPROC:-$(nvidia-smi -L | grep -c "^GPU")}
 read -ra flags <<< "${FLAGS:-}"
-if [ -d .fa3 ] && [[ " ${BENCHES:-} " == *" fa3"* ]]; then source bench/fa3_build.sh site; fi
+if [ -d .fa3 ] && [[ " ${BENCHES:-} ${FLAGS:-}" == *" fa3"* || "${FLAGS:-}" == *"=fa3"* ]]; then source bench/fa3_build.sh site; fi
 
 if [ "$what" = record ]; then  # the default configuration's whole schedule
     start=$SECONDS
@@ -74,6 +76,8 @@ if [ "$what" = all ] || [ "$what" = bench ]; then
         split1) bench bench_split1 1 --compile_scope=split ;;
         fa3) bench bench_fa3 "$nproc" --attn_backend=fa3 --tune_kernels=0 ;;
         fa3_1) bench bench_fa3_1 1 --attn_backend=fa3 --tune_kernels=0 ;;
+        fwd1) bench bench_fwd1 "$nproc" --forward_micro_batches=1 ;;  # each forward as small as at 8 GPUs
+        fwd1_graphs) bench bench_fwd1_graphs "$nproc" --forward_micro_batches=1 --compile_mode=reduce-overhead ;;
         esac
     done
 fi
