@@ -2430,13 +2430,30 @@ class Muon(torch.optim.Optimizer):
         for group, updates, work in gathers:
             if work is not None:
                 work.wait()
-            for p, update in zip(group.params, updates):
-                settings = self.param_groups[self.group_index_of[p]]
-                update = update.to(p.dtype)
-                lr = self.matrix_lr(p, settings)
-                if settings["weight_decay"]:  # cautious: only where the update pushes the weight towards zero too
-                    p.sub_(p * (update * p >= 0), alpha=lr * settings["weight_decay"] * settings["lr"])
-                p.add_(update, alpha=-lr)
+            self._apply(group.params, updates[:len(group.params)])
+
+    def _apply(self, params: list[Tensor], updates: Tensor):
+        """p -= lr * update for every matrix of a group, after cautious weight decay (only where the update pushes the
+        weight towards zero too: update * p >= 0). Multi-tensor ops, a few launches per (lr, decay) pair instead of six
+        per matrix: on several GPUs the host's launches, not the GPU, set the step (docs/performance.md)."""
+        cast = {dtype: updates.to(dtype).unbind(0) for dtype in {p.dtype for p in params}}  # one cast per dtype
+        by_rate: dict[tuple, tuple[list, list]] = {}
+        for i, p in enumerate(params):
+            settings = self.param_groups[self.group_index_of[p]]
+            lr = self.matrix_lr(p, settings)
+            decay = lr * settings["weight_decay"] * settings["lr"]
+            weights, steps = by_rate.setdefault((lr, decay, p.dtype), ([], []))
+            weights.append(p)
+            steps.append(cast[p.dtype][i])
+        for (lr, decay, _), (weights, steps) in by_rate.items():
+            if decay:  # the mask update * p >= 0 as min(sign(update * p) + 1, 1): foreach has no comparison
+                decayed = torch._foreach_mul(steps, weights)
+                torch._foreach_sign_(decayed)
+                torch._foreach_add_(decayed, 1.0)
+                torch._foreach_clamp_max_(decayed, 1.0)
+                torch._foreach_mul_(decayed, weights)
+                torch._foreach_add_(weights, decayed, alpha=-decay)
+            torch._foreach_add_(weights, steps, alpha=-lr)
 
     def close(self):
         """End of training: remove the gradient hooks (_LaunchWhenGradsReady.remove says why)."""
