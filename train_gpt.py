@@ -18,6 +18,7 @@ import functools
 import gc
 import glob
 import hashlib
+import itertools
 import json
 import logging
 import math
@@ -2138,14 +2139,19 @@ class DistAdam(torch.optim.Optimizer):
                 gathers.append((bucket, flat, self._all_gather(bucket, flat, owned, bucket.gather_dtype)))
             elif not bucket.in_place:
                 gathers.append((bucket, flat, None))
+        params, values = [], []  # gathered values for the parameters not updated in place: one copy launch for all
         for bucket, flat, finish in gathers:
             if finish is not None:
                 finish()
             if isinstance(bucket, _MergedBuckets):
                 for member, member_flat in zip(bucket.members, bucket.unpack(flat)):
-                    self._copy_into_params(member, member_flat)
+                    params += member.params
+                    values += self._param_views(member, member_flat)
             elif not bucket.in_place:
-                self._copy_into_params(bucket, flat)
+                params += bucket.params
+                values += self._param_views(bucket, flat)
+        if params:
+            torch._foreach_copy_(params, values)
         if tied:
             self.tied[0].copy_(self.tied[1])
         for unit in self.units:
@@ -2180,14 +2186,13 @@ class DistAdam(torch.optim.Optimizer):
                 flat = bucket.flat(bucket.params)
                 self._all_gather(bucket, flat, bucket.owned(flat, self.rank))()
                 if not bucket.in_place:
-                    self._copy_into_params(bucket, flat)
+                    torch._foreach_copy_(bucket.params, self._param_views(bucket, flat))
 
     @staticmethod
-    def _copy_into_params(bucket: _AdamBucket, flat: Tensor):
-        offset = 0
-        for p in bucket.params:
-            p.copy_(flat[offset: offset + p.numel()].view_as(p))
-            offset += p.numel()
+    def _param_views(bucket: _AdamBucket, flat: Tensor) -> list[Tensor]:
+        """Each of the bucket's parameters as a view of its flat form."""
+        offsets = itertools.accumulate((p.numel() for p in bucket.params), initial=0)
+        return [flat[offset: offset + p.numel()].view_as(p) for p, offset in zip(bucket.params, offsets)]
 
     def close(self):
         """End of training: remove the gradient hooks (_LaunchWhenGradsReady.remove says why)."""

@@ -280,3 +280,29 @@ def test_tables_gathered_in_bf16_keep_each_owners_values_and_round_the_others():
     for _, _, exact in results:
         assert_close(exact, want)
     assert all(torch.equal(a, b) for a, b in zip(results[0][2], results[1][2]))
+
+
+def test_the_packed_parameters_take_their_new_values_in_one_copy():
+    """On several GPUs the host's launches set the step (docs/performance.md): the parameters not updated in place
+    (here the three small ones, packed) get their values back in one multi-tensor copy, not one copy each."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountCopies(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.copies = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "copy_" in func.__name__:
+                self.copies.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    params = make_params()
+    opt = tg.DistAdam(groups(params), lr=0.01, **HYPER)
+    for p, g in zip(params, rank_grads(0, 0)):
+        p.grad = g
+    before = [p.detach().clone() for p in params]
+    with CountCopies() as counter:
+        opt.step()
+    assert counter.copies == ["_foreach_copy_.default"]
+    assert all(not torch.equal(p.detach(), b) for p, b in zip(params, before))
