@@ -66,3 +66,19 @@ def test_tables_gathered_in_bf16_train_as_tables_gathered_in_fp32(tiny_data, tmp
     assert all(dtype == "torch.float32" and n < min(sizes) for dtype, n in new if dtype != "torch.bfloat16")
     assert len(bf16_losses) == cfg.num_iterations and bf16_losses[-1] < bf16_losses[0]
     np.testing.assert_allclose(bf16_losses, fp32_losses, rtol=1e-5)
+
+
+def test_cuda_graphs_on_two_ranks_train_as_without(tiny_data, tmp_path):
+    """--compile_mode=reduce-overhead on two ranks replays the compiled forward and backward as CUDA graphs, which at
+    one micro-batch per forward (8 GPUs' size) cut the host's launches that set the step (docs/performance.md): the
+    same losses as the same graphs launched kernel by kernel, up to the order of the row-gradient kernel's atomic
+    adds (rtol 1e-5, as above). An input that a graph kept from its recording instead of reading anew would show."""
+    train, val = tiny_data
+    cfg, _ = tg.parse_cli(["--device=cuda", *TINY, f"--train_files={train}", f"--val_files={val}",
+                           "--micro_batch_tokens=128", "--num_iterations=6", "--val_loss_every=0", "--compile=1",
+                           "--attn_backend=flex", "--tune_kernels=0", "--adam_period=1", "--compile_mode=default",
+                           f"--log_dir={tmp_path}", "--run_id=default"])
+    plain_losses, _ = train_on_two_gpus(cfg)
+    graph_losses, _ = train_on_two_gpus(dataclasses.replace(cfg, compile_mode="reduce-overhead", run_id="graphs"))
+    assert len(graph_losses) == cfg.num_iterations and graph_losses[-1] < graph_losses[0]
+    np.testing.assert_allclose(graph_losses, plain_losses, rtol=1e-5)
