@@ -1435,11 +1435,25 @@ def test_auto_compile_mode_uses_cuda_graphs_on_one_gpu_without_fa3_only(tiny_dat
     assert tg.resolve_compile_mode(cfg, tg.Comm(0, 1, 0), cuda, "fa3") == "default"  # FA3 reads its window on the host
     explicit = dataclasses.replace(cfg, compile_mode="max-autotune-no-cudagraphs")
     assert tg.resolve_compile_mode(explicit, tg.Comm(0, 8, 0), cuda, "fa3") == "max-autotune-no-cudagraphs"
-    for mode in tg.CUDA_GRAPH_MODES:  # they would freeze the window FA3's op reads on the host
+    for mode in tg.CUDA_GRAPH_MODES:  # as asked, FA3 too (compile_model partitions the graphs around its op)
         graphs = dataclasses.replace(cfg, compile=True, compile_mode=mode)
         assert tg.resolve_compile_mode(graphs, tg.Comm(0, 1, 0), cuda, "flex") == mode
-        with pytest.raises(tg.UserError, match=f"--compile_mode={mode} replays CUDA graphs, which would freeze FA3"):
-            tg.resolve_compile_mode(graphs, tg.Comm(0, 1, 0), cuda, "fa3")
+        assert tg.resolve_compile_mode(graphs, tg.Comm(0, 8, 0), cuda, "fa3") == mode
+
+
+@pytest.mark.parametrize("attention, mode, partitioned", [("fa3", "reduce-overhead", True), ("fa3", "max-autotune", True),
+                                                          ("fa3", "default", False), ("flex", "reduce-overhead", False)])
+def test_cuda_graphs_are_cut_around_fa3s_op_only(tiny_data, monkeypatch, attention, mode, partitioned):
+    """FA3's op reads its window on the host as it runs, so under CUDA graphs inductor partitions the graphs around
+    it (the op is tagged cudagraph-unsafe); other attentions are captured whole."""
+    import torch._inductor.config as inductor
+    monkeypatch.setattr(inductor, "graph_partition", False)
+    cfg = dataclasses.replace(tiny_config(*tiny_data), compile=True, compile_mode=mode)
+    model = tg.GPT(cfg, tg.SdpaAttention(), torch.float32)
+    monkeypatch.setattr(model.attend, "name", attention)
+    tg.compile_model(model, cfg, tg.Comm(0, 1, 0), torch.device("cpu"))  # wraps only: the graphs compile when called
+    assert model.replays_cuda_graphs == (mode != "default")
+    assert inductor.graph_partition == partitioned
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
