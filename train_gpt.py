@@ -4107,7 +4107,8 @@ def compile_model(model: GPT, cfg: Config, comm: Comm, device: torch.device) -> 
     if model.replays_cuda_graphs and model.attend.name == "fa3":
         # FA3's op reads its window on the host as it runs and is tagged cudagraph-unsafe: inductor cuts the graphs
         # around each call, replays the pieces as CUDA graphs and runs the op between them.
-        torch._inductor.config.graph_partition = True
+        import torch._inductor.config as inductor
+        inductor.graph_partition = True
     if cfg.compile and scope == "whole":
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         if cfg.row_embedding_grads:  # the lookups' backward writes .grad outside autograd: they stay eager
