@@ -228,15 +228,16 @@ class EventMarks:
         self.events.append((phase, event, time.perf_counter()))
 
     def split_ms(self) -> dict[str, float]:
-        totals = {}
-        for (_, before, _), (phase, after, _) in zip(self.events, self.events[1:]):
-            totals[phase] = totals.get(phase, 0.0) + before.elapsed_time(after)
-        return totals
+        return self._totals(lambda before, after: before[1].elapsed_time(after[1]))
 
     def host_split_ms(self) -> dict[str, float]:
+        return self._totals(lambda before, after: 1000 * (after[2] - before[2]))
+
+    def _totals(self, ms) -> dict[str, float]:
+        """Each phase's time summed over its spans; ms(earlier mark, later mark) measures one span."""
         totals = {}
-        for (_, _, before), (phase, _, after) in zip(self.events, self.events[1:]):
-            totals[phase] = totals.get(phase, 0.0) + 1000 * (after - before)
+        for before, after in zip(self.events, self.events[1:]):
+            totals[after[0]] = totals.get(after[0], 0.0) + ms(before, after)
         return totals
 
 
@@ -304,8 +305,8 @@ def main() -> int:
                     end.record()
                     synchronize()
                     starts = [m.events[0][1] for m in step_marks] + [end]
-                    host_phases = {k: statistics.median(m.host_split_ms()[k] for m in step_marks)
-                                   for k in step_marks[0].host_split_ms()}
+                    host_splits = [m.host_split_ms() for m in step_marks]
+                    host_phases = {k: statistics.median(split[k] for split in host_splits) for k in host_splits[0]}
                     times = [a.elapsed_time(b) for a, b in zip(starts, starts[1:])]
                     splits = [m.split_ms() for m in step_marks]
                 else:

@@ -37,7 +37,7 @@ restore_inductor_cache  # .cache/inductor.tar.xz.part* when carried: kernels com
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 nproc=${NPROC:-$(nvidia-smi -L | grep -c "^GPU")}
 read -ra flags <<< "${FLAGS:-}"
-if [ -d .fa3 ] && [[ " ${BENCHES:-} ${FLAGS:-}" == *" fa3"* || "${FLAGS:-}" == *"=fa3"* ]]; then source bench/fa3_build.sh site; fi
+if [ -d .fa3 ] && [[ " ${BENCHES:-} " == *" fa3"* || "${FLAGS:-}" == *"=fa3"* ]]; then source bench/fa3_build.sh site; fi
 
 if [ "$what" = record ]; then  # the default configuration's whole schedule
     start=$SECONDS
