@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.utils._python_dispatch import TorchDispatchMode
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -17,6 +18,19 @@ REPO = Path(__file__).resolve().parent.parent
 VOCAB, BOS = 128, 127
 TINY = ["--preset=tiny", f"--vocab_size={VOCAB}", f"--bos_token={BOS}"]
 TOKENS = dict(vocab_size=VOCAB, bos_token=BOS)  # the same, as Config fields
+
+
+class RecordOps(TorchDispatchMode):
+    """The aten ops dispatched inside `with RecordOps() as record:`, in order (record.ops): on the CPU, the count of
+    the kernel launches the same code makes on a GPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))
 
 
 def write_shard(path: Path, tokens) -> Path:

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 import train_gpt as tg
-from helpers import run_on_ranks
+from helpers import RecordOps, run_on_ranks
 
 # Shapes like the model's: large matrices (divisible and not by the world size) and small scalars
 # that get packed into one bucket.
@@ -285,24 +285,12 @@ def test_tables_gathered_in_bf16_keep_each_owners_values_and_round_the_others():
 def test_the_packed_parameters_take_their_new_values_in_one_copy():
     """On several GPUs the host's launches set the step (docs/performance.md): the parameters not updated in place
     (here the three small ones, packed) get their values back in one multi-tensor copy, not one copy each."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class CountCopies(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.copies = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if "copy_" in func.__name__:
-                self.copies.append(func.__name__)
-            return func(*args, **(kwargs or {}))
-
     params = make_params()
     opt = tg.DistAdam(groups(params), lr=0.01, **HYPER)
     for p, g in zip(params, rank_grads(0, 0)):
         p.grad = g
     before = [p.detach().clone() for p in params]
-    with CountCopies() as counter:
+    with RecordOps() as record:
         opt.step()
-    assert counter.copies == ["_foreach_copy_.default"]
+    assert [op.__name__ for op in record.ops if "copy_" in op.__name__] == ["_foreach_copy_.default"]
     assert all(not torch.equal(p.detach(), b) for p, b in zip(params, before))
