@@ -3968,7 +3968,8 @@ def tuned_kernel_entries() -> set[str]:
     a graph's kernels as it compiles the graph, before they are tuned at their first run, so its artifacts lack the
     tuned configs' binaries, and a start from the file compiled each of them again, one after another in the main
     process (30.6 s of a 66.8 s start with FA3 on an H100). Each autotuner's launchers run the configs it chose, and
-    a launcher's binary carries the hash Triton files it under."""
+    every launcher carries its binary's entry name as cache_hash; only a launcher that stores its cubin also keeps
+    the binary (bin), so cache_hash is read first (torch 2.11's static launchers have no bin)."""
     try:
         from torch._inductor.runtime.runtime_utils import triton_hash_to_path_key
         from torch._inductor.runtime.triton_heuristics import CachingAutotuner
@@ -3979,9 +3980,14 @@ def tuned_kernel_entries() -> set[str]:
         # type(), not isinstance: that reads __class__, which raises on a dead weak proxy and warns on deprecated names
         if issubclass(type(obj), CachingAutotuner):
             for launcher in getattr(obj, "launchers", None) or ():
+                if not getattr(getattr(launcher, "config", None), "found_by_coordesc", False):
+                    continue
+                entry = getattr(launcher, "cache_hash", None)
                 binary_hash = getattr(getattr(launcher, "bin", None), "hash", None)
-                if getattr(getattr(launcher, "config", None), "found_by_coordesc", False) and binary_hash:
-                    entries.add(triton_hash_to_path_key(binary_hash))
+                if not entry and binary_hash:
+                    entry = triton_hash_to_path_key(binary_hash)
+                if entry:
+                    entries.add(entry)
     return entries
 
 

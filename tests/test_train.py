@@ -1549,15 +1549,19 @@ def test_tuned_kernel_entries_are_the_binaries_that_coordinate_descent_chose():
     heuristics = pytest.importorskip("torch._inductor.runtime.triton_heuristics")
     from torch._inductor.runtime.runtime_utils import triton_hash_to_path_key
 
-    def launcher(binary_hash, tuned):
-        return types.SimpleNamespace(bin=types.SimpleNamespace(hash=binary_hash),
-                                     config=types.SimpleNamespace(found_by_coordesc=tuned))
+    def launcher(binary_hash, tuned, static=False):  # a static launcher keeps no binary, only its entry's name
+        config = types.SimpleNamespace(found_by_coordesc=tuned)
+        if static:
+            return types.SimpleNamespace(cache_hash=triton_hash_to_path_key(binary_hash), config=config)
+        return types.SimpleNamespace(bin=types.SimpleNamespace(hash=binary_hash), config=config)
     tuned = object.__new__(heuristics.CachingAutotuner)  # the attributes the search reads, nothing compiled
     tuned.launchers = [launcher("aa11" * 16, True)]
+    tuned_static = object.__new__(heuristics.CachingAutotuner)
+    tuned_static.launchers = [launcher("dd44" * 16, True, static=True)]
     untuned = object.__new__(heuristics.CachingAutotuner)
-    untuned.launchers = [launcher("bb22" * 16, False)]
+    untuned.launchers = [launcher("bb22" * 16, False), launcher("ee55" * 16, False, static=True)]
     not_an_autotuner = types.SimpleNamespace(launchers=[launcher("cc33" * 16, True)])
     entries = tg.tuned_kernel_entries()
-    assert triton_hash_to_path_key("aa11" * 16) in entries
-    assert not {triton_hash_to_path_key(h * 16) for h in ("bb22", "cc33")} & entries
-    del tuned, untuned, not_an_autotuner
+    assert {triton_hash_to_path_key(h * 16) for h in ("aa11", "dd44")} <= entries
+    assert not {triton_hash_to_path_key(h * 16) for h in ("bb22", "cc33", "ee55")} & entries
+    del tuned, tuned_static, untuned, not_an_autotuner
