@@ -26,7 +26,10 @@
 # several seconds from run to run. BYTECODE=1: Python keeps compiled bytecode (in /tmp/pycache) even where the
 # environment says not to (PYTHONDONTWRITEBYTECODE, as on the device machine, whose torch has no .pyc files), and
 # the installed packages are compiled to it first, as a pip install would have: no run compiles torch's sources.
+# AUTOTUNE_PROBE=1: every run prints a line per autotune-cache lookup of a kernel that coordinate descent tunes
+# (bench/autotune_probe), and the end of the call counts them by state, with the kernels that missed after a load.
 set -uo pipefail
+if [ "${AUTOTUNE_PROBE:-0}" = 1 ]; then export PYTHONPATH="$PWD/bench/autotune_probe${PYTHONPATH:+:$PYTHONPATH}"; fi
 steps=$1; scope=$2; limit=${3:-450}
 OUT=${OUT:-/tmp/device_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -114,4 +117,11 @@ against)
     ;;
 *) echo "unknown scope $scope"; exit 2 ;;
 esac
+if [ "${AUTOTUNE_PROBE:-0}" = 1 ]; then
+    for f in "$OUT"/*.stdout; do
+        echo "== autotune lookups in $(basename "$f" .stdout), by state:"
+        grep "^autotune-probe" "$f" | sed -E 's/.* state=([^=]+)( [a-z_]+=.*)?$/\1/' | sort | uniq -c
+    done
+    grep -h "^autotune-probe.*state=miss" "$OUT"/from_file*.stdout 2>/dev/null | cut -c1-260 | head -20
+fi
 tar -C logs -czf "$OUT/logs.tgz" . 2>/dev/null  # the runs' logs, one file back

@@ -356,3 +356,31 @@ def test_compile_cache_file_is_rewritten_only_where_it_did_not_serve_the_run(tmp
     assert lines[-1].endswith(", 1 Triton cache entries, 1 of them tuned configs")
     with zipfile.ZipFile(path) as bundle:
         assert "triton/tuned/triton_poi_fused_0.cubin" in bundle.namelist()
+
+
+def test_autotune_probe_names_each_lookup_and_why_a_miss_missed(monkeypatch, tmp_path, capsys):
+    """bench/autotune_probe (AUTOTUNE_PROBE=1 in bench/startup_bench.sh) reports every autotune-cache lookup of a
+    kernel that coordinate descent tunes; a miss against a stored entry shows the stored and the asked configs hash."""
+    import importlib.util
+    triton = pytest.importorskip("triton")
+    heuristics = pytest.importorskip("torch._inductor.runtime.triton_heuristics")
+    monkeypatch.setattr(heuristics, "check_autotune_cache", heuristics.check_autotune_cache)  # put back afterwards
+    monkeypatch.setenv("AUTOTUNE_PROBE", "1")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    spec = importlib.util.spec_from_file_location("autotune_probe", REPO / "bench/autotune_probe/sitecustomize.py")
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    kernel = tmp_path / "cabcdef.py"  # the autotune cache keys a kernel by its file's name, a hash of its source
+    kernel.write_text("# a kernel's source")
+    one = [triton.Config({"XBLOCK": 64}, num_warps=4)]
+    meta = {"coordinate_descent_tuning": True, "kernel_name": "triton_poi_k_0"}
+    _, cache, _ = heuristics.check_autotune_cache(one, str(kernel), meta)
+    cache.save(one[0], 1_000_000, found_by_coordesc=True)
+    heuristics.check_autotune_cache(one, str(kernel), meta)
+    heuristics.check_autotune_cache(one + [triton.Config({"XBLOCK": 128}, num_warps=4)], str(kernel), meta)
+    heuristics.check_autotune_cache(one, str(kernel), {"kernel_name": "untuned"})  # not tuned: not reported
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("autotune-probe")]
+    assert lines[0] == "autotune-probe triton_poi_k_0 configs=1 state=miss file=absent"
+    assert lines[1] == "autotune-probe triton_poi_k_0 configs=1 state=hit"
+    stored, asked = re.search(r"state=miss stored_hash=(\w+) asked_hash=(\w+) stored_by_coordesc=True$",
+                              lines[2]).groups()
+    assert stored != asked and len(lines) == 3

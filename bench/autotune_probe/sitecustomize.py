@@ -1,0 +1,41 @@
+"""Instrument for bench/startup_bench.sh (AUTOTUNE_PROBE=1 puts this folder on PYTHONPATH): every lookup of a kernel's
+tuned config in inductor's autotune cache, for kernels that coordinate descent tunes, prints one line to stderr:
+'autotune-probe KERNEL configs=N state=hit|miss|...'. On a miss it adds what the cache file holds for that kernel, if
+anything: the configs hash stored against the one asked for, and whether coordinate descent found the stored config.
+So a start from a --compile_cache file names each kernel that is tuned again, and why its lookup missed."""
+import json
+import os
+import sys
+
+if os.environ.get("AUTOTUNE_PROBE") == "1":
+    try:
+        from torch._inductor.runtime import triton_heuristics
+    except ImportError as e:
+        print(f"autotune-probe: off ({e})", file=sys.stderr)
+    else:
+        lookup = triton_heuristics.check_autotune_cache
+
+        def stored_entry(cache) -> str:
+            local = getattr(cache, "local_cache", None)
+            path = local[1] if local else None
+            if not path or not os.path.exists(path):
+                return "file=absent"
+            try:
+                with open(path) as f:
+                    stored = json.load(f)
+            except (OSError, ValueError) as e:
+                return f"file=unreadable({type(e).__name__})"
+            return (f"stored_hash={stored.get('configs_hash', '')[:12]} asked_hash={cache.configs_hash[:12]} "
+                    f"stored_by_coordesc={stored.get('found_by_coordesc')}")
+
+        def check_autotune_cache(configs, filename, inductor_meta):
+            result = lookup(configs, filename, inductor_meta)
+            if inductor_meta.get("coordinate_descent_tuning"):
+                chosen, cache, info = result
+                state = info.get("autotune_cache_state")
+                detail = f" {stored_entry(cache)}" if state == "miss" and cache is not None else ""
+                print(f"autotune-probe {inductor_meta.get('kernel_name')} configs={len(configs)} state={state}{detail}",
+                      file=sys.stderr, flush=True)
+            return result
+
+        triton_heuristics.check_autotune_cache = check_autotune_cache
