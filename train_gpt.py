@@ -3945,13 +3945,22 @@ def keep_tuned_configs_on_cache_hits() -> bool:
 
 def recheck_tuned_config(self, reload_kernel_from_src) -> None:
     """CachingAutotuner.recheck_autotune_cache as torch fixed it: a kernel loaded from a cache runs the config the
-    autotune cache holds for it, with coordinate descent's mark where tuning found it, whatever it was compiled with."""
+    autotune cache holds for it, with coordinate descent's mark where tuning found it, whatever it was compiled with.
+    One more case: the cache entry is stored against a hash of the configs the kernel was generated with, and this
+    lookup hashes the configs that compiled, which differ where one failed to compile (out of registers or shared
+    memory), so it misses; a config coordinate descent found for this kernel's source is taken then too
+    (stored_tuned_config)."""
     from torch._inductor.runtime import triton_heuristics as heuristics
     compiled = [result.config for result in self.compile_results]
-    cached, _, self.autotune_cache_info = heuristics.check_autotune_cache(compiled, self.filename, self.inductor_meta)
-    if len(cached) != 1:
+    cached, cache, self.autotune_cache_info = heuristics.check_autotune_cache(compiled, self.filename,
+                                                                              self.inductor_meta)
+    if len(cached) == 1:
+        best = cached[0]
+    elif (best := stored_tuned_config(cache, compiled, self.inductor_meta)) is not None:
+        self.autotune_cache_info = {"autotune_cache_state": "hit",  # a hit: no block-size rescaling after this
+                                    "best_config": heuristics.triton_config_to_hashable(best)}
+    else:
         return
-    best = cached[0]
     key = heuristics.triton_config_to_hashable(best)
     same = [result for result in self.compile_results if heuristics.triton_config_to_hashable(result.config) == key]
     if same:
@@ -3961,6 +3970,21 @@ def recheck_tuned_config(self, reload_kernel_from_src) -> None:
         if self.fn.fn is None:
             self.fn = reload_kernel_from_src().fn
         self.compile_results = [self._precompile_config(best)]
+
+
+def stored_tuned_config(cache, configs: list, inductor_meta: dict):
+    """The config coordinate descent found for this kernel, as the autotune cache holds it, whatever configs hash it
+    was stored against; None where it holds none (or this torch reads its cache another way). The entry is found by
+    the kernel's source hash and torch's own, so it was tuned for this very kernel; the configs hash only says which
+    candidates it was tuned from."""
+    try:
+        from torch._inductor.runtime.autotune_cache import _load_cached_autotuning
+        stored = cache._read() if cache is not None else None
+    except (ImportError, AttributeError):
+        return None
+    if not isinstance(stored, dict) or not stored.get("found_by_coordesc"):
+        return None
+    return _load_cached_autotuning(dict(stored), stored.get("configs_hash"), configs, inductor_meta)
 
 
 def tuned_kernel_entries() -> set[str]:

@@ -276,11 +276,12 @@ def test_kernels_loaded_from_a_cache_run_their_tuned_config_without_tuning_again
     heuristics = pytest.importorskip("torch._inductor.runtime.triton_heuristics")
     tuned = triton.Config({"XBLOCK": 256}, num_warps=8)
     tuned.found_by_coordesc = True
-    cached = []
-    monkeypatch.setattr(heuristics, "check_autotune_cache", lambda configs, filename, meta: (cached, None, {"hit": 1}))
+    cached, cache = [], None
+    monkeypatch.setattr(heuristics, "check_autotune_cache", lambda configs, filename, meta: (cached, cache, {"hit": 1}))
 
     def kernel(*configs):
-        autotuner = types.SimpleNamespace(filename="k.py", inductor_meta={}, fn=types.SimpleNamespace(fn=None),
+        autotuner = types.SimpleNamespace(filename="k.py", inductor_meta={"coordinate_descent_tuning": True},
+                                          fn=types.SimpleNamespace(fn=None),
                                           compile_results=[types.SimpleNamespace(config=c) for c in configs])
         autotuner._precompile_config = lambda config: types.SimpleNamespace(config=config, fresh=True)
         return autotuner
@@ -301,6 +302,24 @@ def test_kernels_loaded_from_a_cache_run_their_tuned_config_without_tuning_again
     cached[:] = []
     tg.recheck_tuned_config(missed, reload_kernel_from_src=None)
     assert missed.compile_results == before
+
+    # a miss on the configs hash alone (the configs that compiled are not those the kernel was generated with): the
+    # entry coordinate descent stored for this source is taken; one stored by plain autotuning is not
+    def stored(by_coordesc):
+        return types.SimpleNamespace(_read=lambda: {"XBLOCK": 512, "num_warps": 8, "num_stages": 1,
+                                                    "configs_hash": "of other configs", "found_by_coordesc": by_coordesc})
+    for by_coordesc in (False, True):
+        cache = stored(by_coordesc)
+        other = kernel(triton.Config({"XBLOCK": 64}, num_warps=4),
+                       triton.Config({"XBLOCK": 512}, num_warps=8, num_stages=1))
+        before = list(other.compile_results)
+        tg.recheck_tuned_config(other, reload_kernel_from_src=None)
+        if not by_coordesc:
+            assert other.compile_results == before
+            continue
+        (result,) = other.compile_results
+        assert result.config.kwargs == {"XBLOCK": 512} and result.config.found_by_coordesc
+        assert result is before[1] and other.autotune_cache_info["autotune_cache_state"] == "hit"
 
 
 def test_the_tuned_config_fix_goes_in_only_where_torch_lacks_it(monkeypatch):
