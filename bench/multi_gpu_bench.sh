@@ -10,7 +10,8 @@
 #    size N with a collective per DistAdam bucket, BENCH_ADAM_MERGE=0), "bf16" (world size N with --bf16_grad_comms),
 #    "tables" (world size N with --bf16_table_gathers), "ranks" (tests/gpu/test_cuda_ranks.py: two GPUs over NCCL,
 #    bf16 table gathers checked against fp32 ones, CUDA graphs against none), "fa3" / "fa3_1" (FlashAttention-3 at
-#    world size N / 1, carrying .fa3: bench/fa3_build.sh) and "fwd1" / "fwd1_graphs" (world size N at one micro-batch
+#    world size N / 1, carrying .fa3: bench/fa3_build.sh, or .fa3src: then FA3 is built in the background while
+#    "ranks" runs, which should come first) and "fwd1" / "fwd1_graphs" (world size N at one micro-batch
 #    per forward, the size each forward has at 8 GPUs, without / with CUDA graphs; FLAGS picks the attention, and
 #    FLAGS naming fa3 installs it from .fa3 too). The benches read the bench stream (real document lengths and bigram
 #    rows);
@@ -37,9 +38,25 @@ restore_inductor_cache  # .cache/inductor.tar.xz.part* when carried: kernels com
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 nproc=${NPROC:-$(nvidia-smi -L | grep -c "^GPU")}
 read -ra flags <<< "${FLAGS:-}"
-if [ -d .fa3 ] && [[ " ${BENCHES:-} " == *" fa3"* || "${FLAGS:-}" == *"=fa3"* ]]; then source bench/fa3_build.sh site; fi
+fa3_build_pid=
+if [[ " ${BENCHES:-} " == *" fa3"* || "${FLAGS:-}" == *"=fa3"* ]]; then
+    if [ -d .fa3 ]; then
+        source bench/fa3_build.sh site
+    elif [ -d .fa3src ]; then  # no build carried: build it now, on half the cores, while the ranks test runs
+        (MAX_JOBS=${MAX_JOBS:-$(( $(nproc) / 2 ))} OUT=$OUT bash bench/fa3_build.sh build > "$OUT/fa3_build.txt" 2>&1) &
+        fa3_build_pid=$!
+    fi
+fi
+fa3_ready() {  # before a run that may use FA3: the background build finished and importable (its parts in $OUT/fa3)
+    [ -n "$fa3_build_pid" ] || return 0
+    wait "$fa3_build_pid"
+    echo "== FA3 built in the background: $(grep -E "^build exit|imports" "$OUT/fa3_build.txt" | tr '\n' ' ')"
+    export PYTHONPATH="/tmp/fa3site${PYTHONPATH:+:$PYTHONPATH}"
+    fa3_build_pid=
+}
 
 if [ "$what" = record ]; then  # the default configuration's whole schedule
+    fa3_ready
     start=$SECONDS
     # with a compile cache file, so that --tune_kernels=auto tunes the kernels, as a record attempt would
     timeout 580 torchrun --nproc_per_node="$nproc" train_gpt.py --train_files='/tmp/bench2/docs_train_*.bin' \
@@ -55,6 +72,7 @@ fi
 
 bench() {  # bench NAME NPROC [flags...]
     local name=$1 nproc=$2; shift 2
+    fa3_ready
     BENCH_SYNC_DEBUG=1 timeout "${BENCH_LIMIT_S:-240}" torchrun --nproc_per_node="$nproc" bench/bench_step.py \
         --bench_steps=8 --train_files='/tmp/bench2/docs_train_*.bin' "${flags[@]}" "$@" \
         > "$OUT/$name.txt" 2>&1
