@@ -1,5 +1,7 @@
 """DistAdam on one process and on two gloo processes, against a plain Adam with cautious weight decay on the full
 gradient."""
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -294,3 +296,74 @@ def test_the_packed_parameters_take_their_new_values_in_one_copy():
         opt.step()
     assert [op.__name__ for op in record.ops if "copy_" in op.__name__] == ["_foreach_copy_.default"]
     assert all(not torch.equal(p.detach(), b) for p, b in zip(params, before))
+
+
+def _merged_update_ops(rank, world_size, small_params):
+    """The Adam arithmetic ops of one step at two ranks, with small_params small parameters, each its own group
+    (so its own bucket), all merged into one reduce-scatter."""
+    params = [torch.randn(3, generator=torch.Generator().manual_seed(i)).requires_grad_() for i in range(small_params)]
+    opt = tg.DistAdam([dict(params=[p], lr=0.01 * (i + 1)) for i, p in enumerate(params)], lr=0.01, **HYPER)
+    for step in range(2):
+        for i, p in enumerate(params):
+            p.grad = torch.randn(3, generator=torch.Generator().manual_seed(100 * step + 10 * rank + i))
+        with RecordOps() as record:
+            opt.step()
+        opt.zero_grad()
+    return [op.__name__ for op in record.ops if any(word in op.__name__ for word in ("lerp", "addcmul", "sqrt"))]
+
+
+def test_the_merged_buckets_update_in_a_few_multi_tensor_ops():
+    """On several GPUs the host's launches set the step: the merged small buckets (18 in the default model at 8
+    ranks) take their Adam update as multi-tensor ops, as many for 4 buckets as for 12, not a call each."""
+    four, twelve = (run_on_ranks(_merged_update_ops, 2, n)[0] for n in (4, 12))
+    assert four == twelve == ["_foreach_lerp_.Scalar", "_foreach_addcmul_.ScalarList", "_foreach_sqrt.default"]
+
+
+def test_the_multi_tensor_update_is_adam_update_slice_by_slice():
+    """adam_update_multi_ against adam_update_ on each slice (fp32, the CPU): the same moments exactly, and the same
+    weights up to the bias corrections, which it computes on the host in float64."""
+    g = torch.Generator().manual_seed(0)
+    groups = [dict(lr=0.01, betas=(0.8, 0.95), eps=1e-10, weight_decay=50.0),
+              dict(lr=0.003, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0)]
+    ps = [torch.randn(n, generator=g) for n in (7, 300)]
+    one, many = [p.clone() for p in ps], [p.clone() for p in ps]
+    moments = {key: [[torch.zeros_like(p) for p in ps] for _ in range(2)] for key in ("one", "many")}
+    for step in range(1, 4):
+        grads = [torch.randn(p.shape, generator=g) for p in ps]
+        for i, group in enumerate(groups):
+            tg.adam_update_(one[i], grads[i], moments["one"][0][i], moments["one"][1][i], torch.tensor(float(step)),
+                            torch.tensor(group["lr"]), torch.tensor(group["lr"] ** 2 * group["weight_decay"]),
+                            *group["betas"], group["eps"])
+        tg.adam_update_multi_(many, grads, *moments["many"], [step, step], groups)
+    for which in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(moments["one"][which], moments["many"][which]))
+    assert_close(many, one)
+    assert not any(torch.equal(a, b) for a, b in zip(many, ps))
+
+
+def _resumed_merged_run(rank, world_size):
+    """Two steps, the state saved, two more; then a fresh optimizer loads that state and takes the same two: the
+    merged buckets' step counts on the host follow the loaded state (bias corrections of steps 3 and 4)."""
+    tg.DistAdam.MERGE = 10_000
+
+    def run(opt, params, steps):
+        for step in steps:
+            for p, g in zip(params, rank_grads(rank, step)):
+                p.grad = g
+            opt.step()
+            opt.zero_grad()
+    params = make_params()
+    opt = tg.DistAdam(groups(params), lr=0.01, **HYPER)
+    run(opt, params, range(2))
+    saved = ([p.detach().clone() for p in params], copy.deepcopy(opt.state_dict()))
+    run(opt, params, range(2, 4))
+    resumed = [p.detach().clone().requires_grad_() for p in saved[0]]
+    again = tg.DistAdam(groups(resumed), lr=0.01, **HYPER)
+    again.load_state_dict(saved[1])
+    run(again, resumed, range(2, 4))
+    return [p.detach() for p in params], [p.detach() for p in resumed]
+
+
+def test_merged_buckets_resume_from_a_loaded_state():
+    for straight, resumed in run_on_ranks(_resumed_merged_run, 2):
+        assert all(torch.equal(a, b) for a, b in zip(straight, resumed))

@@ -235,6 +235,33 @@ def test_adam_update_matches_float64(compiled):
     assert relative_error(p.detach().cpu(), ref) < 1e-6
 
 
+def test_adam_update_multi_matches_float64():
+    """The merged small buckets' update on several GPUs (adam_update_multi_: multi-tensor ops, settings and step
+    counts on the host) against the same Adam with cautious weight decay in float64: slices of three groups, two
+    kinds of betas, one group without decay."""
+    g = torch.Generator().manual_seed(0)
+    sizes, groups = [4096, 37, 12, 49152], [dict(lr=0.6, betas=(0.75, 0.95), eps=1e-10, weight_decay=0.025),
+                                            dict(lr=0.2, betas=(0.9, 0.99), eps=1e-10, weight_decay=0.0),
+                                            dict(lr=0.6, betas=(0.75, 0.95), eps=1e-10, weight_decay=0.025),
+                                            dict(lr=0.05, betas=(0.9, 0.99), eps=1e-8, weight_decay=5.0)]
+    weights = [torch.randn(n, generator=g) for n in sizes]
+    ps = [w.clone().cuda() for w in weights]
+    m, v = [torch.zeros(n, device="cuda") for n in sizes], [torch.zeros(n, device="cuda") for n in sizes]
+    refs = [w.double() for w in weights]
+    m64, v64 = ([torch.zeros(n, dtype=torch.float64) for n in sizes] for _ in range(2))
+    for step in range(1, 5):
+        grads = [torch.randn(n, generator=g) * 1e-3 for n in sizes]
+        tg.adam_update_multi_(ps, [grad.cuda() for grad in grads], m, v, [step] * len(sizes), groups)
+        for i, (group, grad) in enumerate(zip(groups, grads)):
+            (beta1, beta2), lr = group["betas"], group["lr"]
+            m64[i] = beta1 * m64[i] + (1 - beta1) * grad.double()
+            v64[i] = beta2 * v64[i] + (1 - beta2) * grad.double() ** 2
+            update = lr * (m64[i] / (1 - beta1 ** step)) / ((v64[i] / (1 - beta2 ** step)).sqrt() + group["eps"])
+            refs[i] = refs[i] - update - lr ** 2 * group["weight_decay"] * (update * refs[i] > 0) * refs[i]
+    for p, ref in zip(ps, refs):
+        assert relative_error(p.cpu(), ref) < 1e-6
+
+
 def test_normuon_matches_float64():
     """NorMuon's rescaling of bf16 orthogonalised updates (as Muon computes them on the GPU) against the same formula
     in float64 on the same input: per row of a tall block, the running mean square, the division by its root and the
