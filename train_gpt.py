@@ -2013,7 +2013,8 @@ class DistAdam(torch.optim.Optimizer):
         # compiled: one fused kernel per bucket shape (CUDA); the lr and decay go in as tensors, so a new value
         # is no new graph. The shards under MERGE values share one graph of symbolic length per betas and eps
         # (update_small_): the default model's 26 buckets came to 16 graphs, each compiled in a cold start, where the
-        # small ones now make 2. Not tuned by --tune_kernels: a memory-bound elementwise kernel gains nothing from it.
+        # small ones now make 2 (on several ranks the merged ones take adam_update_multi_ instead). Not tuned by
+        # --tune_kernels: a memory-bound elementwise kernel gains nothing from it.
         untuned = {"coordinate_descent_tuning": False}
         self.update_, self.update_small_ = (
             (torch.compile(adam_update_, dynamic=False, fullgraph=True, options=untuned),
