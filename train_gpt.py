@@ -2268,6 +2268,19 @@ def adam_update_(p: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, s
     p.sub_(update + decay * (update * p > 0) * p)
 
 
+def foreach_same_sign(updates: list[Tensor], weights: list[Tensor], strict: bool) -> list[Tensor]:
+    """1 where update * weight > 0 (strict) or >= 0, else 0, for each pair: the masks of cautious weight decay in
+    multi-tensor ops, which have no comparison: sign(update * weight) clamped at 0, or plus 1 clamped at 1."""
+    masks = torch._foreach_mul(updates, weights)
+    torch._foreach_sign_(masks)
+    if strict:
+        torch._foreach_clamp_min_(masks, 0)
+    else:
+        torch._foreach_add_(masks, 1.0)
+        torch._foreach_clamp_max_(masks, 1.0)
+    return masks
+
+
 def adam_update_multi_(ps: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
                        steps: list[int], groups: list[dict]) -> None:
     """adam_update_ for many slices at once, each with its param group's settings (lr, betas, eps, weight_decay)
@@ -2286,12 +2299,10 @@ def adam_update_multi_(ps: list[Tensor], grads: list[Tensor], exp_avgs: list[Ten
     updates = torch._foreach_mul(exp_avgs, [group["lr"] / (1 - group["betas"][0] ** step)
                                             for group, step in zip(groups, steps)])
     torch._foreach_div_(updates, denominators)
-    # cautious weight decay where there is any: (update * p > 0) is sign(update * p) clamped at 0
+    # cautious weight decay where there is any: where update * p > 0
     decayed = [i for i, group in enumerate(groups) if group["lr"] ** 2 * group["weight_decay"]]
     if decayed:
-        masks = torch._foreach_mul([updates[i] for i in decayed], [ps[i] for i in decayed])
-        torch._foreach_sign_(masks)
-        torch._foreach_clamp_min_(masks, 0)
+        masks = foreach_same_sign([updates[i] for i in decayed], [ps[i] for i in decayed], strict=True)
         torch._foreach_mul_(masks, [groups[i]["lr"] ** 2 * groups[i]["weight_decay"] for i in decayed])
         torch._foreach_mul_(masks, [ps[i] for i in decayed])
         torch._foreach_add_([updates[i] for i in decayed], masks)
@@ -2506,11 +2517,8 @@ class Muon(torch.optim.Optimizer):
             weights.append(p)
             steps.append(cast[p.dtype][i])
         for (lr, decay, _), (weights, steps) in by_rate.items():
-            if decay:  # the mask update * p >= 0 as min(sign(update * p) + 1, 1): foreach has no comparison
-                decayed = torch._foreach_mul(steps, weights)
-                torch._foreach_sign_(decayed)
-                torch._foreach_add_(decayed, 1.0)
-                torch._foreach_clamp_max_(decayed, 1.0)
+            if decay:  # where update * p >= 0
+                decayed = foreach_same_sign(steps, weights, strict=False)
                 torch._foreach_mul_(decayed, weights)
                 torch._foreach_add_(weights, decayed, alpha=-decay)
             torch._foreach_add_(weights, steps, alpha=-lr)
