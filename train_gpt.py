@@ -2234,8 +2234,7 @@ class DistAdam(torch.optim.Optimizer):
         fresh = all("step" not in self.state[member.params[0]] for member in members)
         states = [self._state(member, own) for member, own in zip(members, owned)]
         steps = [state["step"] for state in states]
-        if self.host_steps is None or len(self.host_steps[0]) != len(steps) or any(
-                a is not b for a, b in zip(self.host_steps[0], steps)):
+        if self.host_steps is None or any(a is not b for a, b in zip(self.host_steps[0], steps)):
             self.host_steps = (steps, [0] * len(steps) if fresh else
                                [int(count) for count in torch.stack(steps).tolist()])
         counts = [count + 1 for count in self.host_steps[1]]
