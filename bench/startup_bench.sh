@@ -13,6 +13,10 @@
 #                     caches: the start from the file alone, without the untuned cold run of 'startup'. The file
 #                     makes --tune_kernels=auto tune: the write then takes about 7 minutes with FA3 on an H100;
 #                     FLAGS="--tune_kernels=0 ..." gives the untuned write (about 2 minutes), as a plain cold start;
+#        write     -> the first half of 'file' alone: a cold run writing /tmp/artifacts.bin, which stays there;
+#        load      -> the second half alone: a run from /tmp/artifacts.bin into empty caches. With 'write' in one
+#                     call and 'load' in the next on the same warm machine (within its idle release), each half
+#                     gets a whole call's time: the tuned FA3 write alone takes about 8 minutes;
 #        fileprofile -> 'file' with the run from the file under cProfile ($OUT/file_profile.txt): where a start
 #                     from the file spends its time, imports and the model's build included;
 #        profile   -> cold run under cProfile: where the compile time goes ($OUT/cold_profile.txt);
@@ -60,12 +64,16 @@ run() {  # run NAME TRAINER INDUCTOR_DIR TRITON_DIR [flags...]
     grep -E "^step:$steps/$steps val_loss" "$OUT/$name.stdout" || echo "(no final line)"
 }
 
-write_then_load() {  # write_then_load WRITE_NAME LOAD_NAME [LOAD_TRAINER]: a cold run writing --compile_cache, then
-    # one from it (LOAD_TRAINER: how the second starts, default train_gpt.py)
-    local i
+write_cache() {  # write_cache NAME: a cold run writing /tmp/artifacts.bin
     rm -rf /tmp/artifacts.bin "/tmp/ind_$1" "/tmp/triton_$1"
     run "$1" train_gpt.py "/tmp/ind_$1" "/tmp/triton_$1" --compile_cache=/tmp/artifacts.bin
     ls -l /tmp/artifacts.bin
+}
+
+write_then_load() {  # write_then_load WRITE_NAME LOAD_NAME [LOAD_TRAINER]: a cold run writing --compile_cache, then
+    # one from it (LOAD_TRAINER: how the second starts, default train_gpt.py)
+    local i
+    write_cache "$1"
     for i in $(seq "${LOADS:-1}"); do
         rm -rf "/tmp/ind_$2" "/tmp/triton_$2"
         run "$2$([ "$i" = 1 ] || echo "$i")" "${3:-train_gpt.py}" "/tmp/ind_$2" "/tmp/triton_$2" \
@@ -100,6 +108,14 @@ ab)
     ;;
 file)
     write_then_load write from_file
+    ;;
+write)
+    write_cache write
+    ;;
+load)
+    [ -f /tmp/artifacts.bin ] || { echo "no /tmp/artifacts.bin: run the 'write' scope first, on the same machine"; exit 2; }
+    rm -rf /tmp/ind_from_file /tmp/triton_from_file
+    run from_file train_gpt.py /tmp/ind_from_file /tmp/triton_from_file --compile_cache=/tmp/artifacts.bin
     ;;
 fileprofile)
     write_then_load write from_file "-m cProfile -o /tmp/file.prof train_gpt.py"
