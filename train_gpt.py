@@ -3969,6 +3969,7 @@ def configure_inductor(cfg: Config, device: torch.device) -> None:
     inductor.coordinate_descent_tuning = tune and device.type == "cuda"
     if inductor.coordinate_descent_tuning:
         keep_tuned_configs_on_cache_hits()
+        take_stored_tuned_configs()
     # AOTAutograd's cache refuses graphs with custom autograd Functions unless told otherwise, and the FP8 head, the
     # loss and the copy pointer are such Functions: the whole-model graph was traced and compiled afresh at every
     # start, warm caches and --compile_cache notwithstanding. Dynamo traces each Function's forward and backward into
@@ -4006,22 +4007,13 @@ def keep_tuned_configs_on_cache_hits() -> bool:
 
 def recheck_tuned_config(self, reload_kernel_from_src) -> None:
     """CachingAutotuner.recheck_autotune_cache as torch fixed it: a kernel loaded from a cache runs the config the
-    autotune cache holds for it, with coordinate descent's mark where tuning found it, whatever it was compiled with.
-    One more case: the cache entry is stored against a hash of the configs the kernel was generated with, and this
-    lookup hashes the configs that compiled, which differ where one failed to compile (out of registers or shared
-    memory), so it misses; a config coordinate descent found for this kernel's source is taken then too
-    (stored_tuned_config)."""
+    autotune cache holds for it, with coordinate descent's mark where tuning found it, whatever it was compiled with."""
     from torch._inductor.runtime import triton_heuristics as heuristics
     compiled = [result.config for result in self.compile_results]
-    cached, cache, self.autotune_cache_info = heuristics.check_autotune_cache(compiled, self.filename,
-                                                                              self.inductor_meta)
-    if len(cached) == 1:
-        best = cached[0]
-    elif (best := stored_tuned_config(cache, compiled, self.inductor_meta)) is not None:
-        self.autotune_cache_info = {"autotune_cache_state": "hit",  # a hit: no block-size rescaling after this
-                                    "best_config": heuristics.triton_config_to_hashable(best)}
-    else:
+    cached, _, self.autotune_cache_info = heuristics.check_autotune_cache(compiled, self.filename, self.inductor_meta)
+    if len(cached) != 1:
         return
+    best = cached[0]
     key = heuristics.triton_config_to_hashable(best)
     same = [result for result in self.compile_results if heuristics.triton_config_to_hashable(result.config) == key]
     if same:
@@ -4033,6 +4025,34 @@ def recheck_tuned_config(self, reload_kernel_from_src) -> None:
         self.compile_results = [self._precompile_config(best)]
 
 
+def take_stored_tuned_configs() -> bool:
+    """The autotune cache stores a kernel's tuned config against a hash of the candidate configs it was tuned from,
+    and a lookup that hashes other candidates misses, though the entry is for this very kernel (it is found by the
+    kernel's source hash): a start from --compile_cache tuned the FA3 model's two split scans again for 16 s on an
+    H100, their one candidate hashing differently from the write's. A miss now takes the config coordinate descent
+    stored for the kernel (stored_tuned_config), at every lookup: when a kernel is made and when one loaded from a
+    cache checks again. Returns whether it is in place (not on a torch whose autotune cache reads another way)."""
+    try:
+        from torch._inductor.runtime.autotune_cache import AutotuneCache
+    except ImportError:
+        return False
+    plain = AutotuneCache.__dict__.get("read_best")
+    if getattr(plain, "takes_stored_tuned_configs", False):
+        return True
+    if plain is None or not hasattr(AutotuneCache, "_read"):
+        return False
+
+    def read_best(self, inductor_meta, configs):
+        best = plain(self, inductor_meta, configs)
+        if best is None and inductor_meta.get("coordinate_descent_tuning"):
+            best = stored_tuned_config(self, configs, inductor_meta)
+        return best
+
+    read_best.takes_stored_tuned_configs = True
+    AutotuneCache.read_best = read_best
+    return True
+
+
 def stored_tuned_config(cache, configs: list, inductor_meta: dict):
     """The config coordinate descent found for this kernel, as the autotune cache holds it, whatever configs hash it
     was stored against; None where it holds none (or this torch reads its cache another way). The entry is found by
@@ -4040,7 +4060,7 @@ def stored_tuned_config(cache, configs: list, inductor_meta: dict):
     candidates it was tuned from."""
     try:
         from torch._inductor.runtime.autotune_cache import _load_cached_autotuning
-        stored = cache._read() if cache is not None else None
+        stored = cache._read()
     except (ImportError, AttributeError):
         return None
     if not isinstance(stored, dict) or not stored.get("found_by_coordesc"):

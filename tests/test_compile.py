@@ -303,23 +303,50 @@ def test_kernels_loaded_from_a_cache_run_their_tuned_config_without_tuning_again
     tg.recheck_tuned_config(missed, reload_kernel_from_src=None)
     assert missed.compile_results == before
 
-    # a miss on the configs hash alone (the configs that compiled are not those the kernel was generated with): the
-    # entry coordinate descent stored for this source is taken; one stored by plain autotuning is not
-    def stored(by_coordesc):
-        return types.SimpleNamespace(_read=lambda: {"XBLOCK": 512, "num_warps": 8, "num_stages": 1,
-                                                    "configs_hash": "of other configs", "found_by_coordesc": by_coordesc})
+
+def test_a_miss_on_the_configs_hash_alone_takes_the_config_coordinate_descent_stored(monkeypatch):
+    """take_stored_tuned_configs: the autotune cache's entry for a kernel, stored against the hash of other candidate
+    configs, is taken when coordinate descent found it (as tuned, so it is not tuned again), at the lookup when a
+    kernel is made (check_autotune_cache) and at the one of a kernel loaded from a cache (recheck_tuned_config); an
+    entry plain autotuning stored is not, nor any without coordinate descent on."""
+    import train_gpt as tg
+    triton = pytest.importorskip("triton")
+    heuristics = pytest.importorskip("torch._inductor.runtime.triton_heuristics")
+    autotune_cache = pytest.importorskip("torch._inductor.runtime.autotune_cache")
+    cache_class = autotune_cache.AutotuneCache
+    monkeypatch.setattr(cache_class, "read_best", cache_class.__dict__["read_best"])  # put back after the test
+    meta = {"coordinate_descent_tuning": True}
+    candidates = [triton.Config({"XBLOCK": 64}, num_warps=4), triton.Config({"XBLOCK": 512}, num_warps=8, num_stages=1)]
+    stored = {}
+
+    def lookup(configs, filename, inductor_meta):  # check_autotune_cache, with a cache that holds `stored`
+        cache = cache_class(heuristics.hash_configs(configs))
+        cache._read = lambda: dict(stored) if stored else None
+        best = cache.read_best(inductor_meta, configs)
+        return ([best], cache, {"autotune_cache_state": "hit"}) if best else (configs, cache, {})
+
+    monkeypatch.setattr(heuristics, "check_autotune_cache", lookup)
     for by_coordesc in (False, True):
-        cache = stored(by_coordesc)
-        other = kernel(triton.Config({"XBLOCK": 64}, num_warps=4),
-                       triton.Config({"XBLOCK": 512}, num_warps=8, num_stages=1))
-        before = list(other.compile_results)
-        tg.recheck_tuned_config(other, reload_kernel_from_src=None)
-        if not by_coordesc:
-            assert other.compile_results == before
-            continue
-        (result,) = other.compile_results
-        assert result.config.kwargs == {"XBLOCK": 512} and result.config.found_by_coordesc
-        assert result is before[1] and other.autotune_cache_info["autotune_cache_state"] == "hit"
+        stored.update({"XBLOCK": 256, "num_warps": 8, "num_stages": 1, "configs_hash": "of other configs",
+                       "found_by_coordesc": by_coordesc})
+        assert heuristics.check_autotune_cache(candidates, "k.py", meta)[0] == candidates  # torch's own lookup
+    assert tg.take_stored_tuned_configs() and tg.take_stored_tuned_configs()  # once in place, it stays as it is
+    assert cache_class.read_best.takes_stored_tuned_configs
+
+    stored["found_by_coordesc"] = False
+    assert heuristics.check_autotune_cache(candidates, "k.py", meta)[0] == candidates
+    stored["found_by_coordesc"] = True
+    assert heuristics.check_autotune_cache(candidates, "k.py", {})[0] == candidates
+    (made,), _, _ = heuristics.check_autotune_cache(candidates, "k.py", meta)
+    assert made.kwargs == {"XBLOCK": 256} and made.num_warps == 8 and made.found_by_coordesc
+
+    # a kernel loaded from a cache, compiled with the candidates: the stored config is compiled (it is not among them)
+    loaded = types.SimpleNamespace(filename="k.py", inductor_meta=meta, fn=types.SimpleNamespace(fn="source"),
+                                   compile_results=[types.SimpleNamespace(config=c) for c in candidates])
+    loaded._precompile_config = lambda config: types.SimpleNamespace(config=config, fresh=True)
+    tg.recheck_tuned_config(loaded, reload_kernel_from_src=None)
+    (result,) = loaded.compile_results
+    assert result.fresh and result.config.kwargs == {"XBLOCK": 256} and result.config.found_by_coordesc
 
 
 def test_the_tuned_config_fix_goes_in_only_where_torch_lacks_it(monkeypatch):
