@@ -4048,7 +4048,7 @@ def take_stored_tuned_configs() -> bool:
             best = stored_tuned_config(self, configs, inductor_meta)
         return best
 
-    read_best.takes_stored_tuned_configs = True
+    read_best.takes_stored_tuned_configs, read_best.plain = True, plain
     AutotuneCache.read_best = read_best
     return True
 
