@@ -3969,7 +3969,7 @@ def configure_inductor(cfg: Config, device: torch.device) -> None:
     inductor.coordinate_descent_tuning = tune and device.type == "cuda"
     if inductor.coordinate_descent_tuning:
         keep_tuned_configs_on_cache_hits()
-        take_stored_tuned_configs()
+        prefer_tuned_cache_entries()
     # AOTAutograd's cache refuses graphs with custom autograd Functions unless told otherwise, and the FP8 head, the
     # loss and the copy pointer are such Functions: the whole-model graph was traced and compiled afresh at every
     # start, warm caches and --compile_cache notwithstanding. Dynamo traces each Function's forward and backward into
@@ -4025,31 +4025,45 @@ def recheck_tuned_config(self, reload_kernel_from_src) -> None:
         self.compile_results = [self._precompile_config(best)]
 
 
-def take_stored_tuned_configs() -> bool:
-    """The autotune cache stores a kernel's tuned config against a hash of the candidate configs it was tuned from,
-    and a lookup that hashes other candidates misses, though the entry is for this very kernel (it is found by the
-    kernel's source hash): a start from --compile_cache tuned the FA3 model's two split scans again for 16 s on an
-    H100, their one candidate hashing differently from the write's. A miss now takes the config coordinate descent
-    stored for the kernel (stored_tuned_config), at every lookup: when a kernel is made and when one loaded from a
-    cache checks again. Returns whether it is in place (not on a torch whose autotune cache reads another way)."""
+def prefer_tuned_cache_entries() -> bool:
+    """Two ways torch's autotune cache loses a config coordinate descent found, so that a start from
+    --compile_cache tunes the kernel again (on an H100 with FA3, 5 to 76 s of a start), closed here:
+    - the entry is stored against a hash of the candidate configs it was tuned from, and a lookup that hashes other
+      candidates misses, though the entry is for this very kernel (it is found by the kernel's source hash): the
+      FA3 model's two split scans, whose one candidate hashed differently from the write's. Such a miss now takes
+      the config coordinate descent stored (stored_tuned_config), at every lookup: when a kernel is made and when
+      one loaded from a cache checks again;
+    - a winner of plain autotuning is saved over it: on torch 2.11 a reduction kernel that runs its tuned config
+      may add smaller-block variants when its registers spill, benchmark them, and save the winner unmarked, so
+      the next lookup of that kernel finds an untuned config (14 RMS-norm reductions on one start). An unmarked
+      save no longer replaces a marked entry.
+    Returns whether both are in place (not on a torch whose autotune cache reads or writes another way)."""
     try:
         from torch._inductor.runtime.autotune_cache import AutotuneCache
     except ImportError:
         return False
-    plain = AutotuneCache.__dict__.get("read_best")
-    if getattr(plain, "takes_stored_tuned_configs", False):
+    plain_read, plain_save = AutotuneCache.__dict__.get("read_best"), AutotuneCache.__dict__.get("save")
+    if getattr(plain_read, "prefers_tuned", False):
         return True
-    if plain is None or not hasattr(AutotuneCache, "_read"):
+    if plain_read is None or plain_save is None or not hasattr(AutotuneCache, "_read"):
         return False
 
     def read_best(self, inductor_meta, configs):
-        best = plain(self, inductor_meta, configs)
+        best = plain_read(self, inductor_meta, configs)
         if best is None and inductor_meta.get("coordinate_descent_tuning"):
             best = stored_tuned_config(self, configs, inductor_meta)
         return best
 
-    read_best.takes_stored_tuned_configs, read_best.plain = True, plain
-    AutotuneCache.read_best = read_best
+    def save(self, config, time_taken_ns, found_by_coordesc=False, **kwargs):
+        if not found_by_coordesc:
+            stored = self._read()
+            if isinstance(stored, dict) and stored.get("found_by_coordesc"):
+                return
+        plain_save(self, config, time_taken_ns, found_by_coordesc=found_by_coordesc, **kwargs)
+
+    read_best.prefers_tuned, read_best.plain = True, plain_read
+    save.prefers_tuned, save.plain = True, plain_save
+    AutotuneCache.read_best, AutotuneCache.save = read_best, save
     return True
 
 

@@ -304,57 +304,70 @@ def test_kernels_loaded_from_a_cache_run_their_tuned_config_without_tuning_again
     assert missed.compile_results == before
 
 
-def torch_read_best(monkeypatch) -> None:
-    """The autotune cache's lookup as torch has it, put back after the test: an earlier test's configure_inductor,
-    with tuning on, may have put take_stored_tuned_configs's in."""
+def torch_autotune_cache(monkeypatch) -> None:
+    """The autotune cache's lookup and save as torch has them, put back after the test: an earlier test's
+    configure_inductor, with tuning on, may have put prefer_tuned_cache_entries's in."""
     autotune_cache = pytest.importorskip("torch._inductor.runtime.autotune_cache")
-    installed = autotune_cache.AutotuneCache.__dict__["read_best"]
-    monkeypatch.setattr(autotune_cache.AutotuneCache, "read_best", getattr(installed, "plain", installed))
+    for name in ("read_best", "save"):
+        installed = autotune_cache.AutotuneCache.__dict__[name]
+        monkeypatch.setattr(autotune_cache.AutotuneCache, name, getattr(installed, "plain", installed))
 
 
-def test_a_miss_on_the_configs_hash_alone_takes_the_config_coordinate_descent_stored(monkeypatch):
-    """take_stored_tuned_configs: the autotune cache's entry for a kernel, stored against the hash of other candidate
-    configs, is taken when coordinate descent found it (as tuned, so it is not tuned again), at the lookup when a
-    kernel is made (check_autotune_cache) and at the one of a kernel loaded from a cache (recheck_tuned_config); an
-    entry plain autotuning stored is not, nor any without coordinate descent on."""
+def test_the_autotune_cache_keeps_and_finds_the_configs_coordinate_descent_found(monkeypatch, tmp_path):
+    """prefer_tuned_cache_entries, on a real autotune cache: an entry coordinate descent stored against the hash of
+    other candidate configs is found (as tuned, so it is not tuned again), at the lookup when a kernel is made
+    (check_autotune_cache) and at the one of a kernel loaded from a cache (recheck_tuned_config); an unmarked save
+    (plain autotuning's winner) does not replace it. Torch alone does neither."""
     import train_gpt as tg
     triton = pytest.importorskip("triton")
     heuristics = pytest.importorskip("torch._inductor.runtime.triton_heuristics")
-    autotune_cache = pytest.importorskip("torch._inductor.runtime.autotune_cache")
-    cache_class = autotune_cache.AutotuneCache
-    torch_read_best(monkeypatch)
+    torch_autotune_cache(monkeypatch)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    kernel = tmp_path / "cabcdef.py"  # the autotune cache keys a kernel by its file's name, a hash of its source
+    kernel.write_text("# a kernel's source")
     meta = {"coordinate_descent_tuning": True}
-    candidates = [triton.Config({"XBLOCK": 64}, num_warps=4), triton.Config({"XBLOCK": 512}, num_warps=8, num_stages=1)]
-    stored = {}
+    one = [triton.Config({"XBLOCK": 64}, num_warps=4)]
+    two = one + [triton.Config({"XBLOCK": 128}, num_warps=4)]
+    tuned = triton.Config({"XBLOCK": 256}, num_warps=8, num_stages=1)
 
-    def lookup(configs, filename, inductor_meta):  # check_autotune_cache, with a cache that holds `stored`
-        cache = cache_class(heuristics.hash_configs(configs))
-        cache._read = lambda: dict(stored) if stored else None
-        best = cache.read_best(inductor_meta, configs)
-        return ([best], cache, {"autotune_cache_state": "hit"}) if best else (configs, cache, {})
+    def lookup(configs, inductor_meta=meta):
+        return heuristics.check_autotune_cache(configs, str(kernel), inductor_meta)
 
-    monkeypatch.setattr(heuristics, "check_autotune_cache", lookup)
-    for by_coordesc in (False, True):
-        stored.update({"XBLOCK": 256, "num_warps": 8, "num_stages": 1, "configs_hash": "of other configs",
-                       "found_by_coordesc": by_coordesc})
-        assert heuristics.check_autotune_cache(candidates, "k.py", meta)[0] == candidates  # torch's own lookup
-    assert tg.take_stored_tuned_configs() and tg.take_stored_tuned_configs()  # once in place, it stays as it is
-    assert cache_class.read_best.takes_stored_tuned_configs
+    def store(config, by_coordesc):  # saved as tuned from `one`, the way the writing run's kernel was
+        lookup(one)[1].save(config, 1_000_000, found_by_coordesc=by_coordesc)
 
-    stored["found_by_coordesc"] = False
-    assert heuristics.check_autotune_cache(candidates, "k.py", meta)[0] == candidates
-    stored["found_by_coordesc"] = True
-    assert heuristics.check_autotune_cache(candidates, "k.py", {})[0] == candidates
-    (made,), _, _ = heuristics.check_autotune_cache(candidates, "k.py", meta)
+    def stored():
+        return lookup(one)[1]._read()
+
+    store(tuned, True)
+    assert lookup(two)[0] == two  # torch's own lookup misses on the configs hash
+    store(two[1], False)
+    assert not stored()["found_by_coordesc"]  # and its save puts an untuned winner over the tuned config
+
+    assert tg.prefer_tuned_cache_entries() and tg.prefer_tuned_cache_entries()  # once in place, it stays as it is
+    store(tuned, True)
+    (made,), _, info = lookup(two)
     assert made.kwargs == {"XBLOCK": 256} and made.num_warps == 8 and made.found_by_coordesc
+    assert info["autotune_cache_state"] == "hit"
+    assert lookup(two, {})[0] == two  # coordinate descent off: no fallback
+    store(two[1], False)
+    assert stored()["found_by_coordesc"] and stored()["XBLOCK"] == 256  # the unmarked save left it
+    store(triton.Config({"XBLOCK": 512}, num_warps=8), True)
+    assert stored()["XBLOCK"] == 512  # a marked save replaces it
 
     # a kernel loaded from a cache, compiled with the candidates: the stored config is compiled (it is not among them)
-    loaded = types.SimpleNamespace(filename="k.py", inductor_meta=meta, fn=types.SimpleNamespace(fn="source"),
-                                   compile_results=[types.SimpleNamespace(config=c) for c in candidates])
+    loaded = types.SimpleNamespace(filename=str(kernel), inductor_meta=meta, fn=types.SimpleNamespace(fn="source"),
+                                   compile_results=[types.SimpleNamespace(config=c) for c in two])
     loaded._precompile_config = lambda config: types.SimpleNamespace(config=config, fresh=True)
     tg.recheck_tuned_config(loaded, reload_kernel_from_src=None)
     (result,) = loaded.compile_results
-    assert result.fresh and result.config.kwargs == {"XBLOCK": 256} and result.config.found_by_coordesc
+    assert result.fresh and result.config.kwargs == {"XBLOCK": 512} and result.config.found_by_coordesc
+
+    # an entry only plain autotuning stored is not taken
+    kernel.write_text("# another kernel's source")
+    kernel = kernel.rename(tmp_path / "cfedcba.py")
+    store(two[1], False)
+    assert lookup(two)[0] == two
 
 
 def test_the_tuned_config_fix_goes_in_only_where_torch_lacks_it(monkeypatch):
@@ -419,7 +432,7 @@ def test_autotune_probe_names_each_lookup_and_why_a_miss_missed(monkeypatch, tmp
     triton = pytest.importorskip("triton")
     heuristics = pytest.importorskip("torch._inductor.runtime.triton_heuristics")
     monkeypatch.setattr(heuristics, "check_autotune_cache", heuristics.check_autotune_cache)  # put back afterwards
-    torch_read_best(monkeypatch)
+    torch_autotune_cache(monkeypatch)
     monkeypatch.setenv("AUTOTUNE_PROBE", "1")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     spec = importlib.util.spec_from_file_location("autotune_probe", REPO / "bench/autotune_probe/sitecustomize.py")
@@ -441,7 +454,7 @@ def test_autotune_probe_names_each_lookup_and_why_a_miss_missed(monkeypatch, tmp
     assert stored != asked and len(lines) == 3
     # with the trainer's fallback in, that lookup takes the stored config coordinate descent found: a hit
     import train_gpt as tg
-    assert tg.take_stored_tuned_configs()
+    assert tg.prefer_tuned_cache_entries()
     (best,), _, _ = heuristics.check_autotune_cache(one + [triton.Config({"XBLOCK": 128}, num_warps=4)],
                                                     str(kernel), meta)
     assert best.kwargs == {"XBLOCK": 64} and best.found_by_coordesc
