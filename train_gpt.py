@@ -301,7 +301,7 @@ class Config:
     # replay as CUDA graphs, no per-kernel launch cost on the host (every graph recorded after the warm-up is logged
     # as a warning). auto: see resolve_compile_mode.
     compile_mode: str = _speed(
-        "auto", "auto: reduce-overhead on one GPU, else default; or max-autotune[-no-cudagraphs]")
+        "auto", "auto (CUDA graphs where they pay: resolve_compile_mode) | default | reduce-overhead | max-autotune*")
     # Up to about 1% faster steps on one H100 for minutes of a cold start (244 s of 315 at the defaults on 4 GPUs), so
     # auto tunes only where the result is kept for the next start: in --compile_cache's file, which holds the tuned
     # configs (docs/performance.md).
@@ -947,7 +947,7 @@ class FlexAttention:
 # opaque op of its own, in a small CPU tensor read when the op runs: one graph serves every window pair and length.
 # A CUDA graph would freeze the values it was recorded with, so the op is tagged cudagraph-unsafe: under an explicit
 # CUDA-graph --compile_mode inductor partitions the graphs around it and it runs between their replays (compile_model);
-# --compile_mode=auto runs FA3 without CUDA graphs (resolve_compile_mode).
+# --compile_mode=auto does so only at one micro-batch per forward, where the graphs pay (resolve_compile_mode).
 _fa3_kernels = None  # flash_attn_interface (or a stand-in), set by FlashAttention3
 
 
@@ -1466,6 +1466,7 @@ class GPT(nn.Module):
                  kernels: Kernels = PLAIN_TORCH):
         super().__init__()
         self.cfg, self.attend, self.compute_dtype, self.kernels = cfg, attend, compute_dtype, kernels
+        self.forward_micro_batches = forward_micro_batches
         # padded for efficient matmuls; the copy pointer's gate is the row after the vocabulary
         vocab = next_multiple_of(cfg.vocab_size + cfg.copy_pointer, 128)
         dim = cfg.model_dim
@@ -3912,18 +3913,25 @@ def resolve_forward_micro_batches(cfg: Config, world_size: int, device_memory_gi
     return cfg.forward_micro_batches
 
 
-def resolve_compile_mode(cfg: Config, comm: Comm, device: torch.device, attention: str) -> str:
-    """--compile_mode=auto: reduce-overhead (CUDA graphs) on a single GPU, where its steps are faster than
-    default's; default on several GPUs, where graphs at 2 micro-batches per forward were no faster and moved the
-    weights further from default's than two default runs differ (docs/performance.md), on CPUs, which have no
-    graphs, and with FA3, whose op has to run between the graphs (compile_model): at 8 micro-batches per forward on
-    1xH100 the partitioned graphs' memory pools ran the default config out of memory. At one micro-batch per forward
-    (8 GPUs' size) the host's launches set the step, and flex with CUDA graphs was 32% faster than without on 4xH200;
-    an explicit CUDA-graph mode is taken as asked, FA3 included."""
+def resolve_compile_mode(cfg: Config, comm: Comm, device: torch.device, attention: str,
+                         forward_micro_batches: int) -> str:
+    """--compile_mode=auto: reduce-overhead (CUDA graphs) on a GPU where they make the steps faster, else default.
+    - One micro-batch per forward (8 GPUs' size, or --forward_micro_batches=1), FA3 included: the host's launches
+      set the step, and the graphs, FA3's partitioned around its op, were 30-38% faster per stage than none on
+      4xH100 with FA3, 26-31% on 1xH100 with FA3, 32% in the last stage on 4xH200 with flex, in no more memory; two
+      ranks under graphs train as without (tests/gpu/test_cuda_ranks.py).
+    - Bigger forwards: graphs on a single GPU without FA3; default on several GPUs, where graphs at 2 micro-batches
+      per forward were no faster (2xH200), and with FA3, whose partitioned graphs' memory pools ran the default
+      config out of memory at 8 micro-batches per forward on 1xH100.
+    - Default on CPUs, which have no graphs, and under DiLoCo. An explicit mode is taken as asked, FA3 included.
+    Measurements: docs/performance.md."""
     if cfg.compile_mode != "auto":
         return cfg.compile_mode
-    single_gpu = device.type == "cuda" and comm.world_size == 1 and not cfg.diloco
-    return "reduce-overhead" if single_gpu and attention != "fa3" else "default"
+    if device.type != "cuda" or cfg.diloco:
+        return "default"
+    if forward_micro_batches == 1 or (comm.world_size == 1 and attention != "fa3"):
+        return "reduce-overhead"
+    return "default"
 
 
 def check_gpu_features(cfg: Config, device: torch.device, kernels: Kernels) -> None:
@@ -4226,7 +4234,7 @@ def compile_model(model: GPT, cfg: Config, comm: Comm, device: torch.device) -> 
         # The one whole-model graph makes faster steps than a graph per block (fewer launches from the
         # host, fusion across blocks), for a longer cold compile (docs/performance.md).
         scope = "whole"
-    compile_mode = resolve_compile_mode(cfg, comm, device, model.attend.name)
+    compile_mode = resolve_compile_mode(cfg, comm, device, model.attend.name, model.forward_micro_batches)
     mode = None if compile_mode == "default" else compile_mode
     model.replays_cuda_graphs = cfg.compile and compile_mode in CUDA_GRAPH_MODES
     if model.replays_cuda_graphs and model.attend.name == "fa3":
