@@ -26,7 +26,7 @@
 # Prints each run's compile_time / since_process_start / graphs / step_avg; logs land in $OUT. FLAGS="..." adds
 # train_gpt.py flags to every run (e.g. FLAGS="--attn_backend=fa3" after `source bench/fa3_build.sh site`; once
 # FA3 imports, --attn_backend=auto picks it, so name --attn_backend=flex to measure flex).
-# LOADS=N: 'file' and 'startup' start N times from the file, each into empty caches (default 1): starts vary by
+# LOADS=N: 'file', 'load' and 'startup' start N times from the file, each into empty caches (default 1): starts vary by
 # several seconds from run to run. BYTECODE=1: Python keeps compiled bytecode (in /tmp/pycache) even where the
 # environment says not to (PYTHONDONTWRITEBYTECODE, as on the device machine, whose torch has no .pyc files), and
 # the installed packages are compiled to it first, as a pip install would have: no run compiles torch's sources.
@@ -114,8 +114,11 @@ write)
     ;;
 load)
     [ -f /tmp/artifacts.bin ] || { echo "no /tmp/artifacts.bin: run the 'write' scope first, on the same machine"; exit 2; }
-    rm -rf /tmp/ind_from_file /tmp/triton_from_file
-    run from_file train_gpt.py /tmp/ind_from_file /tmp/triton_from_file --compile_cache=/tmp/artifacts.bin
+    for i in $(seq "${LOADS:-1}"); do
+        rm -rf /tmp/ind_from_file /tmp/triton_from_file
+        run "from_file$([ "$i" = 1 ] || echo "$i")" train_gpt.py /tmp/ind_from_file /tmp/triton_from_file \
+            --compile_cache=/tmp/artifacts.bin
+    done
     ;;
 fileprofile)
     write_then_load write from_file "-m cProfile -o /tmp/file.prof train_gpt.py"
