@@ -70,15 +70,20 @@ write_cache() {  # write_cache NAME: a cold run writing /tmp/artifacts.bin
     ls -l /tmp/artifacts.bin
 }
 
-write_then_load() {  # write_then_load WRITE_NAME LOAD_NAME [LOAD_TRAINER]: a cold run writing --compile_cache, then
-    # one from it (LOAD_TRAINER: how the second starts, default train_gpt.py)
+load_cache() {  # load_cache NAME [TRAINER]: LOADS runs from /tmp/artifacts.bin, each into empty caches (TRAINER:
+    # how they start, default train_gpt.py)
     local i
-    write_cache "$1"
     for i in $(seq "${LOADS:-1}"); do
-        rm -rf "/tmp/ind_$2" "/tmp/triton_$2"
-        run "$2$([ "$i" = 1 ] || echo "$i")" "${3:-train_gpt.py}" "/tmp/ind_$2" "/tmp/triton_$2" \
+        rm -rf "/tmp/ind_$1" "/tmp/triton_$1"
+        run "$1$([ "$i" = 1 ] || echo "$i")" "${2:-train_gpt.py}" "/tmp/ind_$1" "/tmp/triton_$1" \
             --compile_cache=/tmp/artifacts.bin
     done
+}
+
+write_then_load() {  # write_then_load WRITE_NAME LOAD_NAME [LOAD_TRAINER]: a cold run writing --compile_cache, then
+    # LOADS from it
+    write_cache "$1"
+    load_cache "$2" "${3:-}"
 }
 
 print_profile() {  # print_profile PROF_FILE OUT_FILE: the 45 longest calls, by cumulative and by own time
@@ -114,11 +119,7 @@ write)
     ;;
 load)
     [ -f /tmp/artifacts.bin ] || { echo "no /tmp/artifacts.bin: run the 'write' scope first, on the same machine"; exit 2; }
-    for i in $(seq "${LOADS:-1}"); do
-        rm -rf /tmp/ind_from_file /tmp/triton_from_file
-        run "from_file$([ "$i" = 1 ] || echo "$i")" train_gpt.py /tmp/ind_from_file /tmp/triton_from_file \
-            --compile_cache=/tmp/artifacts.bin
-    done
+    load_cache from_file
     ;;
 fileprofile)
     write_then_load write from_file "-m cProfile -o /tmp/file.prof train_gpt.py"
