@@ -140,8 +140,11 @@ esac
 if [ "${AUTOTUNE_PROBE:-0}" = 1 ]; then
     for f in "$OUT"/*.stdout; do
         echo "== autotune lookups in $(basename "$f" .stdout), by state:"
-        grep "^autotune-probe" "$f" | sed -E 's/.* state=([^=]+)( [a-z_]+=.*)?$/\1/' | sort | uniq -c
+        grep "^autotune-probe " "$f" | sed -E 's/.* (state=[^ ]+ tuned=[^ ]+).*$/\1/' | sort | uniq -c
+        echo "   coordinate descent: $(grep -c "^autotune-probe-tuning" "$f") kernels, $(grep "^autotune-probe-tuning" "$f" \
+            | awk '{s += $NF} END {printf "%.1f s", s}')"
     done
-    grep -h "^autotune-probe.*state=miss" "$OUT"/from_file*.stdout 2>/dev/null | cut -c1-260 | head -20
+    grep -h "^autotune-probe .*state=miss" "$OUT"/from_file*.stdout 2>/dev/null | cut -c1-260 | head -20
+    grep -h "^autotune-probe-tuning" "$OUT"/from_file*.stdout 2>/dev/null | cut -c1-400 | head -30
 fi
 tar -C logs -czf "$OUT/logs.tgz" . 2>/dev/null  # the runs' logs, one file back

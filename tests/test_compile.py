@@ -427,11 +427,15 @@ def test_compile_cache_file_is_rewritten_only_where_it_did_not_serve_the_run(tmp
 
 def test_autotune_probe_names_each_lookup_and_why_a_miss_missed(monkeypatch, tmp_path, capsys):
     """bench/autotune_probe (AUTOTUNE_PROBE=1 in bench/startup_bench.sh) reports every autotune-cache lookup of a
-    kernel that coordinate descent tunes; a miss against a stored entry shows the stored and the asked configs hash."""
+    kernel that coordinate descent tunes, and whether the config found carries coordinate descent's mark; a miss
+    against a stored entry shows the stored and the asked configs hash; each coordinate-descent run prints a line."""
     import importlib.util
     triton = pytest.importorskip("triton")
     heuristics = pytest.importorskip("torch._inductor.runtime.triton_heuristics")
     monkeypatch.setattr(heuristics, "check_autotune_cache", heuristics.check_autotune_cache)  # put back afterwards
+    launcher = types.SimpleNamespace(config=triton.Config({"XBLOCK": 64}, num_warps=4))
+    monkeypatch.setattr(heuristics.CachingAutotuner, "coordinate_descent_tuning",  # torch's own needs a GPU kernel
+                        lambda self, start, *args: launcher)
     torch_autotune_cache(monkeypatch)
     monkeypatch.setenv("AUTOTUNE_PROBE", "1")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
@@ -447,9 +451,9 @@ def test_autotune_probe_names_each_lookup_and_why_a_miss_missed(monkeypatch, tmp
     heuristics.check_autotune_cache(one + [triton.Config({"XBLOCK": 128}, num_warps=4)], str(kernel), meta)
     heuristics.check_autotune_cache(one, str(kernel), {"kernel_name": "untuned"})  # not tuned: not reported
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("autotune-probe")]
-    assert lines[0] == "autotune-probe triton_poi_k_0 configs=1 state=miss file=absent"
-    assert lines[1] == "autotune-probe triton_poi_k_0 configs=1 state=hit"
-    stored, asked = re.search(r"state=miss stored_hash=(\w+) asked_hash=(\w+) stored_by_coordesc=True$",
+    assert lines[0] == "autotune-probe triton_poi_k_0 configs=1 state=miss tuned=False file=absent"
+    assert lines[1] == "autotune-probe triton_poi_k_0 configs=1 state=hit tuned=True"
+    stored, asked = re.search(r"state=miss tuned=False stored_hash=(\w+) asked_hash=(\w+) stored_by_coordesc=True$",
                               lines[2]).groups()
     assert stored != asked and len(lines) == 3
     # with the trainer's fallback in, that lookup takes the stored config coordinate descent found: a hit
@@ -458,4 +462,9 @@ def test_autotune_probe_names_each_lookup_and_why_a_miss_missed(monkeypatch, tmp
     (best,), _, _ = heuristics.check_autotune_cache(one + [triton.Config({"XBLOCK": 128}, num_warps=4)],
                                                     str(kernel), meta)
     assert best.kwargs == {"XBLOCK": 64} and best.found_by_coordesc
-    assert capsys.readouterr().err.strip() == "autotune-probe triton_poi_k_0 configs=2 state=hit"
+    assert capsys.readouterr().err.strip() == "autotune-probe triton_poi_k_0 configs=2 state=hit tuned=True"
+    autotuner = types.SimpleNamespace(inductor_meta=meta, autotune_cache_info={"autotune_cache_state": "hit"},
+                                      compile_results=[None])
+    heuristics.CachingAutotuner.coordinate_descent_tuning(autotuner, launcher)
+    assert re.fullmatch(r"autotune-probe-tuning triton_poi_k_0 from=XBLOCK: 64.* state=hit compiled=1 to=XBLOCK: 64.* "
+                        r"\d+\.\d\ds", capsys.readouterr().err.strip())

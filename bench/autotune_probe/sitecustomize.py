@@ -1,11 +1,15 @@
 """Instrument for bench/startup_bench.sh (AUTOTUNE_PROBE=1 puts this folder on PYTHONPATH): every lookup of a kernel's
 tuned config in inductor's autotune cache, for kernels that coordinate descent tunes, prints one line to stderr:
-'autotune-probe KERNEL configs=N state=hit|miss|...'. On a miss it adds what the cache file holds for that kernel, if
+'autotune-probe KERNEL configs=N state=hit|miss|... tuned=True|False' (tuned: the config found carries coordinate
+descent's mark, so the kernel is not tuned again). On a miss it adds what the cache file holds for that kernel, if
 anything: the configs hash stored against the one asked for, and whether coordinate descent found the stored config.
-So a start from a --compile_cache file names each kernel that is tuned again, and why its lookup missed."""
+Every coordinate-descent run prints 'autotune-probe-tuning KERNEL ...': the config it starts from, the kernel's
+lookup state and compiled configs, and its seconds. So a start from a --compile_cache file names each kernel that is
+tuned again, and why."""
 import json
 import os
 import sys
+import time
 
 if os.environ.get("AUTOTUNE_PROBE") == "1":
     try:
@@ -34,8 +38,22 @@ if os.environ.get("AUTOTUNE_PROBE") == "1":
                 chosen, cache, info = result
                 state = info.get("autotune_cache_state")
                 detail = f" {stored_entry(cache)}" if state == "miss" and cache is not None else ""
-                print(f"autotune-probe {inductor_meta.get('kernel_name')} configs={len(configs)} state={state}{detail}",
-                      file=sys.stderr, flush=True)
+                tuned = len(chosen) == 1 and getattr(chosen[0], "found_by_coordesc", False)
+                print(f"autotune-probe {inductor_meta.get('kernel_name')} configs={len(configs)} state={state} "
+                      f"tuned={tuned}{detail}", file=sys.stderr, flush=True)
             return result
 
         triton_heuristics.check_autotune_cache = check_autotune_cache
+        autotuner = triton_heuristics.CachingAutotuner
+        tune = autotuner.coordinate_descent_tuning
+
+        def coordinate_descent_tuning(self, launcher, *args, **kwargs):
+            start = time.perf_counter()
+            result = tune(self, launcher, *args, **kwargs)
+            info = getattr(self, "autotune_cache_info", None) or {}
+            print(f"autotune-probe-tuning {self.inductor_meta.get('kernel_name')} from={launcher.config} "
+                  f"state={info.get('autotune_cache_state')} compiled={len(getattr(self, 'compile_results', []))} "
+                  f"to={result.config} {time.perf_counter() - start:.2f}s", file=sys.stderr, flush=True)
+            return result
+
+        autotuner.coordinate_descent_tuning = coordinate_descent_tuning
