@@ -370,6 +370,57 @@ def test_the_autotune_cache_keeps_and_finds_the_configs_coordinate_descent_found
     assert lookup(two)[0] == two
 
 
+def test_a_kernel_whose_tuned_config_is_stored_is_not_tuned_again_at_its_first_run(monkeypatch, tmp_path):
+    """tune_only_kernels_without_stored_tuning, on a real autotune cache: coordinate descent at a kernel's first run
+    takes the config it stored for that kernel (compiled now where the launcher runs another), marked as tuned; a
+    kernel with none stored is tuned as before, and one torch never tunes (our own) never reads the cache. A
+    reduction whose lookup hit adds no smaller-block variants. Torch 2.11 alone tunes again and adds them."""
+    import threading
+    import train_gpt as tg
+    triton = pytest.importorskip("triton")
+    heuristics = pytest.importorskip("torch._inductor.runtime.triton_heuristics")
+    torch_autotune_cache(monkeypatch)
+    autotuner = heuristics.CachingAutotuner
+    tuned_by_torch, scaled_by_torch = [], []
+    monkeypatch.setattr(autotuner, "coordinate_descent_tuning",  # torch's own needs a GPU; put back afterwards
+                        lambda self, launcher, *args: tuned_by_torch.append(self) or launcher)
+    monkeypatch.setattr(autotuner, "_dynamic_scale_rblock", lambda self: scaled_by_torch.append(self))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    assert tg.tune_only_kernels_without_stored_tuning() and tg.tune_only_kernels_without_stored_tuning()
+    kernel = tmp_path / "cabcdef.py"  # the autotune cache keys a kernel by its file's name, a hash of its source
+    kernel.write_text("# a kernel's source")
+    meta = {"coordinate_descent_tuning": True}
+    untuned = triton.Config({"XBLOCK": 4}, num_warps=2)
+    tuned = triton.Config({"XBLOCK": 2}, num_warps=2, num_stages=1)
+    _, cache, _ = heuristics.check_autotune_cache([untuned], str(kernel), meta)
+    cache.save(tuned, 1_000_000, found_by_coordesc=True)
+
+    def reduction(filename, kind=heuristics.HeuristicType.PERSISTENT_REDUCTION, state="hit"):
+        compiled = lambda config: types.SimpleNamespace(make_launcher=lambda: types.SimpleNamespace(config=config))
+        return types.SimpleNamespace(filename=str(filename), inductor_meta=meta, heuristic_type=kind, lock=threading.Lock(),
+                                     fn=types.SimpleNamespace(fn="source"), _precompile_config=compiled,
+                                     autotune_cache_info={"autotune_cache_state": state})
+
+    def first_run(kernel_autotuner, config):
+        return autotuner.coordinate_descent_tuning(kernel_autotuner, types.SimpleNamespace(config=config))
+
+    launcher = first_run(reduction(kernel), untuned)
+    assert launcher.config.kwargs == {"XBLOCK": 2} and launcher.config.num_stages == 1
+    assert launcher.config.found_by_coordesc and not tuned_by_torch
+    same = triton.Config({"XBLOCK": 2}, num_warps=2, num_stages=1)
+    assert first_run(reduction(kernel), same).config is same and same.found_by_coordesc  # no compile needed
+    other = reduction(tmp_path / "cfedcba.py")  # nothing stored for this one: tuned
+    assert first_run(other, untuned).config is untuned and tuned_by_torch == [other]
+    ours = reduction(kernel, kind=heuristics.HeuristicType.USER_AUTOTUNE)
+    first_run(ours, untuned)
+    assert tuned_by_torch[-1] is ours and not getattr(untuned, "found_by_coordesc", False)
+
+    hit, missed = reduction(kernel), reduction(kernel, state="miss")
+    autotuner._dynamic_scale_rblock(hit)
+    autotuner._dynamic_scale_rblock(missed)
+    assert scaled_by_torch == [missed]
+
+
 def test_the_tuned_config_fix_goes_in_only_where_torch_lacks_it(monkeypatch):
     import train_gpt as tg
     heuristics = pytest.importorskip("torch._inductor.runtime.triton_heuristics")
@@ -464,7 +515,7 @@ def test_autotune_probe_names_each_lookup_and_why_a_miss_missed(monkeypatch, tmp
     assert best.kwargs == {"XBLOCK": 64} and best.found_by_coordesc
     assert capsys.readouterr().err.strip() == "autotune-probe triton_poi_k_0 configs=2 state=hit tuned=True"
     autotuner = types.SimpleNamespace(inductor_meta=meta, autotune_cache_info={"autotune_cache_state": "hit"},
-                                      compile_results=[None])
+                                      compile_results=[None], heuristic_type=heuristics.HeuristicType.POINTWISE)
     heuristics.CachingAutotuner.coordinate_descent_tuning(autotuner, launcher)
     assert re.fullmatch(r"autotune-probe-tuning triton_poi_k_0 from=XBLOCK: 64.* state=hit compiled=1 to=XBLOCK: 64.* "
                         r"\d+\.\d\ds", capsys.readouterr().err.strip())

@@ -3,7 +3,7 @@ tuned config in inductor's autotune cache, for kernels that coordinate descent t
 'autotune-probe KERNEL configs=N state=hit|miss|... tuned=True|False' (tuned: the config found carries coordinate
 descent's mark, so the kernel is not tuned again). On a miss it adds what the cache file holds for that kernel, if
 anything: the configs hash stored against the one asked for, and whether coordinate descent found the stored config.
-Every coordinate-descent run prints 'autotune-probe-tuning KERNEL ...': the config it starts from, the kernel's
+Every coordinate-descent run of a kernel torch tunes prints 'autotune-probe-tuning KERNEL ...': the config it starts from, the kernel's
 lookup state and compiled configs, and its seconds. So a start from a --compile_cache file names each kernel that is
 tuned again, and why."""
 import json
@@ -50,6 +50,8 @@ if os.environ.get("AUTOTUNE_PROBE") == "1":
         def coordinate_descent_tuning(self, launcher, *args, **kwargs):
             start = time.perf_counter()
             result = tune(self, launcher, *args, **kwargs)
+            if getattr(self.heuristic_type, "name", "") in ("TEMPLATE", "USER_AUTOTUNE", "FIXED"):
+                return result  # torch never tunes these (our own kernels): it returns at once, at every launch
             info = getattr(self, "autotune_cache_info", None) or {}
             print(f"autotune-probe-tuning {self.inductor_meta.get('kernel_name')} from={launcher.config} "
                   f"state={info.get('autotune_cache_state')} compiled={len(getattr(self, 'compile_results', []))} "
