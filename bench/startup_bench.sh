@@ -36,6 +36,9 @@ set -uo pipefail
 if [ "${AUTOTUNE_PROBE:-0}" = 1 ]; then export PYTHONPATH="$PWD/bench/autotune_probe${PYTHONPATH:+:$PYTHONPATH}"; fi
 steps=$1; scope=$2; limit=${3:-450}
 OUT=${OUT:-/tmp/device_out}; mkdir -p "$OUT"
+# Every scope's first run starts from empty caches, also on a machine an earlier call left warm: a 'cold' run after
+# another scope found that scope's graphs in a shared cache folder.
+rm -rf /tmp/ind_* /tmp/triton_*
 export PYTHONUNBUFFERED=1
 if [ "${BYTECODE:-0}" = 1 ]; then
     unset PYTHONDONTWRITEBYTECODE; export PYTHONPYCACHEPREFIX=/tmp/pycache
