@@ -4093,7 +4093,7 @@ def stored_tuned_config(cache, configs: list, inductor_meta: dict):
 
 def tune_only_kernels_without_stored_tuning() -> bool:
     """The last word before a kernel is tuned at its first run: where the autotune cache holds a config coordinate
-    descent found for it, that config runs, untuned again. On torch 2.11 with FA3 on an H100, 4 to 7 reductions per
+    descent found for it, that config runs and is not tuned again. On torch 2.11 with FA3 on an H100, 4 to 7 reductions per
     start from --compile_cache (5 to 20 s of it) reached tuning from a config without the mark though the cache's
     lookup for them hit, by two ways:
     - persistent reductions whose autotuner reached its first run with its untuned config (bench/autotune_probe saw
@@ -4123,7 +4123,8 @@ def tune_only_kernels_without_stored_tuning() -> bool:
             plain_scale(self)
 
     coordinate_descent_tuning.plain, _dynamic_scale_rblock.plain = plain_tune, plain_scale
-    autotuner.coordinate_descent_tuning, autotuner._dynamic_scale_rblock = coordinate_descent_tuning, _dynamic_scale_rblock
+    autotuner.coordinate_descent_tuning = coordinate_descent_tuning
+    autotuner._dynamic_scale_rblock = _dynamic_scale_rblock
     return True
 
 

@@ -397,9 +397,9 @@ def test_a_kernel_whose_tuned_config_is_stored_is_not_tuned_again_at_its_first_r
 
     def reduction(filename, kind=heuristics.HeuristicType.PERSISTENT_REDUCTION, state="hit"):
         compiled = lambda config: types.SimpleNamespace(make_launcher=lambda: types.SimpleNamespace(config=config))
-        return types.SimpleNamespace(filename=str(filename), inductor_meta=meta, heuristic_type=kind, lock=threading.Lock(),
-                                     fn=types.SimpleNamespace(fn="source"), _precompile_config=compiled,
-                                     autotune_cache_info={"autotune_cache_state": state})
+        return types.SimpleNamespace(filename=str(filename), inductor_meta=meta, heuristic_type=kind,
+                                     lock=threading.Lock(), fn=types.SimpleNamespace(fn="source"),
+                                     _precompile_config=compiled, autotune_cache_info={"autotune_cache_state": state})
 
     def first_run(kernel_autotuner, config):
         return autotuner.coordinate_descent_tuning(kernel_autotuner, types.SimpleNamespace(config=config))

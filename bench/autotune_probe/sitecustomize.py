@@ -3,9 +3,9 @@ tuned config in inductor's autotune cache, for kernels that coordinate descent t
 'autotune-probe KERNEL configs=N state=hit|miss|... tuned=True|False' (tuned: the config found carries coordinate
 descent's mark, so the kernel is not tuned again). On a miss it adds what the cache file holds for that kernel, if
 anything: the configs hash stored against the one asked for, and whether coordinate descent found the stored config.
-Every coordinate-descent run of a kernel torch tunes prints 'autotune-probe-tuning KERNEL ...': the config it starts from, the kernel's
-lookup state and compiled configs, and its seconds. So a start from a --compile_cache file names each kernel that is
-tuned again, and why."""
+Every coordinate-descent run of a kernel torch tunes prints 'autotune-probe-tuning KERNEL ...': the config it starts
+from, the kernel's lookup state and compiled configs, and its seconds. So a start from a --compile_cache file names
+each kernel that is tuned again, and why."""
 import json
 import os
 import sys
