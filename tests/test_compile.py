@@ -407,6 +407,10 @@ def test_a_kernel_whose_tuned_config_is_stored_is_not_tuned_again_at_its_first_r
     launcher = first_run(reduction(kernel), untuned)
     assert launcher.config.kwargs == {"XBLOCK": 2} and launcher.config.num_stages == 1
     assert launcher.config.found_by_coordesc and not tuned_by_torch
+    from_worker = reduction(kernel)  # compiled in a worker, which drops the source: reloaded to compile the config
+    from_worker.fn, from_worker._reload_kernel = types.SimpleNamespace(fn=None), lambda: types.SimpleNamespace(
+        fn=types.SimpleNamespace(fn="reloaded"))
+    assert first_run(from_worker, untuned).config.kwargs == {"XBLOCK": 2} and from_worker.fn.fn == "reloaded"
     same = triton.Config({"XBLOCK": 2}, num_warps=2, num_stages=1)
     assert first_run(reduction(kernel), same).config is same and same.found_by_coordesc  # no compile needed
     other = reduction(tmp_path / "cfedcba.py")  # nothing stored for this one: tuned
