@@ -2300,10 +2300,11 @@ def adam_update_multi_(ps: list[Tensor], grads: list[Tensor], exp_avgs: list[Ten
                                             for group, step in zip(groups, steps)])
     torch._foreach_div_(updates, denominators)
     # cautious weight decay where there is any: where update * p > 0
-    decayed = [i for i, group in enumerate(groups) if group["lr"] ** 2 * group["weight_decay"]]
+    decays = [group["lr"] ** 2 * group["weight_decay"] for group in groups]
+    decayed = [i for i, decay in enumerate(decays) if decay]
     if decayed:
         masks = foreach_same_sign([updates[i] for i in decayed], [ps[i] for i in decayed], strict=True)
-        torch._foreach_mul_(masks, [groups[i]["lr"] ** 2 * groups[i]["weight_decay"] for i in decayed])
+        torch._foreach_mul_(masks, [decays[i] for i in decayed])
         torch._foreach_mul_(masks, [ps[i] for i in decayed])
         torch._foreach_add_([updates[i] for i in decayed], masks)
     torch._foreach_sub_(ps, updates)
