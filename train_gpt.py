@@ -4053,7 +4053,7 @@ def prefer_tuned_cache_entries() -> bool:
     except ImportError:
         return False
     plain_read, plain_save = AutotuneCache.__dict__.get("read_best"), AutotuneCache.__dict__.get("save")
-    if getattr(plain_read, "prefers_tuned", False):
+    if hasattr(plain_read, "plain"):  # already in place
         return True
     if plain_read is None or plain_save is None or not hasattr(AutotuneCache, "_read"):
         return False
@@ -4071,8 +4071,7 @@ def prefer_tuned_cache_entries() -> bool:
                 return
         plain_save(self, config, time_taken_ns, found_by_coordesc=found_by_coordesc, **kwargs)
 
-    read_best.prefers_tuned, read_best.plain = True, plain_read
-    save.prefers_tuned, save.plain = True, plain_save
+    read_best.plain, save.plain = plain_read, plain_save
     AutotuneCache.read_best, AutotuneCache.save = read_best, save
     return True
 
@@ -4106,7 +4105,7 @@ def tune_only_kernels_without_stored_tuning() -> bool:
     autotuner = heuristics.CachingAutotuner
     plain_tune = autotuner.__dict__.get("coordinate_descent_tuning")
     plain_scale = autotuner.__dict__.get("_dynamic_scale_rblock")
-    if getattr(plain_tune, "plain", None) is not None:
+    if hasattr(plain_tune, "plain"):  # already in place
         return True
     if plain_tune is None or plain_scale is None:
         return False
