@@ -4093,9 +4093,9 @@ def stored_tuned_config(cache, configs: list, inductor_meta: dict):
 
 def tune_only_kernels_without_stored_tuning() -> bool:
     """The last word before a kernel is tuned at its first run: where the autotune cache holds a config coordinate
-    descent found for it, that config runs and is not tuned again. On torch 2.11 with FA3 on an H100, 4 to 7 reductions per
-    start from --compile_cache (5 to 20 s of it) reached tuning from a config without the mark though the cache's
-    lookup for them hit, by two ways:
+    descent found for it, that config runs and is not tuned again. On torch 2.11 with FA3 on an H100, 4 to 7
+    reductions per start from --compile_cache (5 to 20 s of it) reached tuning from a config without the mark though
+    the cache's lookup for them hit, by two ways:
     - persistent reductions whose autotuner reached its first run with its untuned config (bench/autotune_probe saw
       no lookup of theirs until the tuning reloaded the kernel's source);
     - a reduction whose tuned config spills registers adds smaller-block variants, benchmarks them and tunes the

@@ -5,15 +5,16 @@
 # 1. bench/bench_step.py at world size N (NPROC, default every GPU of the machine) with sparse bigram comms on
 #    (sparse), then off (dense), then at world size 1 on the same machine (world1); BENCHES picks which, and may add
 #    "graphs" (world size N under CUDA graphs, which --compile_mode=auto leaves off there at more than one micro-batch
-#    per forward: no faster on 2xH200, docs/performance.md), "split" (world size N in two graphs, --compile_scope=split, whose backward overlaps the last
-#    layers' reduce-scatters), "split1" (the same at world size 1, for the graph cut's own cost), "unmerged" (world
-#    size N with a collective per DistAdam bucket, BENCH_ADAM_MERGE=0), "bf16" (world size N with --bf16_grad_comms),
+#    per forward: no faster on 2xH200, docs/performance.md), "split" (world size N in two graphs,
+#    --compile_scope=split, whose backward overlaps the last layers' reduce-scatters), "split1" (the same at world
+#    size 1, for the graph cut's own cost), "unmerged" (world size N with a collective per DistAdam bucket,
+#    BENCH_ADAM_MERGE=0), "bf16" (world size N with --bf16_grad_comms),
 #    "tables" (world size N with --bf16_table_gathers), "ranks" (tests/gpu/test_cuda_ranks.py: two GPUs over NCCL,
 #    bf16 table gathers checked against fp32 ones, CUDA graphs against none), "fa3" / "fa3_1" (FlashAttention-3 at
 #    world size N / 1, carrying .fa3: bench/fa3_build.sh, or .fa3src: then FA3 is built in the background while
-#    "ranks" runs, which should come first) and "fwd1" / "fwd1_graphs" (world size N at one micro-batch
-#    per forward, the size each forward has at 8 GPUs, without / with CUDA graphs, which auto takes there; FLAGS picks the attention, and
-#    FLAGS naming fa3 installs it from .fa3 too). The benches read the bench stream (real document lengths and bigram
+#    "ranks" runs, which should come first) and "fwd1" / "fwd1_graphs" (world size N at one micro-batch per forward,
+#    the size each forward has at 8 GPUs, without / with CUDA graphs, which auto takes there; FLAGS picks the
+#    attention, and FLAGS naming fa3 installs it from .fa3 too). The benches read the bench stream (real document lengths and bigram
 #    rows);
 # 2. DiLoCo against data parallelism at equal tokens on bench2, on data that does not repeat (micro-batches of
 #    4,096 tokens; up to STEPS=300 read under the stream's 51.3M tokens): data parallelism on 2 GPUs with a replica's
