@@ -21,7 +21,9 @@
 #                     from the file spends its time, imports and the model's build included;
 #        profile   -> cold run under cProfile: where the compile time goes ($OUT/cold_profile.txt);
 #        against   -> cold runs of train_gpt.py and of AGAINST=PATH (another version of it, e.g. from
-#                     `git show REV:train_gpt.py`), each into empty caches: both starts and step times in one call;
+#                     `git show REV:train_gpt.py`; default train_gpt.py itself), each into empty caches: both starts
+#                     and step times in one call; AGAINST_FLAGS="..." adds flags to the second run alone (e.g.
+#                     AGAINST_FLAGS="--compile_mode=default": CUDA graphs or not, at one cold start each);
 #                     AGAINST_LIMIT seconds for the second (default RUN_LIMIT_S), whose cold start may be longer.
 # Prints each run's compile_time / since_process_start / graphs / step_avg; logs land in $OUT. FLAGS="..." adds
 # train_gpt.py flags to every run (e.g. FLAGS="--attn_backend=fa3" after `source bench/fa3_build.sh site`; once
@@ -64,7 +66,7 @@ run() {  # run NAME TRAINER INDUCTOR_DIR TRITON_DIR [flags...]
     printf '%s: exit %s after %ss | ' "$name" "$rc" "$((SECONDS - start))"
     grep -hE "^compile_time|^compile scope|^compile cache|^warning|^error|peak memory" "$OUT/$name.stdout" | tr '\n' ' '
     grep -hE "^step times" "$OUT/$name.stdout" | cut -c1-80
-    grep -E "^step:$steps/$steps val_loss" "$OUT/$name.stdout" || echo "(no final line)"
+    grep -E "^step:[0-9]+/[0-9]+ val_loss" "$OUT/$name.stdout" | tail -1 | grep . || echo "(no final line)"
 }
 
 write_cache() {  # write_cache NAME: a cold run writing /tmp/artifacts.bin
@@ -135,8 +137,9 @@ profile)
     ;;
 against)
     run cold_this train_gpt.py /tmp/ind_t /tmp/triton_t
-    limit=${AGAINST_LIMIT:-$limit} run cold_against "${AGAINST:?AGAINST=PATH of the other train_gpt.py}" /tmp/ind_o \
-        /tmp/triton_o
+    # shellcheck disable=SC2086  # AGAINST_FLAGS is a list of flags
+    limit=${AGAINST_LIMIT:-$limit} run cold_against "${AGAINST:-train_gpt.py}" /tmp/ind_o /tmp/triton_o \
+        ${AGAINST_FLAGS:-}
     ;;
 *) echo "unknown scope $scope"; exit 2 ;;
 esac
