@@ -2121,7 +2121,7 @@ class DistAdam(torch.optim.Optimizer):
             if index not in self.scalars:
                 self.scalars[index] = torch.zeros(2, device=group["params"][0].device)
             self.scalars[index][0].fill_(group["lr"])  # a fill kernel each: no host-to-device copy to wait for
-            self.scalars[index][1].fill_(group["lr"] ** 2 * group["weight_decay"])
+            self.scalars[index][1].fill_(cautious_decay(group))
         for bucket in self.launched:
             if isinstance(bucket, _MergedBuckets):
                 flats = [member.flat(member.params) for member in bucket.members]
@@ -2268,6 +2268,12 @@ def adam_update_(p: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, s
     p.sub_(update + decay * (update * p > 0) * p)
 
 
+def cautious_decay(group: dict) -> float:
+    """The fraction of itself a decayed weight of this param group loses in a step: lr squared times the group's
+    weight_decay, so the decay follows the schedule's lr squared."""
+    return group["lr"] ** 2 * group["weight_decay"]
+
+
 def foreach_same_sign(updates: list[Tensor], weights: list[Tensor], strict: bool) -> list[Tensor]:
     """1 where update * weight > 0 (strict) or >= 0, else 0, for each pair: the masks of cautious weight decay in
     multi-tensor ops, which have no comparison: sign(update * weight) clamped at 0, or plus 1 clamped at 1."""
@@ -2300,7 +2306,7 @@ def adam_update_multi_(ps: list[Tensor], grads: list[Tensor], exp_avgs: list[Ten
                                             for group, step in zip(groups, steps)])
     torch._foreach_div_(updates, denominators)
     # cautious weight decay where there is any: where update * p > 0
-    decays = [group["lr"] ** 2 * group["weight_decay"] for group in groups]
+    decays = [cautious_decay(group) for group in groups]
     decayed = [i for i, decay in enumerate(decays) if decay]
     if decayed:
         masks = foreach_same_sign([updates[i] for i in decayed], [ps[i] for i in decayed], strict=True)
