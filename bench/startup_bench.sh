@@ -28,8 +28,8 @@
 # Prints each run's compile_time / since_process_start / graphs / step_avg; logs land in $OUT. FLAGS="..." adds
 # train_gpt.py flags to every run (e.g. FLAGS="--attn_backend=fa3" after `source bench/fa3_build.sh site`; once
 # FA3 imports, --attn_backend=auto picks it, so name --attn_backend=flex to measure flex).
-# LOADS=N: 'file', 'load' and 'startup' start N times from the file, each into empty caches (default 1): starts vary by
-# several seconds from run to run. BYTECODE=1: Python keeps compiled bytecode (in /tmp/pycache) even where the
+# LOADS=N: 'file', 'load' and 'startup' start N times from the file, each into empty caches (default 1): starts
+# vary by several seconds from run to run. BYTECODE=1: Python keeps compiled bytecode (in /tmp/pycache) even where the
 # environment says not to (PYTHONDONTWRITEBYTECODE, as on the device machine, whose torch has no .pyc files), and
 # the installed packages are compiled to it first, as a pip install would have: no run compiles torch's sources.
 # AUTOTUNE_PROBE=1: every run prints a line per autotune-cache lookup of a kernel that coordinate descent tunes
