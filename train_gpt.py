@@ -3920,25 +3920,22 @@ def resolve_forward_micro_batches(cfg: Config, world_size: int, device_memory_gi
     return cfg.forward_micro_batches
 
 
-def resolve_compile_mode(cfg: Config, comm: Comm, device: torch.device, attention: str,
-                         forward_micro_batches: int) -> str:
+def resolve_compile_mode(cfg: Config, device: torch.device, forward_micro_batches: int) -> str:
     """--compile_mode=auto: reduce-overhead (CUDA graphs) on a GPU where they make the steps faster, else default.
     - One micro-batch per forward (8 GPUs' size, or --forward_micro_batches=1), FA3 included: the host's launches
       set the step, and the graphs, FA3's partitioned around its op, were 30-38% faster per stage than none on
       4xH100 with FA3, 26-31% on 1xH100 with FA3, 32% in the last stage on 4xH200 with flex, in no more memory; two
       ranks under graphs train as without (tests/gpu/test_cuda_ranks.py).
-    - Bigger forwards: graphs on a single GPU without FA3; default on several GPUs, where graphs at 2 micro-batches
-      per forward were no faster (2xH200), and with FA3, whose partitioned graphs' memory pools ran the default
-      config out of memory at 8 micro-batches per forward on 1xH100.
+    - Bigger forwards: default. There the GPU sets the step: graphs were no faster on 2xH200 at 2 micro-batches per
+      forward, nor with flex on 1xH100 at 8, whose cold start they made 17 s longer; and FA3's partitioned graphs'
+      memory pools ran the default config out of memory at 8 on 1xH100.
     - Default on CPUs, which have no graphs, and under DiLoCo. An explicit mode is taken as asked, FA3 included.
     Measurements: docs/performance.md."""
     if cfg.compile_mode != "auto":
         return cfg.compile_mode
     if device.type != "cuda" or cfg.diloco:
         return "default"
-    if forward_micro_batches == 1 or (comm.world_size == 1 and attention != "fa3"):
-        return "reduce-overhead"
-    return "default"
+    return "reduce-overhead" if forward_micro_batches == 1 else "default"
 
 
 def check_gpu_features(cfg: Config, device: torch.device, kernels: Kernels) -> None:
@@ -4299,7 +4296,7 @@ def compile_model(model: GPT, cfg: Config, comm: Comm, device: torch.device) -> 
         # The one whole-model graph makes faster steps than a graph per block (fewer launches from the
         # host, fusion across blocks), for a longer cold compile (docs/performance.md).
         scope = "whole"
-    compile_mode = resolve_compile_mode(cfg, comm, device, model.attend.name, model.forward_micro_batches)
+    compile_mode = resolve_compile_mode(cfg, device, model.forward_micro_batches)
     mode = None if compile_mode == "default" else compile_mode
     model.replays_cuda_graphs = cfg.compile and compile_mode in CUDA_GRAPH_MODES
     if model.replays_cuda_graphs and model.attend.name == "fa3":
