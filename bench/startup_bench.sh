@@ -13,8 +13,8 @@
 #                     caches: the start from the file alone, without the untuned cold run of 'startup'. The file
 #                     makes --tune_kernels=auto tune: the write then takes about 7 minutes with FA3 on an H100;
 #                     FLAGS="--tune_kernels=0 ..." gives the untuned write (about 2 minutes), as a plain cold start;
-#        write     -> the first half of 'file' alone: a cold run writing /tmp/artifacts.bin, which stays there;
-#        load      -> the second half alone: a run from /tmp/artifacts.bin into empty caches. With 'write' in one
+#        write     -> the first half of 'file' alone: a cold run writing the file ($CACHE), which stays there;
+#        load      -> the second half alone: a run from that file into empty caches. With 'write' in one
 #                     call and 'load' in the next on the same warm machine (within its idle release), each half
 #                     gets a whole call's time: the tuned FA3 write alone takes about 8 minutes;
 #        fileprofile -> 'file' with the run from the file under cProfile ($OUT/file_profile.txt): where a start
@@ -29,14 +29,16 @@
 # train_gpt.py flags to every run (e.g. FLAGS="--attn_backend=fa3" after `source bench/fa3_build.sh site`; once
 # FA3 imports, --attn_backend=auto picks it, so name --attn_backend=flex to measure flex).
 # LOADS=N: 'file', 'load' and 'startup' start N times from the file, each into empty caches (default 1): starts
-# vary by several seconds from run to run. BYTECODE=1: Python keeps compiled bytecode (in /tmp/pycache) even where the
-# environment says not to (PYTHONDONTWRITEBYTECODE, as on the device machine, whose torch has no .pyc files), and
-# the installed packages are compiled to it first, as a pip install would have: no run compiles torch's sources.
+# vary by several seconds from run to run. CACHE=PATH: that file (default /tmp/artifacts.bin); a file per backend
+# lets a 'write' call for each, on one warm machine, precede one call that starts both cold and from their files.
+# BYTECODE=1: Python keeps compiled bytecode (in /tmp/pycache) even where the environment says not to
+# (PYTHONDONTWRITEBYTECODE, as on the device machine, whose torch has no .pyc files), and the installed packages are
+# compiled to it first, as a pip install would have: no run compiles torch's sources.
 # AUTOTUNE_PROBE=1: every run prints a line per autotune-cache lookup of a kernel that coordinate descent tunes
 # (bench/autotune_probe), and the end of the call counts them by state, with the kernels that missed after a load.
 set -uo pipefail
 if [ "${AUTOTUNE_PROBE:-0}" = 1 ]; then export PYTHONPATH="$PWD/bench/autotune_probe${PYTHONPATH:+:$PYTHONPATH}"; fi
-steps=$1; scope=$2; limit=${3:-450}
+steps=$1; scope=$2; limit=${3:-450}; cache=${CACHE:-/tmp/artifacts.bin}
 OUT=${OUT:-/tmp/device_out}; mkdir -p "$OUT"
 # Every scope's first run starts from empty caches, also on a machine an earlier call left warm: a 'cold' run after
 # another scope found that scope's graphs in a shared cache folder.
@@ -69,19 +71,19 @@ run() {  # run NAME TRAINER INDUCTOR_DIR TRITON_DIR [flags...]
     grep -E "^step:[0-9]+/[0-9]+ val_loss" "$OUT/$name.stdout" | tail -1 | grep . || echo "(no final line)"
 }
 
-write_cache() {  # write_cache NAME: a cold run writing /tmp/artifacts.bin
-    rm -rf /tmp/artifacts.bin "/tmp/ind_$1" "/tmp/triton_$1"
-    run "$1" train_gpt.py "/tmp/ind_$1" "/tmp/triton_$1" --compile_cache=/tmp/artifacts.bin
-    ls -l /tmp/artifacts.bin
+write_cache() {  # write_cache NAME: a cold run writing $cache
+    rm -rf "$cache" "/tmp/ind_$1" "/tmp/triton_$1"
+    run "$1" train_gpt.py "/tmp/ind_$1" "/tmp/triton_$1" --compile_cache="$cache"
+    ls -l "$cache"
 }
 
-load_cache() {  # load_cache NAME [TRAINER]: LOADS runs from /tmp/artifacts.bin, each into empty caches (TRAINER:
+load_cache() {  # load_cache NAME [TRAINER]: LOADS runs from $cache, each into empty caches (TRAINER:
     # how they start, default train_gpt.py)
     local i
     for i in $(seq "${LOADS:-1}"); do
         rm -rf "/tmp/ind_$1" "/tmp/triton_$1"
         run "$1$([ "$i" = 1 ] || echo "$i")" "${2:-train_gpt.py}" "/tmp/ind_$1" "/tmp/triton_$1" \
-            --compile_cache=/tmp/artifacts.bin
+            --compile_cache="$cache"
     done
 }
 
@@ -123,7 +125,7 @@ write)
     write_cache write
     ;;
 load)
-    [ -f /tmp/artifacts.bin ] || { echo "no /tmp/artifacts.bin: run the 'write' scope first, on the same machine"; exit 2; }
+    [ -f "$cache" ] || { echo "no $cache: run the 'write' scope first, on the same machine"; exit 2; }
     load_cache from_file
     ;;
 fileprofile)
