@@ -152,6 +152,7 @@ if [ "${AUTOTUNE_PROBE:-0}" = 1 ]; then
         echo "   coordinate descent: $(grep -c "^autotune-probe-tuning" "$f") kernels, $(grep "^autotune-probe-tuning" "$f" \
             | awk '{s += $NF} END {printf "%.1f s", s}')"
     done
+    grep -H "^autotune-probe-keys" "$OUT"/*.stdout
     grep -h "^autotune-probe .*state=miss" "$OUT"/from_file*.stdout 2>/dev/null | cut -c1-260 | head -20
     grep -h "^autotune-probe-tuning" "$OUT"/from_file*.stdout 2>/dev/null | cut -c1-400 | head -30
 fi

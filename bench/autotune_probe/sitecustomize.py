@@ -32,15 +32,34 @@ if os.environ.get("AUTOTUNE_PROBE") == "1":
             return (f"stored_hash={stored.get('configs_hash', '')[:12]} asked_hash={cache.configs_hash[:12]} "
                     f"stored_by_coordesc={stored.get('found_by_coordesc')}")
 
+        keys_printed = []
+
+        def print_keys_once(inductor_meta) -> None:
+            """What the cache paths hang on: torch's source hash (in every entry's path), Triton's (in every kernel's
+            source), and the folder the trainer runs in."""
+            if keys_printed:
+                return
+            keys_printed.append(True)
+            from torch._inductor.codecache import torch_key
+            print(f"autotune-probe-keys torch_key={torch_key().hex()[:12]} "
+                  f"backend_hash={str(inductor_meta.get('backend_hash'))[:12]} cwd={os.getcwd()}",
+                  file=sys.stderr, flush=True)
+
         def check_autotune_cache(configs, filename, inductor_meta):
             result = lookup(configs, filename, inductor_meta)
             if inductor_meta.get("coordinate_descent_tuning"):
+                print_keys_once(inductor_meta)
                 chosen, cache, info = result
                 state = info.get("autotune_cache_state")
                 detail = f" {stored_entry(cache)}" if state == "miss" and cache is not None else ""
                 tuned = len(chosen) == 1 and getattr(chosen[0], "found_by_coordesc", False)
+                # src: the kernel's source hash (its file's name); entry: the tuned config's file, which hashes src
+                # with torch's source hash. A write and a load that differ in src compiled different kernel text.
+                local = getattr(cache, "local_cache", None) if cache is not None else None
+                entry = os.path.basename(local[1])[:12] if local else "none"
                 print(f"autotune-probe {inductor_meta.get('kernel_name')} configs={len(configs)} state={state} "
-                      f"tuned={tuned}{detail}", file=sys.stderr, flush=True)
+                      f"tuned={tuned} src={os.path.basename(filename)[:12]} entry={entry}{detail}",
+                      file=sys.stderr, flush=True)
             return result
 
         triton_heuristics.check_autotune_cache = check_autotune_cache
