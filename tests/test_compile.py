@@ -505,7 +505,14 @@ def test_autotune_probe_names_each_lookup_and_why_a_miss_missed(monkeypatch, tmp
     heuristics.check_autotune_cache(one, str(kernel), meta)
     heuristics.check_autotune_cache(one + [triton.Config({"XBLOCK": 128}, num_warps=4)], str(kernel), meta)
     heuristics.check_autotune_cache(one, str(kernel), {"kernel_name": "untuned"})  # not tuned: not reported
-    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("autotune-probe")]
+    keys, *lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("autotune-probe")]
+    # once per process: torch's source hash (in each entry's path), Triton's (absent here), and the folder
+    assert re.fullmatch(rf"autotune-probe-keys torch_key=[0-9a-f]{{12}} backend_hash=None cwd={re.escape(os.getcwd())}",
+                        keys)
+    # each lookup: the kernel's source hash (its file's name) and the tuned config's file, the same for one kernel
+    where = re.search(r" src=cabcdef entry=([0-9a-f]{12})", lines[0])
+    assert where and all(where.group(0) in line for line in lines)
+    lines = [line.replace(where.group(0), "") for line in lines]
     assert lines[0] == "autotune-probe triton_poi_k_0 configs=1 state=miss tuned=False file=absent"
     assert lines[1] == "autotune-probe triton_poi_k_0 configs=1 state=hit tuned=True"
     stored, asked = re.search(r"state=miss tuned=False stored_hash=(\w+) asked_hash=(\w+) stored_by_coordesc=True$",
@@ -517,7 +524,8 @@ def test_autotune_probe_names_each_lookup_and_why_a_miss_missed(monkeypatch, tmp
     (best,), _, _ = heuristics.check_autotune_cache(one + [triton.Config({"XBLOCK": 128}, num_warps=4)],
                                                     str(kernel), meta)
     assert best.kwargs == {"XBLOCK": 64} and best.found_by_coordesc
-    assert capsys.readouterr().err.strip() == "autotune-probe triton_poi_k_0 configs=2 state=hit tuned=True"
+    hit = "autotune-probe triton_poi_k_0 configs=2 state=hit tuned=True"
+    assert capsys.readouterr().err.strip() == hit + where.group(0)
     autotuner = types.SimpleNamespace(inductor_meta=meta, autotune_cache_info={"autotune_cache_state": "hit"},
                                       compile_results=[None], heuristic_type=heuristics.HeuristicType.POINTWISE)
     heuristics.CachingAutotuner.coordinate_descent_tuning(autotuner, launcher)

@@ -58,7 +58,7 @@ if os.environ.get("AUTOTUNE_PROBE") == "1":
                 local = getattr(cache, "local_cache", None) if cache is not None else None
                 entry = os.path.basename(local[1])[:12] if local else "none"
                 print(f"autotune-probe {inductor_meta.get('kernel_name')} configs={len(configs)} state={state} "
-                      f"tuned={tuned} src={os.path.basename(filename)[:12]} entry={entry}{detail}",
+                      f"tuned={tuned} src={os.path.basename(filename).split('.')[0][:12]} entry={entry}{detail}",
                       file=sys.stderr, flush=True)
             return result
 
