@@ -1054,6 +1054,9 @@ def make_attention(cfg: Config, device: torch.device, seq_len: int):
                                 "install FlashAttention-3 or use --attn_backend=auto") from None
     if choice == "fa3":
         raise UserError("--attn_backend=fa3 needs --device=cuda")
+    if choice == "flex" and device.type != "cuda":  # torch's FlexAttention has no backward on a CPU
+        raise UserError("--attn_backend=flex needs --device=cuda (FlexAttention does not train on a CPU); "
+                        "use --attn_backend=sdpa or auto")
     if choice == "flex" or (choice == "auto" and device.type == "cuda"):
         return FlexAttention(seq_len, device)
     return SdpaAttention()

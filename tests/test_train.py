@@ -124,6 +124,14 @@ def test_cuda_requested_without_cuda_is_an_error(tiny_data, capsys):
     assert "pass --device=cpu" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("backend", ["fa3", "flex"])
+def test_a_gpu_attention_on_a_cpu_is_named(tiny_data, backend):
+    """FA3 runs on CUDA only, and torch's FlexAttention has no backward on a CPU: one line, not a compile traceback."""
+    cfg = tiny_config(*tiny_data, attn_backend=backend)
+    with pytest.raises(tg.UserError, match=rf"^--attn_backend={backend} needs --device=cuda"):
+        tg.make_attention(cfg, torch.device("cpu"), cfg.micro_batch_tokens)
+
+
 def test_world_size_must_divide_8(monkeypatch, tiny_data, capsys):
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(tg.UserError, match="world size 3 is not supported"):
