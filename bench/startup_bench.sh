@@ -17,6 +17,8 @@
 #        load      -> the second half alone: a run from that file into empty caches. With 'write' in one
 #                     call and 'load' in the next on the same warm machine (within its idle release), each half
 #                     gets a whole call's time: the tuned FA3 write alone takes about 8 minutes;
+#        moved     -> 'file', then one more run from the file, of a copy of train_gpt.py in another folder
+#                     (/tmp/moved): whether a start from the file depends on the folder the trainer runs in;
 #        fileprofile -> 'file' with the run from the file under cProfile ($OUT/file_profile.txt): where a start
 #                     from the file spends its time, imports and the model's build included;
 #        profile   -> cold run under cProfile: where the compile time goes ($OUT/cold_profile.txt);
@@ -39,7 +41,7 @@
 set -uo pipefail
 if [ "${AUTOTUNE_PROBE:-0}" = 1 ]; then export PYTHONPATH="$PWD/bench/autotune_probe${PYTHONPATH:+:$PYTHONPATH}"; fi
 steps=$1; scope=$2; limit=${3:-450}; cache=${CACHE:-/tmp/artifacts.bin}
-OUT=${OUT:-/tmp/device_out}; mkdir -p "$OUT"
+OUT=$(realpath -m "${OUT:-/tmp/device_out}"); mkdir -p "$OUT"  # absolute: the moved scope runs elsewhere
 # Every scope's first run starts from empty caches, also on a machine an earlier call left warm: a 'cold' run after
 # another scope found that scope's graphs in a shared cache folder.
 rm -rf /tmp/ind_* /tmp/triton_*
@@ -53,6 +55,7 @@ if [ "${BYTECODE:-0}" = 1 ]; then
 fi
 python3 -c "import sys; print('Python bytecode cache:', 'off' if sys.dont_write_bytecode else sys.pycache_prefix or 'on')"
 
+env | sort > "$OUT/environment.txt"  # what two calls' starts from one file might differ in
 python3 bench/unpack_bench.py
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
@@ -128,6 +131,11 @@ load)
     [ -f "$cache" ] || { echo "no $cache: run the 'write' scope first, on the same machine"; exit 2; }
     load_cache from_file
     ;;
+moved)
+    write_then_load write from_file
+    rm -rf /tmp/moved /tmp/ind_moved /tmp/triton_moved && mkdir -p /tmp/moved && cp train_gpt.py /tmp/moved/
+    (cd /tmp/moved && run from_moved train_gpt.py /tmp/ind_moved /tmp/triton_moved --compile_cache="$cache")
+    ;;
 fileprofile)
     write_then_load write from_file "-m cProfile -o /tmp/file.prof train_gpt.py"
     print_profile /tmp/file.prof "$OUT/file_profile.txt"
@@ -153,7 +161,7 @@ if [ "${AUTOTUNE_PROBE:-0}" = 1 ]; then
             | awk '{s += $NF} END {printf "%.1f s", s}')"
     done
     grep -H "^autotune-probe-keys" "$OUT"/*.stdout
-    grep -h "^autotune-probe .*state=miss" "$OUT"/from_file*.stdout 2>/dev/null | cut -c1-260 | head -20
-    grep -h "^autotune-probe-tuning" "$OUT"/from_file*.stdout 2>/dev/null | cut -c1-400 | head -30
+    grep -h "^autotune-probe .*state=miss" "$OUT"/from_*.stdout 2>/dev/null | cut -c1-260 | head -20
+    grep -h "^autotune-probe-tuning" "$OUT"/from_*.stdout 2>/dev/null | cut -c1-400 | head -30
 fi
 tar -C logs -czf "$OUT/logs.tgz" . 2>/dev/null  # the runs' logs, one file back
