@@ -85,7 +85,7 @@ if [ "$what" = all ] || [ "$what" = bench ]; then
         case $b in
         sparse) bench bench_sparse "$nproc" ;;
         dense) bench bench_dense "$nproc" --sparse_bigram_comms=0 ;;
-        graphs) bench bench_graphs "$nproc" --compile_mode=reduce-overhead ;;  # CUDA graphs (auto: world size 1 only)
+        graphs) bench bench_graphs "$nproc" --compile_mode=reduce-overhead ;;  # auto: graphs at 1 per forward only
         world1) bench bench_world1 1 ;;  # scaling efficiency: tokens/s at N GPUs over N times this
         split) bench bench_split "$nproc" --compile_scope=split ;;
         unmerged) BENCH_ADAM_MERGE=0 bench bench_unmerged "$nproc" ;;  # a collective per DistAdam bucket
