@@ -4122,6 +4122,7 @@ def tune_only_kernels_without_stored_tuning() -> bool:
             stored = stored_tuned_launcher(self, launcher)
             if stored is not None:
                 return stored
+            FirstTuningNotice.say(self.inductor_meta.get("kernel_name", "?"))
         return plain_tune(self, launcher, *args, **kwargs)
 
     def _dynamic_scale_rblock(self):
@@ -4132,6 +4133,19 @@ def tune_only_kernels_without_stored_tuning() -> bool:
     autotuner.coordinate_descent_tuning = coordinate_descent_tuning
     autotuner._dynamic_scale_rblock = _dynamic_scale_rblock
     return True
+
+
+class FirstTuningNotice:
+    """One log line at the first kernel that coordinate descent tunes after a --compile_cache file loaded: a start
+    from a tuned file should tune nothing, and tuning every kernel again takes minutes, which the log should say
+    when they begin, not after. CompileCache.load arms it; the line goes once."""
+    armed = None  # a function of the kernel's name, which logs the line
+
+    @classmethod
+    def say(cls, kernel_name: str) -> None:
+        log_line, cls.armed = cls.armed, None
+        if log_line is not None:
+            log_line(kernel_name)
 
 
 def stored_tuned_launcher(autotuner, launcher):
@@ -4220,6 +4234,9 @@ class CompileCache:
         else:
             self.loaded = True
             self.log(f"compile cache {self.path}: loaded {self.counts(info)}; {restored} Triton cache entries put back")
+            FirstTuningNotice.armed = lambda kernel: self.log(
+                f"warning: compile cache {self.path} holds no tuned config for kernel {kernel}: coordinate descent "
+                f"tunes it now, and each other kernel without one (minutes if many; --tune_kernels=0 skips tuning)")
 
     def save(self, kernel_names: set[str], graph_cache: collections.Counter):
         """Writes the file, unless this run loaded it and it served most graphs (graph_cache: their hits and misses):

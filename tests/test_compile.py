@@ -413,8 +413,12 @@ def test_a_kernel_whose_tuned_config_is_stored_is_not_tuned_again_at_its_first_r
     assert first_run(from_worker, untuned).config.kwargs == {"XBLOCK": 2} and from_worker.fn.fn == "reloaded"
     same = triton.Config({"XBLOCK": 2}, num_warps=2, num_stages=1)
     assert first_run(reduction(kernel), same).config is same and same.found_by_coordesc  # no compile needed
-    other = reduction(tmp_path / "cfedcba.py")  # nothing stored for this one: tuned
+    noticed = []
+    monkeypatch.setattr(tg.FirstTuningNotice, "armed", noticed.append)  # as a load from --compile_cache arms it
+    other = reduction(tmp_path / "cfedcba.py")  # nothing stored for this one: tuned, and the log says so, once
     assert first_run(other, untuned).config is untuned and tuned_by_torch == [other]
+    first_run(reduction(tmp_path / "c0123.py"), untuned)
+    assert noticed == ["?"] and tg.FirstTuningNotice.armed is None  # (the kernel's name, where the meta has one)
     ours = reduction(kernel, kind=heuristics.HeuristicType.USER_AUTOTUNE)
     first_run(ours, untuned)
     assert tuned_by_torch[-1] is ours and not getattr(untuned, "found_by_coordesc", False)
@@ -478,6 +482,30 @@ def test_compile_cache_file_is_rewritten_only_where_it_did_not_serve_the_run(tmp
     assert lines[-1].endswith(", 1 Triton cache entries, 1 of them tuned configs")
     with zipfile.ZipFile(path) as bundle:
         assert "triton/tuned/triton_poi_fused_0.cubin" in bundle.namelist()
+
+
+def test_a_compile_cache_load_arms_the_first_tuning_notice(tmp_path, monkeypatch):
+    """After a --compile_cache file loads, the first kernel that coordinate descent tunes gets one warning line: a
+    start from a tuned file should tune nothing, and tuning all again takes minutes. An unusable file arms nothing."""
+    import torch
+    import train_gpt as tg
+    monkeypatch.setattr(tg.FirstTuningNotice, "armed", None)
+    monkeypatch.setattr(tg, "triton_cache_dir", lambda: tmp_path / "no_triton_cache")
+    path, lines = tmp_path / "cache.zip", []
+    with zipfile.ZipFile(path, "w") as bundle:
+        bundle.writestr(tg.CompileCache.TORCH_MEMBER, b"artifacts")
+    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", lambda data: None)  # torch: not for this version
+    tg.CompileCache(str(path), lines.append, tg.Comm()).load()
+    assert lines[-1].startswith("warning: compile cache") and tg.FirstTuningNotice.armed is None
+    monkeypatch.setattr(torch.compiler, "load_cache_artifacts",
+                        lambda data: types.SimpleNamespace(artifacts={"autotune": ["a"], "inductor": ["b"]}))
+    tg.CompileCache(str(path), lines.append, tg.Comm()).load()
+    assert "loaded 2 artifacts (autotune 1, inductor 1)" in lines[-1]
+    tg.FirstTuningNotice.say("triton_red_fused_0")
+    tg.FirstTuningNotice.say("triton_red_fused_1")
+    assert lines[-1] == (f"warning: compile cache {path} holds no tuned config for kernel triton_red_fused_0: "
+                         "coordinate descent tunes it now, and each other kernel without one (minutes if many; "
+                         "--tune_kernels=0 skips tuning)")
 
 
 def test_autotune_probe_names_each_lookup_and_why_a_miss_missed(monkeypatch, tmp_path, capsys):
