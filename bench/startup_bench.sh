@@ -37,14 +37,17 @@
 # (PYTHONDONTWRITEBYTECODE, as on the device machine, whose torch has no .pyc files), and the installed packages are
 # compiled to it first, as a pip install would have: no run compiles torch's sources.
 # AUTOTUNE_PROBE=1: every run prints a line per autotune-cache lookup of a kernel that coordinate descent tunes
-# (bench/autotune_probe), and the end of the call counts them by state, with the kernels that missed after a load.
+# (bench/autotune_probe), and the end of the call counts them by state, with the kernels that missed after a load;
+# the first kernel that missed, as the write and the load compiled it, goes to $OUT/kernel_sources (for a 'load'
+# after an earlier call's 'write': KEEP_CACHES=1).
 set -uo pipefail
 if [ "${AUTOTUNE_PROBE:-0}" = 1 ]; then export PYTHONPATH="$PWD/bench/autotune_probe${PYTHONPATH:+:$PYTHONPATH}"; fi
 steps=$1; scope=$2; limit=${3:-450}; cache=${CACHE:-/tmp/artifacts.bin}
 OUT=$(realpath -m "${OUT:-/tmp/device_out}"); mkdir -p "$OUT"  # absolute: the moved scope runs elsewhere
 # Every scope's first run starts from empty caches, also on a machine an earlier call left warm: a 'cold' run after
-# another scope found that scope's graphs in a shared cache folder.
-rm -rf /tmp/ind_* /tmp/triton_*
+# another scope found that scope's graphs in a shared cache folder. KEEP_CACHES=1 keeps an earlier call's folders
+# (each run still empties its own), so 'load' after 'write' in an earlier call can compare their kernels (below).
+[ "${KEEP_CACHES:-0}" = 1 ] || rm -rf /tmp/ind_* /tmp/triton_*
 export PYTHONUNBUFFERED=1
 if [ "${BYTECODE:-0}" = 1 ]; then
     unset PYTHONDONTWRITEBYTECODE; export PYTHONPYCACHEPREFIX=/tmp/pycache
@@ -163,5 +166,16 @@ if [ "${AUTOTUNE_PROBE:-0}" = 1 ]; then
     grep -H "^autotune-probe-keys" "$OUT"/*.stdout
     grep -h "^autotune-probe .*state=miss" "$OUT"/from_*.stdout 2>/dev/null | cut -c1-260 | head -20
     grep -h "^autotune-probe-tuning" "$OUT"/from_*.stdout 2>/dev/null | cut -c1-400 | head -30
+    # The first kernel whose tuned config was not found after a load: its source files as the writing run and the
+    # load compiled them ($OUT/kernel_sources/write and /load), to diff where their source hashes differ.
+    kernel=$(grep -h "^autotune-probe .*file=absent" "$OUT"/from_*.stdout 2>/dev/null | head -1 | cut -d' ' -f2)
+    if [ -n "$kernel" ] && [ -d /tmp/ind_write ]; then
+        for side in write:/tmp/ind_write load:/tmp/ind_from_file; do
+            mkdir -p "$OUT/kernel_sources/${side%%:*}"
+            grep -rl --include='*.py' "def $kernel(" "${side#*:}" | xargs -r cp -t "$OUT/kernel_sources/${side%%:*}"
+        done
+        echo "== $kernel, source files of the write: $(ls "$OUT/kernel_sources/write" | tr '\n' ' ')"
+        echo "   and of the load: $(ls "$OUT/kernel_sources/load" | tr '\n' ' ')"
+    fi
 fi
 tar -C logs -czf "$OUT/logs.tgz" . 2>/dev/null  # the runs' logs, one file back
