@@ -1044,6 +1044,8 @@ def make_attention(cfg: Config, device: torch.device, seq_len: int):
     """Pick the attention backend for forwards of seq_len tokens: FA3 when it imports (CUDA), else
     FlexAttention (CUDA), else SDPA."""
     choice = cfg.attn_backend
+    if choice in ("fa3", "flex") and device.type != "cuda":  # FA3 is CUDA's; torch's flex has no backward on a CPU
+        raise UserError(f"--attn_backend={choice} needs --device=cuda; on a CPU use --attn_backend=sdpa or auto")
     if choice in ("auto", "fa3") and device.type == "cuda":
         try:
             import flash_attn_interface
@@ -1052,11 +1054,6 @@ def make_attention(cfg: Config, device: torch.device, seq_len: int):
             if choice == "fa3":
                 raise UserError("--attn_backend=fa3 but flash_attn_interface does not import; "
                                 "install FlashAttention-3 or use --attn_backend=auto") from None
-    if choice == "fa3":
-        raise UserError("--attn_backend=fa3 needs --device=cuda")
-    if choice == "flex" and device.type != "cuda":  # torch's FlexAttention has no backward on a CPU
-        raise UserError("--attn_backend=flex needs --device=cuda (FlexAttention does not train on a CPU); "
-                        "use --attn_backend=sdpa or auto")
     if choice == "flex" or (choice == "auto" and device.type == "cuda"):
         return FlexAttention(seq_len, device)
     return SdpaAttention()
