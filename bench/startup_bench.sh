@@ -136,8 +136,8 @@ load)
     ;;
 moved)
     write_then_load write from_file
-    rm -rf /tmp/moved /tmp/ind_moved /tmp/triton_moved && mkdir -p /tmp/moved && cp train_gpt.py /tmp/moved/
-    (cd /tmp/moved && run from_moved train_gpt.py /tmp/ind_moved /tmp/triton_moved --compile_cache="$cache")
+    rm -rf /tmp/moved && mkdir -p /tmp/moved && cp train_gpt.py /tmp/moved/
+    (cd /tmp/moved && load_cache from_moved)
     ;;
 fileprofile)
     write_then_load write from_file "-m cProfile -o /tmp/file.prof train_gpt.py"
