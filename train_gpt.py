@@ -3979,6 +3979,8 @@ def configure_inductor(cfg: Config, device: torch.device) -> None:
     import torch._inductor.config as inductor
     tune = cfg.tune_kernels == "1" or (cfg.tune_kernels == "auto" and bool(cfg.compile_cache))
     inductor.coordinate_descent_tuning = tune and device.type == "cuda"
+    if device.type == "cuda":
+        find_tuned_configs_in_this_cache_folder()
     if inductor.coordinate_descent_tuning:
         keep_tuned_configs_on_cache_hits()
         prefer_tuned_cache_entries()
@@ -3997,6 +3999,36 @@ def triton_cache_dir() -> Path:
         return Path(knobs.cache.dir)
     except ImportError:
         return Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+
+
+def find_tuned_configs_in_this_cache_folder() -> bool:
+    """A kernel that comes from a cache (--compile_cache, or a warm inductor cache) keeps the path of the file it was
+    compiled to, in the writing run's inductor cache folder, and torch looks its tuned config up beside that path.
+    Where that folder is gone or is another run's (an empty cache, another machine, another TORCHINDUCTOR_CACHE_DIR),
+    every lookup missed and coordinate descent tuned each kernel again: minutes of a start from a tuned file. The
+    file puts the configs back in this run's folder, under the kernel file's last folder and name, so each lookup
+    now goes there. Returns whether it is in place (not on a torch whose autotune cache is made another way)."""
+    try:
+        from torch._inductor.runtime.autotune_cache import AutotuneCache
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+    except ImportError:
+        return False
+    plain = AutotuneCache.__dict__.get("create")
+    if hasattr(getattr(plain, "__func__", None), "plain"):  # already in place
+        return True
+    if not isinstance(plain, staticmethod):
+        return False
+
+    def create(inductor_meta, filename, configs_hash):
+        if filename:
+            here, folder = os.path.realpath(cache_dir()), os.path.realpath(os.path.dirname(filename))
+            if os.path.commonpath([here, folder]) != here:
+                filename = os.path.join(here, os.path.basename(folder), os.path.basename(filename))
+        return plain.__func__(inductor_meta, filename, configs_hash)
+
+    create.plain = plain.__func__
+    AutotuneCache.create = staticmethod(create)
+    return True
 
 
 def keep_tuned_configs_on_cache_hits() -> bool:

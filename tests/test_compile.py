@@ -311,6 +311,45 @@ def torch_autotune_cache(monkeypatch) -> None:
     for name in ("read_best", "save"):
         installed = autotune_cache.AutotuneCache.__dict__[name]
         monkeypatch.setattr(autotune_cache.AutotuneCache, name, getattr(installed, "plain", installed))
+    create = autotune_cache.AutotuneCache.__dict__["create"].__func__  # a staticmethod
+    monkeypatch.setattr(autotune_cache.AutotuneCache, "create", staticmethod(getattr(create, "plain", create)))
+
+
+def test_a_kernel_from_another_runs_cache_folder_finds_its_tuned_config_in_this_one(monkeypatch, tmp_path):
+    """find_tuned_configs_in_this_cache_folder: a kernel loaded from a cache keeps the path its writing run compiled
+    it to, and --compile_cache puts the tuned configs back in this run's inductor cache folder, under the kernel
+    file's last folder and name. Torch alone looks beside the writer's path, which an emptied cache or another
+    machine lacks, and misses; with it in place the lookup finds the tuned config here, and a save lands here."""
+    import train_gpt as tg
+    triton = pytest.importorskip("triton")
+    heuristics = pytest.importorskip("torch._inductor.runtime.triton_heuristics")
+    torch_autotune_cache(monkeypatch)
+    here = tmp_path / "inductor"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(here))
+    meta = {"coordinate_descent_tuning": True}
+    one = [triton.Config({"XBLOCK": 64}, num_warps=4)]
+    tuned = triton.Config({"XBLOCK": 256}, num_warps=8)
+    mine = here / "ab" / "cabcdef.py"  # where this run compiles the kernel; the file put its tuned config beside it
+    _, cache, _ = heuristics.check_autotune_cache(one, str(mine), meta)
+    cache.save(tuned, 1_000_000, found_by_coordesc=True)
+    own_entry = cache.local_cache[1]
+    writers = tmp_path / "gone" / "ab" / "cabcdef.py"  # the same kernel, named by the writing run's path
+
+    def lookup(kernel):
+        (config, *more), cache, info = heuristics.check_autotune_cache(one, str(kernel), meta)
+        return config, cache.local_cache[1], info["autotune_cache_state"]
+
+    assert lookup(writers)[2] == "miss"
+    assert tg.find_tuned_configs_in_this_cache_folder() and tg.find_tuned_configs_in_this_cache_folder()
+    config, entry, state = lookup(writers)
+    assert (state, entry) == ("hit", own_entry)
+    assert config.kwargs == {"XBLOCK": 256} and config.num_warps == 8 and config.found_by_coordesc
+    assert lookup(mine)[1:] == (own_entry, "hit")  # this run's own kernels keep their paths
+    other = tmp_path / "gone" / "cd" / "cfedcba.py"  # a kernel with nothing stored: tuned, and saved here
+    assert lookup(other)[2] == "miss"
+    heuristics.check_autotune_cache(one, str(other), meta)[1].save(tuned, 1_000_000, found_by_coordesc=True)
+    assert lookup(other)[2] == "hit" and not (tmp_path / "gone").exists()
+    assert lookup(other)[1].startswith(str(here / "cd"))
 
 
 def test_the_autotune_cache_keeps_and_finds_the_configs_coordinate_descent_found(monkeypatch, tmp_path):
