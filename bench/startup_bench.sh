@@ -39,7 +39,8 @@
 # AUTOTUNE_PROBE=1: every run prints a line per autotune-cache lookup of a kernel that coordinate descent tunes
 # (bench/autotune_probe), and the end of the call counts them by state, with the kernels that missed after a load;
 # the first kernel that missed, as the write and the load compiled it, goes to $OUT/kernel_sources (for a 'load'
-# after an earlier call's 'write': KEEP_CACHES=1).
+# after an earlier call's 'write': KEEP_CACHES=1). Each graph cache key is printed too, and each start from the file
+# lists what its keys differ in from the write's (bench/autotune_probe/compare_keys.py).
 set -uo pipefail
 if [ "${AUTOTUNE_PROBE:-0}" = 1 ]; then export PYTHONPATH="$PWD/bench/autotune_probe${PYTHONPATH:+:$PYTHONPATH}"; fi
 steps=$1; scope=$2; limit=${3:-450}; cache=${CACHE:-/tmp/artifacts.bin}
@@ -47,7 +48,7 @@ OUT=$(realpath -m "${OUT:-/tmp/device_out}"); mkdir -p "$OUT"  # absolute: the m
 # Every scope's first run starts from empty caches, also on a machine an earlier call left warm: a 'cold' run after
 # another scope found that scope's graphs in a shared cache folder. KEEP_CACHES=1 keeps an earlier call's folders
 # (each run still empties its own), so 'load' after 'write' in an earlier call can compare their kernels (below).
-[ "${KEEP_CACHES:-0}" = 1 ] || rm -rf /tmp/ind_* /tmp/triton_*
+[ "${KEEP_CACHES:-0}" = 1 ] || rm -rf /tmp/ind_* /tmp/triton_* /tmp/written_* /tmp/probe_keys
 export PYTHONUNBUFFERED=1
 if [ "${BYTECODE:-0}" = 1 ]; then
     unset PYTHONDONTWRITEBYTECODE; export PYTHONPYCACHEPREFIX=/tmp/pycache
@@ -65,6 +66,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 
 run() {  # run NAME TRAINER INDUCTOR_DIR TRITON_DIR [flags...]
     local name=$1 trainer=$2; export TORCHINDUCTOR_CACHE_DIR=$3 TRITON_CACHE_DIR=$4; shift 4
+    export AUTOTUNE_PROBE_KEYS=/tmp/probe_keys/$name; rm -rf "$AUTOTUNE_PROBE_KEYS"  # the probe's graph keys
     local start=$SECONDS
     # shellcheck disable=SC2086  # FLAGS is a list of flags
     timeout "$limit" python3 $trainer --train_files='/tmp/bench2/docs_train_*.bin' \
@@ -78,9 +80,13 @@ run() {  # run NAME TRAINER INDUCTOR_DIR TRITON_DIR [flags...]
 }
 
 write_cache() {  # write_cache NAME: a cold run writing $cache
-    rm -rf "$cache" "/tmp/ind_$1" "/tmp/triton_$1"
+    rm -rf "$cache" "/tmp/ind_$1" "/tmp/triton_$1" "/tmp/written_ind_$1" "/tmp/written_triton_$1"
     run "$1" train_gpt.py "/tmp/ind_$1" "/tmp/triton_$1" --compile_cache="$cache"
     ls -l "$cache"
+    # Kernels that come from the file keep the paths the writing run compiled them to: a start from it must not find
+    # the writer's cache folders there, as on another machine or after the cache is emptied. They move aside.
+    local kind
+    for kind in ind triton; do [ ! -d "/tmp/${kind}_$1" ] || mv "/tmp/${kind}_$1" "/tmp/written_${kind}_$1"; done
 }
 
 load_cache() {  # load_cache NAME [TRAINER]: LOADS runs from $cache, each into empty caches (TRAINER:
@@ -164,13 +170,18 @@ if [ "${AUTOTUNE_PROBE:-0}" = 1 ]; then
             | awk '{s += $NF} END {printf "%.1f s", s}')"
     done
     grep -H "^autotune-probe-keys" "$OUT"/*.stdout
+    for dir in /tmp/probe_keys/from_*; do  # graph keys of each start from the file against the write's
+        [ -d /tmp/probe_keys/write ] && [ -d "$dir" ] || continue
+        echo "== graph cache keys of $(basename "$dir") against the write's:"
+        python3 bench/autotune_probe/compare_keys.py /tmp/probe_keys/write "$dir"
+    done
     grep -h "^autotune-probe .*state=miss" "$OUT"/from_*.stdout 2>/dev/null | cut -c1-260 | head -20
     grep -h "^autotune-probe-tuning" "$OUT"/from_*.stdout 2>/dev/null | cut -c1-400 | head -30
     # The first kernel whose tuned config was not found after a load: its source files as the writing run and the
     # load compiled them ($OUT/kernel_sources/write and /load), to diff where their source hashes differ.
     kernel=$(grep -h "^autotune-probe .*file=absent" "$OUT"/from_*.stdout 2>/dev/null | head -1 | cut -d' ' -f2)
-    if [ -n "$kernel" ] && [ -d /tmp/ind_write ]; then
-        for side in write:/tmp/ind_write load:/tmp/ind_from_file; do
+    if [ -n "$kernel" ] && [ -d /tmp/written_ind_write ]; then
+        for side in write:/tmp/written_ind_write load:/tmp/ind_from_file; do
             mkdir -p "$OUT/kernel_sources/${side%%:*}"
             grep -rl --include='*.py' "def $kernel(" "${side#*:}" | xargs -r cp -t "$OUT/kernel_sources/${side%%:*}"
         done

@@ -5,7 +5,10 @@ descent's mark, so the kernel is not tuned again). On a miss it adds what the ca
 anything: the configs hash stored against the one asked for, and whether coordinate descent found the stored config.
 Every coordinate-descent run of a kernel torch tunes prints 'autotune-probe-tuning KERNEL ...': the config it starts
 from, the kernel's lookup state and compiled configs, and its seconds. So a start from a --compile_cache file names
-each kernel that is tuned again, and why."""
+each kernel that is tuned again, and why.
+Every graph cache key computed (AOTAutograd's and inductor's FX graph key) prints 'autotune-probe-graph KIND N KEY', and
+with AUTOTUNE_PROBE_KEYS=DIR its hash details go to DIR/KIND_N.json: compare_keys.py names what two runs' keys differ
+in."""
 import json
 import os
 import sys
@@ -57,8 +60,9 @@ if os.environ.get("AUTOTUNE_PROBE") == "1":
                 # with torch's source hash. A write and a load that differ in src compiled different kernel text.
                 local = getattr(cache, "local_cache", None) if cache is not None else None
                 entry = os.path.basename(local[1])[:12] if local else "none"
+                src = os.path.basename(filename).split(".")[0][:12] if filename else "none"  # templates: no file
                 print(f"autotune-probe {inductor_meta.get('kernel_name')} configs={len(configs)} state={state} "
-                      f"tuned={tuned} src={os.path.basename(filename).split('.')[0][:12]} entry={entry}{detail}",
+                      f"tuned={tuned} src={src} entry={entry}{detail}",
                       file=sys.stderr, flush=True)
             return result
 
@@ -78,3 +82,25 @@ if os.environ.get("AUTOTUNE_PROBE") == "1":
             return result
 
         autotuner.coordinate_descent_tuning = coordinate_descent_tuning
+
+        def record_graph_keys(module, name: str, kind: str) -> None:
+            """Wrap MODULE.NAME, which returns (key, debug lines): print each key, and keep its lines in a file."""
+            compute = getattr(module, name)
+            count = []
+
+            def keyed(*args, **kwargs):
+                key, details = compute(*args, **kwargs)
+                count.append(key)
+                print(f"autotune-probe-graph {kind} {len(count)} {key[:13]}", file=sys.stderr, flush=True)
+                if keys_dir := os.environ.get("AUTOTUNE_PROBE_KEYS"):
+                    os.makedirs(keys_dir, exist_ok=True)
+                    with open(os.path.join(keys_dir, f"{kind}_{len(count):03d}.json"), "w") as f:
+                        json.dump({"key": key, "details": list(details)}, f)
+                return key, details
+
+            setattr(module, name, keyed)
+
+        from torch._functorch._aot_autograd import autograd_cache
+        from torch._inductor import codecache
+        record_graph_keys(autograd_cache, "autograd_cache_key", "aot")
+        record_graph_keys(codecache, "compiled_fx_graph_hash", "fx")
