@@ -4322,13 +4322,31 @@ class CompileCache:
             tmp = cache / f".{name}.tmp{os.getpid()}"
             tmp.mkdir(exist_ok=True)
             for member in members:
-                (tmp / member.filename.rsplit("/", 1)[1]).write_bytes(bundle.read(member))
+                file_name = member.filename.rsplit("/", 1)[1]
+                data = bundle.read(member)
+                if file_name.startswith("__grp__"):
+                    data = cls.group_in_folder(data, cache / name)
+                (tmp / file_name).write_bytes(data)
             try:
                 os.rename(tmp, cache / name)
                 restored += 1
             except OSError:  # another process put it there first
                 shutil.rmtree(tmp, ignore_errors=True)
         return restored
+
+    @staticmethod
+    def group_in_folder(data: bytes, folder: Path) -> bytes:
+        """A Triton group file (__grp__NAME.json) names its entry's files by their paths on the writing machine, and
+        Triton's lookup misses where one does not exist: a start from the file compiled each of our kernels and each
+        tuned config again, one after another, wherever the writer's cache folder was not. The paths now name the
+        files in the entry's folder here, FOLDER (torch's own bundle of Triton kernels does the same)."""
+        try:
+            group = json.loads(data)
+            paths = group["child_paths"]
+            group["child_paths"] = {child: str(folder / Path(path).name) for child, path in paths.items()}
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return data  # not a group file as Triton writes it: left as it is
+        return json.dumps(group).encode()
 
     @staticmethod
     def counts(info) -> str:

@@ -3,6 +3,7 @@ one process and on two gloo processes."""
 import dataclasses
 import gc
 import hashlib
+import json
 import math
 import os
 import re
@@ -1552,6 +1553,30 @@ def test_compile_cache_file_carries_our_triton_kernels_and_launchers_into_an_emp
         assert tg.CompileCache.add_triton_entries(bundle, source, set(), {"bb", "zz"}) == 2  # bb, and cc's launcher
         assert {"triton/bb/triton_poi_fused_add_0.cubin", "triton/bb/__grp__triton_poi_fused_add_0.json"} <= set(
             bundle.namelist())
+
+
+def test_a_triton_entry_from_the_file_is_found_where_the_writers_cache_folder_is_not(tmp_path, monkeypatch):
+    """Triton's group file names the entry's files by the writing machine's paths, and Triton's lookup misses where
+    one does not exist (the kernel then compiles again). Restored, it names the files in the entry's folder here, and
+    Triton's own cache manager finds the group; a group file of another shape is written as it is."""
+    writer = tmp_path / "writer" / "aa"  # the writing run's Triton cache entry; gone by the time the file loads
+    child_paths = {name: str(writer / name) for name in ("ns.cubin", "ns.json")}
+    bundle_path = tmp_path / "cache.zip"
+    with zipfile.ZipFile(bundle_path, "w") as bundle:
+        bundle.writestr("triton/aa/__grp__ns.json", json.dumps({"child_paths": child_paths}))
+        bundle.writestr("triton/aa/ns.cubin", b"\x01ns")
+        bundle.writestr("triton/aa/ns.json", b'{"name": "ns"}')
+        bundle.writestr("triton/bb/__grp__rows.json", b"{}")
+    target = tmp_path / "target"
+    with zipfile.ZipFile(bundle_path) as bundle:
+        assert tg.CompileCache.restore_triton_entries(bundle, target) == 2
+    group = json.loads((target / "aa" / "__grp__ns.json").read_text())
+    assert group == {"child_paths": {name: str(target / "aa" / name) for name in child_paths}}
+    assert (target / "bb" / "__grp__rows.json").read_bytes() == b"{}"
+    cache = pytest.importorskip("triton.runtime.cache")
+    from triton import knobs
+    monkeypatch.setattr(knobs.cache, "dir", str(target))
+    assert cache.FileCacheManager("aa").get_group("ns.json") == group["child_paths"]
 
 
 def test_tuned_kernel_entries_are_the_binaries_that_coordinate_descent_chose():
