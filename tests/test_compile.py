@@ -336,7 +336,7 @@ def test_a_kernel_from_another_runs_cache_folder_finds_its_tuned_config_in_this_
     writers = tmp_path / "gone" / "ab" / "cabcdef.py"  # the same kernel, named by the writing run's path
 
     def lookup(kernel):
-        (config, *more), cache, info = heuristics.check_autotune_cache(one, str(kernel), meta)
+        (config, *_), cache, info = heuristics.check_autotune_cache(one, str(kernel), meta)
         return config, cache.local_cache[1], info["autotune_cache_state"]
 
     assert lookup(writers)[2] == "miss"

@@ -9,6 +9,7 @@ each kernel that is tuned again, and why.
 Every graph cache key computed (AOTAutograd's and inductor's FX graph key) prints 'autotune-probe-graph KIND N KEY', and
 with AUTOTUNE_PROBE_KEYS=DIR its hash details go to DIR/KIND_N.json: compare_keys.py names what two runs' keys differ
 in."""
+import itertools
 import json
 import os
 import sys
@@ -85,16 +86,15 @@ if os.environ.get("AUTOTUNE_PROBE") == "1":
 
         def record_graph_keys(module, name: str, kind: str) -> None:
             """Wrap MODULE.NAME, which returns (key, debug lines): print each key, and keep its lines in a file."""
-            compute = getattr(module, name)
-            count = []
+            compute, ranks = getattr(module, name), itertools.count(1)
 
             def keyed(*args, **kwargs):
                 key, details = compute(*args, **kwargs)
-                count.append(key)
-                print(f"autotune-probe-graph {kind} {len(count)} {key[:13]}", file=sys.stderr, flush=True)
+                rank = next(ranks)
+                print(f"autotune-probe-graph {kind} {rank} {key[:13]}", file=sys.stderr, flush=True)
                 if keys_dir := os.environ.get("AUTOTUNE_PROBE_KEYS"):
                     os.makedirs(keys_dir, exist_ok=True)
-                    with open(os.path.join(keys_dir, f"{kind}_{len(count):03d}.json"), "w") as f:
+                    with open(os.path.join(keys_dir, f"{kind}_{rank:03d}.json"), "w") as f:
                         json.dump({"key": key, "details": list(details)}, f)
                 return key, details
 
