@@ -16,7 +16,8 @@
 #        write     -> the first half of 'file' alone: a cold run writing the file ($CACHE), which stays there;
 #        load      -> the second half alone: a run from that file into empty caches. With 'write' in one
 #                     call and 'load' in the next on the same warm machine (within its idle release), each half
-#                     gets a whole call's time: the tuned FA3 write alone takes about 8 minutes;
+#                     gets a whole call's time: the tuned FA3 write alone takes about 8 minutes. The machine may be
+#                     gone by the next call, and the file with it: 'file' in one call is the dependable measurement;
 #        moved     -> 'file', then one more run from the file, of a copy of train_gpt.py in another folder
 #                     (/tmp/moved): whether a start from the file depends on the folder the trainer runs in;
 #        fileprofile -> 'file' with the run from the file under cProfile ($OUT/file_profile.txt): where a start
