@@ -307,7 +307,8 @@ class Config:
     # configs (docs/performance.md).
     tune_kernels: str = _speed("auto", "coordinate-descent tuning of inductor's Triton kernels (CUDA): 1, 0, auto "
                                        "(with --compile_cache)")
-    attn_backend: str = _speed("auto", "auto (fa3 if it imports, else flex on CUDA, sdpa on CPU) | fa3 | flex | sdpa")
+    attn_backend: str = _speed("auto", "auto (fa3 if it imports and no CUDA graphs run, else flex on CUDA; sdpa on CPU) "
+                                       "| fa3 | flex | sdpa")
     triton_kernels: bool = _speed(True, "Triton kernels for Newton-Schulz, the loss and the MLP (CUDA); 0: plain torch")
     # e4m3 activations and weights, e5m2 logit gradients, scaled per tensor (speedrun 2024-12 idea, scales ours):
     # Hopper runs them at about twice the bf16 rate, and validation goes through the same FP8 forward. CPUs run the
@@ -555,6 +556,9 @@ def validate_config(cfg: Config) -> None:
     need(0 <= cfg.split_layer < cfg.num_layers,
          f"--split_layer={cfg.split_layer}: use a layer 1 .. num_layers-1 ({cfg.num_layers - 1}), or 0 for num_layers // 2")
     need(cfg.compile_mode in COMPILE_MODES, f"--compile_mode={cfg.compile_mode}: use {', '.join(COMPILE_MODES)}")
+    need(not (cfg.compile and cfg.compile_mode in CUDA_GRAPH_MODES and cfg.attn_backend == "fa3"),
+         f"--compile_mode={cfg.compile_mode} with --attn_backend=fa3: FA3 between CUDA graphs trains wrong "
+         f"(docs/performance.md); use --compile_mode=default or auto with FA3, or --attn_backend=flex for CUDA graphs")
     need(len(cfg.attn_layout) == cfg.num_layers and set(cfg.attn_layout) <= set("SL-"),
          f"--attn_layout={cfg.attn_layout!r}: needs one of S/L/- per layer ({cfg.num_layers} layers)")
     need(len(cfg.value_embed_layout) == cfg.num_layers and all(c == "." or c.isdigit() for c in cfg.value_embed_layout),
@@ -945,15 +949,9 @@ class FlexAttention:
 # is a graph of its own (one whole-model compile per window pair and per validation length); under automatic dynamic
 # they turn symbolic, but CUDA graphs still record again for each value. So the trainer hands them to FA3 inside an
 # opaque op of its own, in a small CPU tensor read when the op runs: one graph serves every window pair and length.
-# A CUDA graph would freeze the values it was recorded with, so the op is tagged cudagraph-unsafe: under an explicit
-# CUDA-graph --compile_mode inductor partitions the graphs around it and it runs between their replays (compile_model);
-# --compile_mode=auto does so only at one micro-batch per forward, where the graphs pay (resolve_compile_mode).
+# FA3 runs without CUDA graphs: inductor's graphs cut around the op trained wrong (docs/performance.md), so a
+# CUDA-graph --compile_mode with FA3 is refused and --attn_backend=auto takes flex where the graphs pay.
 _fa3_kernels = None  # flash_attn_interface (or a stand-in), set by FlashAttention3
-
-
-def _fa3_unsafe_tags() -> tuple:
-    tag = getattr(torch.Tag, "cudagraph_unsafe", None)
-    return (tag,) if tag is not None else ()
 
 
 def _fa3_arguments(cu_seqlens: Tensor, sizes: Tensor) -> dict:
@@ -965,7 +963,7 @@ def _fa3_arguments(cu_seqlens: Tensor, sizes: Tensor) -> dict:
                 softmax_scale=1.0, window_size_left=window - 1, window_size_right=0)
 
 
-@torch.library.custom_op("gpt::fa3_varlen", mutates_args=(), tags=_fa3_unsafe_tags())
+@torch.library.custom_op("gpt::fa3_varlen", mutates_args=())
 def fa3_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, sizes: Tensor) -> tuple[Tensor, Tensor]:
     """Causal FA3 over documents with a sliding window: sizes = [window, max_seqlen, entries] on the CPU, and the
     kernels take the first `entries` of cu_seqlens. Returns the output and the log-sum-exp the backward needs."""
@@ -978,7 +976,7 @@ def _(q, k, v, cu_seqlens, sizes):
     return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
-@torch.library.custom_op("gpt::fa3_varlen_backward", mutates_args=(), tags=_fa3_unsafe_tags())
+@torch.library.custom_op("gpt::fa3_varlen_backward", mutates_args=())
 def fa3_varlen_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_seqlens: Tensor,
                         sizes: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -1040,13 +1038,14 @@ class FlashAttention3:
         return fa3_varlen(q, k, v, *mask)[0]
 
 
-def make_attention(cfg: Config, device: torch.device, seq_len: int):
-    """Pick the attention backend for forwards of seq_len tokens: FA3 when it imports (CUDA), else
-    FlexAttention (CUDA), else SDPA."""
+def make_attention(cfg: Config, device: torch.device, seq_len: int, cuda_graphs: bool = False):
+    """Pick the attention backend for forwards of seq_len tokens: FA3 when it imports (CUDA) and the forwards run
+    without CUDA graphs, else FlexAttention (CUDA), else SDPA. Under graphs auto takes flex: FA3 between them
+    trained wrong, and at one micro-batch per forward flex under graphs was 39% faster than FA3 without (4xH200)."""
     choice = cfg.attn_backend
     if choice in ("fa3", "flex") and device.type != "cuda":  # FA3 is CUDA's; torch's flex has no backward on a CPU
         raise UserError(f"--attn_backend={choice} needs --device=cuda; on a CPU use --attn_backend=sdpa or auto")
-    if choice in ("auto", "fa3") and device.type == "cuda":
+    if choice == "fa3" or (choice == "auto" and device.type == "cuda" and not cuda_graphs):
         try:
             import flash_attn_interface
             return FlashAttention3(flash_attn_interface, cfg.max_doc_len)
@@ -3922,18 +3921,18 @@ def resolve_forward_micro_batches(cfg: Config, world_size: int, device_memory_gi
 
 def resolve_compile_mode(cfg: Config, device: torch.device, forward_micro_batches: int) -> str:
     """--compile_mode=auto: reduce-overhead (CUDA graphs) on a GPU where they make the steps faster, else default.
-    - One micro-batch per forward (8 GPUs' size, or --forward_micro_batches=1), FA3 included: the host's launches
-      set the step, and the graphs, FA3's partitioned around its op, were 30-38% faster per stage than none on
-      4xH100 with FA3, 26-31% on 1xH100 with FA3, 32% in the last stage on 4xH200 with flex, in no more memory; two
-      ranks under graphs train as without (tests/gpu/test_cuda_ranks.py).
+    - One micro-batch per forward (8 GPUs' size, or --forward_micro_batches=1): the host's launches set the step, and
+      with flex the graphs were 32% faster in the last stage on 4xH200, and 39% faster than FA3 without graphs on
+      the same machine; two ranks under graphs train as without (tests/gpu/test_cuda_ranks.py). --attn_backend=auto
+      takes flex there (make_attention).
     - Bigger forwards: default. There the GPU sets the step: graphs were no faster on 2xH200 at 2 micro-batches per
-      forward, nor with flex on 1xH100 at 8, whose cold start they made 17 s longer; and FA3's partitioned graphs'
-      memory pools ran the default config out of memory at 8 on 1xH100.
-    - Default on CPUs, which have no graphs, and under DiLoCo. An explicit mode is taken as asked, FA3 included.
+      forward, nor with flex on 1xH100 at 8, whose cold start they made 17 s longer.
+    - Default with FA3, whose op between inductor's CUDA graphs trained wrong, on CPUs, which have no graphs, and
+      under DiLoCo. An explicit mode is taken as asked (validate_config refuses graphs with --attn_backend=fa3).
     Measurements: docs/performance.md."""
     if cfg.compile_mode != "auto":
         return cfg.compile_mode
-    if device.type != "cuda" or cfg.diloco:
+    if device.type != "cuda" or cfg.diloco or cfg.attn_backend == "fa3":
         return "default"
     return "reduce-overhead" if forward_micro_batches == 1 else "default"
 
@@ -3957,7 +3956,8 @@ def build_model(cfg: Config, comm: Comm, log: RunLog) -> tuple[GPT, torch.device
     torch.manual_seed(cfg.seed)
     memory_gib = torch.cuda.get_device_properties(device).total_memory / 2 ** 30 if device.type == "cuda" else None
     packed = resolve_forward_micro_batches(cfg, comm.world_size, memory_gib)
-    attend = make_attention(cfg, device, packed * cfg.micro_batch_tokens)
+    cuda_graphs = cfg.compile and resolve_compile_mode(cfg, device, packed) in CUDA_GRAPH_MODES
+    attend = make_attention(cfg, device, packed * cfg.micro_batch_tokens, cuda_graphs)
     compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     kernels = choose_kernels(cfg, device)
     check_gpu_features(cfg, device, kernels)
@@ -4366,11 +4366,6 @@ def compile_model(model: GPT, cfg: Config, comm: Comm, device: torch.device) -> 
     compile_mode = resolve_compile_mode(cfg, device, model.forward_micro_batches)
     mode = None if compile_mode == "default" else compile_mode
     model.replays_cuda_graphs = cfg.compile and compile_mode in CUDA_GRAPH_MODES
-    if model.replays_cuda_graphs and model.attend.name == "fa3":
-        # FA3's op reads its window on the host as it runs and is tagged cudagraph-unsafe: inductor cuts the graphs
-        # around each call, replays the pieces as CUDA graphs and runs the op between them.
-        import torch._inductor.config as inductor
-        inductor.graph_partition = True
     if cfg.compile and scope == "whole":
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         if cfg.row_embedding_grads:  # the lookups' backward writes .grad outside autograd: they stay eager
