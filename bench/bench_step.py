@@ -30,6 +30,7 @@ import functools
 import gc
 import glob
 import json
+import math
 import os
 import re
 import statistics
@@ -279,6 +280,7 @@ def main() -> int:
         say(f"{trainer.packed} micro-batch(es) of {cfg.micro_batch_tokens} tokens per forward")
         say(f"{'stage':>5} {'micro':>5} {'windows':>11} {'step ms':>8} {'max/med':>7} {'tok/s':>10} {'MFU':>6}  "
             "phase split (ms per step)")
+        losses = []  # every step's loss (rank's own micro-batches): the bench times steps, the losses say they learn
         try:
             for stage in range(len(schedule.batches)):
                 step = next(s for s in range(cfg.num_iterations) if schedule.stage(s) == stage)  # its first step
@@ -290,7 +292,7 @@ def main() -> int:
                 # step was timed alone between two synchronizes, which also counted the GPU waiting for the
                 # host's first launches: on 1xH100 the last stage 629.8 / 631.8 against 625.3 / 629.1 ms.)
                 for _ in range(3):
-                    tg.train_step(model, optimizers, batches, windows, forwards)
+                    losses.append(tg.train_step(model, optimizers, batches, windows, forwards))
                 synchronize()
                 step_marks, wall_times = [], []
                 for _ in range(steps):
@@ -298,7 +300,7 @@ def main() -> int:
                     step_marks.append(EventMarks() if cuda else None)
                     if cuda:
                         step_marks[-1].start()
-                    tg.train_step(model, optimizers, batches, windows, forwards, mark=step_marks[-1])
+                    losses.append(tg.train_step(model, optimizers, batches, windows, forwards, mark=step_marks[-1]))
                     wall_times.append(1000 * (time.perf_counter() - clock))  # the CPU's: it runs synchronously
                 if cuda:
                     end = torch.cuda.Event(enable_timing=True)
@@ -326,6 +328,13 @@ def main() -> int:
                 + (f"; peak memory {torch.cuda.max_memory_allocated() // 2**20} MiB" if cuda else ""))
             for reason in reasons[:8]:
                 say(f"  recompiled: {reason[:400]}")
+            # FA3 between CUDA graphs once timed well here while its training went wrong (docs/performance.md)
+            values = [float(loss) for loss in losses]
+            say(f"train loss over the {len(values)} steps (rank 0's micro-batches): first {values[0]:.4f}, "
+                f"last {values[-1]:.4f}")
+            if not all(map(math.isfinite, values)) or (glob.glob(cfg.train_files) and values[-1] >= values[0]):
+                say("warning: the loss did not fall on real text: these steps may train wrong; compare the losses of "
+                    "short train_gpt.py runs")
             if not cuda:
                 return 0
 
