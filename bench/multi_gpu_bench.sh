@@ -14,8 +14,8 @@
 #    world size N / 1, carrying .fa3: bench/fa3_build.sh, or .fa3src: then FA3 is built in the background while
 #    "ranks" runs, which should come first) and "fwd1" / "fwd1_graphs" (world size N at one micro-batch per forward,
 #    the size each forward has at 8 GPUs, without / with CUDA graphs, which auto takes there; FLAGS picks the
-#    attention, and FLAGS naming fa3 installs it from .fa3 too; graphs are refused with FA3, see validate_config). The benches read the bench stream (real document
-#    lengths and bigram rows);
+#    attention, and FLAGS naming fa3 installs it from .fa3 too; graphs are refused with FA3, see validate_config).
+#    The benches read the bench stream (real document lengths and bigram rows);
 # 2. DiLoCo against data parallelism at equal tokens on bench2, on data that does not repeat (micro-batches of
 #    4,096 tokens; up to STEPS=300 read under the stream's 51.3M tokens): data parallelism on 2 GPUs with a replica's
 #    batch doubled (16/32/48 micro-batches) and Adam on every step, as DiLoCo's inner Adam steps, then streaming
