@@ -265,7 +265,8 @@ def main() -> int:
         gc.freeze()  # as train() does for its loop: collections then skip the compiled process's objects
         # Real text when --train_files matches (document lengths shape the attention masks' sparsity and
         # the bigram rows touched); random tokens with ~500-token documents otherwise.
-        if glob.glob(cfg.train_files):
+        real_text = bool(glob.glob(cfg.train_files))
+        if real_text:
             source, data = cfg.train_files, tg.train_batches_for_rank(tg.shard_paths(cfg.train_files, "train_files"),
                                                                       dataclasses.replace(cfg, train_repeat=True), comm)
         else:
@@ -332,7 +333,7 @@ def main() -> int:
             values = [float(loss) for loss in losses]
             say(f"train loss over the {len(values)} steps (rank 0's micro-batches): first {values[0]:.4f}, "
                 f"last {values[-1]:.4f}")
-            if not all(map(math.isfinite, values)) or (glob.glob(cfg.train_files) and values[-1] >= values[0]):
+            if not all(map(math.isfinite, values)) or (real_text and values[-1] >= values[0]):
                 say("warning: the loss did not fall on real text: these steps may train wrong; compare the losses of "
                     "short train_gpt.py runs")
             if not cuda:
