@@ -598,3 +598,28 @@ def test_autotune_probe_names_each_lookup_and_why_a_miss_missed(monkeypatch, tmp
     heuristics.CachingAutotuner.coordinate_descent_tuning(autotuner, launcher)
     assert re.fullmatch(r"autotune-probe-tuning triton_poi_k_0 from=XBLOCK: 64.* state=hit compiled=1 to=XBLOCK: 64.* "
                         r"\d+\.\d\ds", capsys.readouterr().err.strip())
+
+
+def test_graph_check_finds_no_difference_between_repeats_and_one_between_seeds(tiny_data, tmp_path):
+    """bench/graph_check.py (gradients of the same steps under two compile settings, on a GPU): two dumps of one
+    setting agree in every loss and gradient on the CPU; a dump from other initial weights differs in each."""
+    import importlib.util
+
+    import torch
+    spec = importlib.util.spec_from_file_location("graph_check", REPO / "bench/graph_check.py")
+    graph_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(graph_check)
+    train, val = tiny_data
+    flags = ["--device=cpu", *TINY, f"--train_files={train}", f"--val_files={val}", f"--log_dir={tmp_path}"]
+    dumps = {}
+    for name, extra in (("a", []), ("repeat", []), ("seed", ["--seed=1"])):
+        graph_check.dump(str(tmp_path / f"{name}.pt"), flags + extra, steps=2)
+        dumps[name] = torch.load(tmp_path / f"{name}.pt")
+    same = graph_check.differences(dumps["a"], dumps["repeat"])
+    assert len(same) == 2 and len(same[0]["loss_diffs"]) == 8  # the tiny schedule: 8 forwards of one micro-batch
+    for step in same:
+        assert step["only_one"] == [] and len(step["relative"]) > 30
+        assert all(d == 0.0 for d in step["loss_diffs"]) and all(r == 0.0 for r in step["relative"].values())
+    other = graph_check.differences(dumps["a"], dumps["seed"])
+    assert all(min(abs(d) for d in step["loss_diffs"]) > 0 for step in other)
+    assert sorted(other[0]["relative"].values())[len(other[0]["relative"]) // 2] > 1e-3  # the median parameter
