@@ -3923,7 +3923,8 @@ def resolve_compile_mode(cfg: Config, device: torch.device, forward_micro_batche
     """--compile_mode=auto: reduce-overhead (CUDA graphs) on a GPU where they make the steps faster, else default.
     - One micro-batch per forward (8 GPUs' size, or --forward_micro_batches=1): the host's launches set the step, and
       with flex the graphs were 32% faster in the last stage on 4xH200, and 39% faster than FA3 without graphs on
-      the same machine; two ranks under graphs train as without (tests/gpu/test_cuda_ranks.py). --attn_backend=auto
+      the same machine; two ranks under graphs train as without (tests/gpu/test_cuda_ranks.py), and four at full
+      size compute the gradients computed without them (bench/graph_check.py). --attn_backend=auto
       takes flex there (make_attention).
     - Bigger forwards: default. There the GPU sets the step: graphs were no faster on 2xH200 at 2 micro-batches per
       forward, nor with flex on 1xH100 at 8, whose cold start they made 17 s longer.
