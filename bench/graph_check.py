@@ -1,6 +1,7 @@
 """Gradients of the same steps under two compile settings, parameter by parameter (GPU, repo root):
   python bench/graph_check.py dump FILE [train_gpt.py flags]   # STEPS steps, default 3; or under torchrun
   python bench/graph_check.py compare A B [C ...]               # each file against A
+TRAINER=FILE dumps with that version of train_gpt.py instead of the repository's.
 dump builds and warms up the model as train() does, then runs STEPS steps of the first stage on the real-text
 stream (--train_files) and saves rank 0's losses: each forward's loss and, before each step's optimizers, every parameter's
 gradient (float32), its own before the ranks average them. compare prints, per step, each forward's loss difference and the parameters whose gradients
@@ -8,13 +9,23 @@ differ most (relative L2: |a - b| / |a|). Two runs of one setting give the noise
 atomic adds land in any order); a setting that computes something else (a graph that keeps an input from its
 recording, a buffer a replay overwrites) differs far above it, and its parameters say where."""
 import dataclasses
+import importlib.util
 import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import train_gpt as tg  # noqa: E402
+# TRAINER=other_train_gpt.py dumps with another version of the trainer (e.g. `git show BRANCH:train_gpt.py`)
+TRAINER = os.environ.get("TRAINER")
+if TRAINER:
+    _spec = importlib.util.spec_from_file_location("train_gpt", TRAINER)
+    tg = importlib.util.module_from_spec(_spec)
+    sys.modules["train_gpt"] = tg
+    _spec.loader.exec_module(tg)
+else:
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import train_gpt as tg
+    TRAINER = tg.__file__
 
 
 def dump(path: str, argv: list[str], steps: int = 3) -> None:
@@ -42,7 +53,7 @@ def dump(path: str, argv: list[str], steps: int = 3) -> None:
             opt.zero_grad(set_to_none=True)
     batches.close()
     if comm.is_main:
-        torch.save({"argv": argv, "world_size": comm.world_size, "steps": records}, path)
+        torch.save({"argv": argv, "trainer": TRAINER, "world_size": comm.world_size, "steps": records}, path)
         print(f"saved {len(records)} steps of {forwards} forwards (rank 0 of {comm.world_size}) to {path}")
     if comm.distributed:
         torch.distributed.destroy_process_group()
@@ -62,10 +73,10 @@ def differences(a: dict, b: dict) -> list[dict]:
 
 def compare(paths: list[str]) -> None:
     base = torch.load(paths[0])
-    print(f"A: {paths[0]} {' '.join(base['argv'])}")
+    print(f"A: {paths[0]} {base.get('trainer')} {' '.join(base['argv'])}")
     for path in paths[1:]:
         other = torch.load(path)
-        print(f"\n== {path} against A: {' '.join(other['argv'])}")
+        print(f"\n== {path} against A: {other.get('trainer')} {' '.join(other['argv'])}")
         for index, step in enumerate(differences(base, other)):
             print(f"step {index}: losses A {' '.join(f'{x:.5f}' for x in step['losses'])}; "
                   f"B - A {' '.join(f'{d:+.5f}' for d in step['loss_diffs'])}")
