@@ -3,10 +3,10 @@
   python bench/graph_check.py compare A B [C ...]               # each file against A
 TRAINER=FILE dumps with that version of train_gpt.py instead of the repository's.
 dump builds and warms up the model as train() does, then runs STEPS steps of the first stage on the real-text
-stream (--train_files) and saves rank 0's losses: each forward's loss and, before each step's optimizers, every parameter's
-gradient (float32), its own before the ranks average them. compare prints, per step, each forward's loss difference and the parameters whose gradients
-differ most (relative L2: |a - b| / |a|). Two runs of one setting give the noise floor (the row-gradient kernel's
-atomic adds land in any order); a setting that computes something else (a graph that keeps an input from its
+stream (--train_files) and saves rank 0's view: each forward's loss and, before each step's optimizers, every
+parameter's gradient (float32), the rank's own before the ranks average them. compare prints, per step, each
+forward's loss difference and the parameters whose gradients differ most (relative L2: |a - b| / |a|). Two runs of
+one setting give the noise floor; a setting that computes something else (a graph that keeps an input from its
 recording, a buffer a replay overwrites) differs far above it, and its parameters say where."""
 import dataclasses
 import importlib.util
