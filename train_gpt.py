@@ -3938,6 +3938,12 @@ def resolve_compile_mode(cfg: Config, device: torch.device, forward_micro_batche
     return "reduce-overhead" if forward_micro_batches == 1 else "default"
 
 
+def replays_cuda_graphs(cfg: Config, device: torch.device, forward_micro_batches: int) -> bool:
+    """Whether the compiled forwards and backwards replay as CUDA graphs: build_model picks the attention by it,
+    compile_model marks the model with it."""
+    return cfg.compile and resolve_compile_mode(cfg, device, forward_micro_batches) in CUDA_GRAPH_MODES
+
+
 def check_gpu_features(cfg: Config, device: torch.device, kernels: Kernels) -> None:
     """The default kernels need a recent GPU: one line naming the GPU and the flag that turns each one off."""
     if device.type != "cuda":
@@ -3957,8 +3963,7 @@ def build_model(cfg: Config, comm: Comm, log: RunLog) -> tuple[GPT, torch.device
     torch.manual_seed(cfg.seed)
     memory_gib = torch.cuda.get_device_properties(device).total_memory / 2 ** 30 if device.type == "cuda" else None
     packed = resolve_forward_micro_batches(cfg, comm.world_size, memory_gib)
-    cuda_graphs = cfg.compile and resolve_compile_mode(cfg, device, packed) in CUDA_GRAPH_MODES
-    attend = make_attention(cfg, device, packed * cfg.micro_batch_tokens, cuda_graphs)
+    attend = make_attention(cfg, device, packed * cfg.micro_batch_tokens, replays_cuda_graphs(cfg, device, packed))
     compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     kernels = choose_kernels(cfg, device)
     check_gpu_features(cfg, device, kernels)
@@ -4366,7 +4371,7 @@ def compile_model(model: GPT, cfg: Config, comm: Comm, device: torch.device) -> 
         scope = "whole"
     compile_mode = resolve_compile_mode(cfg, device, model.forward_micro_batches)
     mode = None if compile_mode == "default" else compile_mode
-    model.replays_cuda_graphs = cfg.compile and compile_mode in CUDA_GRAPH_MODES
+    model.replays_cuda_graphs = replays_cuda_graphs(cfg, device, model.forward_micro_batches)
     if cfg.compile and scope == "whole":
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         if cfg.row_embedding_grads:  # the lookups' backward writes .grad outside autograd: they stay eager
