@@ -291,6 +291,9 @@ class Config:
     head_wgrad_rows: int = _optim(1, "the FP8 head's weight gradient from every this-many-th token row, scaled to match")
     # ---- speed switches
     compile: bool = _speed(True, "torch.compile the model, over compile_scope")
+    # Muon's launches cost the host about 15-17 ms a step on 4 GPUs (docs/performance.md); its compute between the
+    # collectives and its weight update replayed as CUDA graphs (CapturedSteps) launch as a few graphs instead.
+    muon_graphs: bool = _speed(False, "Muon's compute between its collectives as CUDA graphs (CUDA); 0: kernel by kernel")
     # auto: see compile_model for why whole. split: two graphs, layers before split_layer and the rest, so that the
     # second one's backward ends before the first one's and its gradients' reduce-scatters overlap the first one.
     compile_scope: str = _speed("auto", "whole | split (two graphs) | regional (each block and the loss head) | auto (whole)")
@@ -556,6 +559,8 @@ def validate_config(cfg: Config) -> None:
     need(0 <= cfg.split_layer < cfg.num_layers,
          f"--split_layer={cfg.split_layer}: use a layer 1 .. num_layers-1 ({cfg.num_layers - 1}), or 0 for num_layers // 2")
     need(cfg.compile_mode in COMPILE_MODES, f"--compile_mode={cfg.compile_mode}: use {', '.join(COMPILE_MODES)}")
+    need(not (cfg.muon_graphs and cfg.device != "cuda"),
+         f"--muon_graphs=1 needs --device=cuda (CUDA graphs); on {cfg.device} pass --muon_graphs=0")
     need(not (cfg.compile and cfg.compile_mode in CUDA_GRAPH_MODES and cfg.attn_backend == "fa3"),
          f"--compile_mode={cfg.compile_mode} with --attn_backend=fa3: FA3 between CUDA graphs trains wrong "
          f"(docs/performance.md); use --compile_mode=default or auto with FA3, or --attn_backend=flex for CUDA graphs")
@@ -2379,12 +2384,57 @@ def plan_muon_groups(shapes: list[tuple[int, ...]], world_size: int, layers: lis
     return groups
 
 
+class CapturedSteps:
+    """Parts of an optimizer's step as CUDA graphs, one per key: a part runs eagerly until it meets the same tensors
+    (storages) as in its last run, then is captured once and replayed at every later step with those tensors. New
+    tensors (state made afresh, a checkpoint's, a DiLoCo heal) make it run eagerly and capture again. Captured parts
+    hold no collectives (ProcessGroupNCCL collectives captured in graphs are reported to hang: docs/design.md) and
+    read their scheduled values from device tensors refilled before each step. The host then launches a part's
+    dozens of kernels as one graph: on several GPUs the host's launches, not the GPU, set the step."""
+
+    def __init__(self):
+        self.graphs: dict = {}  # key -> (graph, tensors' signature, what the part returned)
+        self.seen: dict = {}  # key -> tensors' signature after the part's last eager run
+
+    @staticmethod
+    def signature(tensors: list) -> tuple:
+        return tuple((t.data_ptr(), t.numel()) if t is not None else None for t in tensors)
+
+    def run(self, key, compute, tensors):
+        """compute() (the part), with tensors() the tensors it reads or writes besides its temporaries."""
+        before = self.signature(tensors())
+        entry = self.graphs.get(key)
+        if entry is not None and entry[1] == before:
+            entry[0].replay()
+            return entry[2]
+        if self.seen.get(key) != before:
+            result = compute()
+            self.seen[key] = self.signature(tensors())
+            return result
+        graph, result = self.capture(compute)
+        self.graphs[key] = (graph, before, result)
+        return result
+
+    @staticmethod
+    def capture(compute):
+        """(the CUDA graph of compute(), what compute returned), the graph recorded and then replayed once: the
+        tensors it returns are the graph's, rewritten by each replay."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):  # recorded, not run
+            result = compute()
+        graph.replay()
+        return graph, result
+
+
 class _MuonGroup:
     def __init__(self, params: list[Tensor], world_size: int):
         self.params = params
         self.per_rank = -(-len(params) // world_size)
         self.padding = self.per_rank * world_size - len(params)
         self.pending = None  # (work or None, this rank's averaged gradients [per_rank, rows, cols])
+        # Under CUDA graphs the graphs read and write these, allocated once: the reduce-scatter's output (the
+        # gradients, in the parameters' dtype), this rank's updates and every rank's gathered updates.
+        self.inbox = self.outbox = self.gathered = None
 
 
 class Muon(torch.optim.Optimizer):
@@ -2420,7 +2470,7 @@ class Muon(torch.optim.Optimizer):
 
     def __init__(self, params, lr: float, momentum: float, weight_decay: float = 0.0, beta2: float = 0.0,
                  shape_lr: bool = False, use_triton: bool = False, layers: list[int] | None = None,
-                 slow_momentum: float = 0.0, grad_dtype: torch.dtype | None = None):
+                 slow_momentum: float = 0.0, grad_dtype: torch.dtype | None = None, cuda_graphs: bool = False):
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, split=1, lr_mul=1.0))
         self.beta2, self.shape_lr, self.slow_momentum = beta2, shape_lr, slow_momentum
         self.grad_dtype = grad_dtype  # gradients rounded to it before the reduce-scatter (--bf16_grad_comms); None: as is
@@ -2434,6 +2484,14 @@ class Muon(torch.optim.Optimizer):
         plan = plan_muon_groups([tuple(p.shape) for p in params], self.world_size, layers)
         self.groups = [_MuonGroup([params[i] for i in indices], self.world_size) for indices in plan]
         self.grad_hooks = _LaunchWhenGradsReady(self.groups, self._launch_reduce)
+        for group in self.param_groups:  # one lr per param group: its matrices share the shape factor
+            if len({self.shape_factor(p, group) for p in group["params"]}) > 1:
+                raise ValueError("Muon: the matrices of a param group need one shape factor (shape and split)")
+        # The scheduled settings of each param group as device tensors, refilled at every step: the steps read
+        # them there, so a CUDA graph of a step reads each step's values (SCALARS names the columns).
+        self.scalars: Tensor | None = None
+        self.cuda_graphs = cuda_graphs
+        self.graphs = CapturedSteps() if cuda_graphs else None
 
     def before_last_backward(self, sparse_rows: dict | None = None):
         """Let the coming backward launch each group's reduce-scatter as soon as its gradients are done,
@@ -2447,8 +2505,17 @@ class Muon(torch.optim.Optimizer):
         if self.grad_dtype is not None:
             stacked = stacked.to(self.grad_dtype)
         if self.distributed:
-            owned = stacked.new_empty(group.per_rank, *stacked.shape[1:])
+            if self.cuda_graphs:  # the same buffer every step: the graph reads it
+                if group.inbox is None:
+                    group.inbox = stacked.new_empty(group.per_rank, *stacked.shape[1:])
+                owned = group.inbox
+            else:
+                owned = stacked.new_empty(group.per_rank, *stacked.shape[1:])
             group.pending = (dist.reduce_scatter_tensor(owned, stacked, op=dist.ReduceOp.AVG, async_op=True), owned)
+        elif self.cuda_graphs:
+            if group.inbox is None:
+                group.inbox = torch.empty_like(stacked)
+            group.pending = (None, group.inbox.copy_(stacked))
         else:
             group.pending = (None, stacked)
 
@@ -2462,9 +2529,9 @@ class Muon(torch.optim.Optimizer):
         directions = []
         for i, p in enumerate(owned):
             settings = self.param_groups[self.group_index_of[p]]
-            directions.append(muon_momentum_(grads[i], self.state[p], settings["momentum"],
-                                             settings.get("fast_momentum"), self.slow_momentum,
-                                             settings.get("slow_share", 0.0)))
+            one_minus_fast, momentum, slow_share = self.scalars[self.group_index_of[p], :3].unbind(0)
+            directions.append(muon_momentum_(grads[i], self.state[p], momentum, one_minus_fast, self.slow_momentum,
+                                             slow_share))
             first_row = 0
             for run, (height, count) in enumerate(row_blocks(p, settings)):
                 by_run.setdefault((first_row, height, count, run), []).append(i)
@@ -2479,12 +2546,34 @@ class Muon(torch.optim.Optimizer):
                 ortho = normuon_(ortho, states, count, self.beta2, "second_moment" if run == 0 else f"second_moment_{run}")
             ortho = ortho.view(n, height * count, cols)
             if updates is None:
-                updates = ortho.new_zeros(group.per_rank, *directions[0].shape)
+                if group.outbox is None:
+                    group.outbox = ortho.new_empty(group.per_rank, *directions[0].shape)
+                updates = group.outbox.zero_()
             for slot, index in enumerate(members):  # indexing with a list would copy it to the GPU: a host sync
                 updates[index, rows].copy_(ortho[slot])
         if updates is None:  # this rank holds only padding
-            updates = grads.new_zeros(grads.shape, dtype=torch.bfloat16 if grads.is_cuda else torch.float32)
+            if group.outbox is None:
+                group.outbox = grads.new_empty(grads.shape, dtype=torch.bfloat16 if grads.is_cuda else torch.float32)
+            updates = group.outbox.zero_()
         return updates
+
+    # the columns of self.scalars, one row per param group
+    SCALARS = ("one_minus_fast", "momentum", "slow_share", "neg_lr", "neg_decay")
+
+    def fill_scalars(self):
+        """The scheduled settings into self.scalars, in one copy: 1 - the usual buffer's beta, the momentum, the
+        slow buffer's share, -lr of the group's matrices and -(lr * weight_decay * scheduled lr)."""
+        rows = []
+        for settings in self.param_groups:
+            momentum, fast = settings["momentum"], settings.get("fast_momentum")
+            lr = self.matrix_lr(settings["params"][0], settings)
+            rows.append((1 - (momentum if fast is None else fast), momentum, settings.get("slow_share", 0.0), -lr,
+                         -lr * settings["weight_decay"] * settings["lr"]))
+        values = torch.tensor(rows, dtype=torch.float32)
+        if self.scalars is None:
+            self.scalars = values.to(self.param_groups[0]["params"][0].device)
+        else:
+            self.scalars.copy_(values)
 
     @torch.no_grad()
     def step(self):
@@ -2492,42 +2581,72 @@ class Muon(torch.optim.Optimizer):
             if group.pending is None:  # not launched from the backward
                 self._launch_reduce(group)
         self.grad_hooks.disarm()
+        self.fill_scalars()
         gathers = []
-        for group in self.groups:
+        for index, group in enumerate(self.groups):
             work, grads = group.pending
             if work is not None:
                 work.wait()
-            updates = self._owned_updates(group, grads.to(group.params[0].dtype))  # back from grad_dtype
+            updates = self._run(("updates", index), lambda group=group, grads=grads: self._owned_updates(
+                group, grads.to(group.params[0].dtype)))  # back from grad_dtype
             if self.distributed:
-                everything = updates.new_empty(group.per_rank * self.world_size, *updates.shape[1:])
-                gathers.append((group, everything, dist.all_gather_into_tensor(everything, updates, async_op=True)))
+                if self.cuda_graphs:  # the same buffer every step: the graph of the update reads it
+                    if group.gathered is None:
+                        group.gathered = updates.new_empty(group.per_rank * self.world_size, *updates.shape[1:])
+                    everything = group.gathered
+                else:
+                    everything = updates.new_empty(group.per_rank * self.world_size, *updates.shape[1:])
+                gathers.append((index, group, everything,
+                                dist.all_gather_into_tensor(everything, updates, async_op=True)))
             else:
-                gathers.append((group, updates, None))
+                gathers.append((index, group, updates, None))
             group.pending = None
-        for group, updates, work in gathers:
+        for index, group, updates, work in gathers:
             if work is not None:
                 work.wait()
-            self._apply(group.params, updates[:len(group.params)])
+            self._run(("apply", index), lambda group=group, updates=updates: self._apply(
+                group.params, updates[:len(group.params)]))
+
+    def _run(self, key, compute):
+        """compute() (which returns, or writes into, the group's fixed buffers); under cuda_graphs, captured as a CUDA
+        graph once its inputs have settled (CapturedSteps) and replayed from then on."""
+        if self.graphs is None:
+            return compute()
+        return self.graphs.run(key, compute, lambda: self._inputs_of(key))
+
+    def _inputs_of(self, key) -> list[Tensor]:
+        """Every tensor the graph of `key` reads or writes besides its own temporaries: a new one (a state reset, a
+        checkpoint's state, a DiLoCo heal) means the graph must be captured again."""
+        kind, index = key
+        group = self.groups[index]
+        tensors = [self.scalars] + list(group.params)
+        if kind == "updates":
+            first = self.rank * group.per_rank
+            states = [self.state[p] for p in group.params[first: first + group.per_rank]]
+            tensors += [group.inbox, group.outbox] + [t for state in states for t in state.values()]
+        else:
+            tensors += [group.gathered if self.distributed else group.outbox]
+        return tensors
 
     def _apply(self, params: list[Tensor], updates: Tensor):
         """p -= lr * update for every matrix of a group, after cautious weight decay (only where the update pushes the
-        weight towards zero too: update * p >= 0). Multi-tensor ops, a few launches per (lr, decay) pair instead of six
-        per matrix: on several GPUs the host's launches, not the GPU, set the step (docs/performance.md)."""
+        weight towards zero too: update * p >= 0). Multi-tensor ops, a few launches per param group instead of six
+        per matrix: on several GPUs the host's launches, not the GPU, set the step (docs/performance.md). The lr and
+        decay are device tensors (self.scalars), so a CUDA graph of this reads each step's."""
         cast = {dtype: updates.to(dtype).unbind(0) for dtype in {p.dtype for p in params}}  # one cast per dtype
-        by_rate: dict[tuple, tuple[list, list]] = {}
+        by_group: dict[tuple, tuple[list, list]] = {}
         for i, p in enumerate(params):
-            settings = self.param_groups[self.group_index_of[p]]
-            lr = self.matrix_lr(p, settings)
-            decay = lr * settings["weight_decay"] * settings["lr"]
-            weights, steps = by_rate.setdefault((lr, decay, p.dtype), ([], []))
+            weights, steps = by_group.setdefault((self.group_index_of[p], p.dtype), ([], []))
             weights.append(p)
             steps.append(cast[p.dtype][i])
-        for (lr, decay, _), (weights, steps) in by_rate.items():
-            if decay:  # where update * p >= 0
+        for (group_index, _), (weights, steps) in by_group.items():
+            neg_lr, neg_decay = self.scalars[group_index, 3:].unbind(0)
+            if self.param_groups[group_index]["weight_decay"]:  # where update * p >= 0
                 decayed = foreach_same_sign(steps, weights, strict=False)
                 torch._foreach_mul_(decayed, weights)
-                torch._foreach_add_(weights, decayed, alpha=-decay)
-            torch._foreach_add_(weights, steps, alpha=-lr)
+                torch._foreach_mul_(decayed, neg_decay)
+                torch._foreach_add_(weights, decayed)
+            torch._foreach_add_(weights, torch._foreach_mul(steps, neg_lr))
 
     def close(self):
         """End of training: remove the gradient hooks (_LaunchWhenGradsReady.remove says why)."""
@@ -2535,11 +2654,15 @@ class Muon(torch.optim.Optimizer):
 
     def matrix_lr(self, p: Tensor, settings: dict) -> float:
         """The lr of one matrix: its group's (scheduled) lr, times its group's lr_mul, times the shape factor."""
-        lr = settings["lr"] * settings["lr_mul"]
-        if self.shape_lr:  # of the first block (the runs of the attention weights all give 1)
-            rows, cols = row_blocks(p, settings)[0][0], p.size(-1)
-            lr *= max(1.0, rows / cols) ** 0.5
-        return lr
+        return settings["lr"] * settings["lr_mul"] * self.shape_factor(p, settings)
+
+    def shape_factor(self, p: Tensor, settings: dict) -> float:
+        """With shape_lr, sqrt(max(1, rows / cols)) of the matrix's first block (the runs of the attention weights
+        all give 1); else 1."""
+        if not self.shape_lr:
+            return 1.0
+        rows, cols = row_blocks(p, settings)[0][0], p.size(-1)
+        return max(1.0, rows / cols) ** 0.5
 
 
 def row_blocks(p: Tensor, settings: dict) -> list[tuple[int, int]]:
@@ -2576,15 +2699,15 @@ def normuon_(ortho: Tensor, states: list[dict], split: int, beta2: float, key: s
     return (update * factor).to(ortho.dtype)
 
 
-def muon_momentum_(grad: Tensor, state: dict, momentum: float, fast: float | None = None, slow: float = 0.0,
-                   slow_share: float = 0.0) -> Tensor:
-    """Update the momentum buffer in `state` (its beta `fast`, else `momentum`); return the Nesterov-style update
-    direction, grad moved `momentum` of the way towards the momentum. With slow > 0 a second buffer of beta `slow`
-    updates too and the momentum is slow_share of it and the rest of the first (ANVIL2's two rails)."""
+def muon_momentum_(grad: Tensor, state: dict, momentum, one_minus_fast, slow: float = 0.0, slow_share=0.0) -> Tensor:
+    """Update the momentum buffer in `state` (moving it `one_minus_fast` of the way to grad: 1 - its beta); return
+    the Nesterov-style update direction, grad moved `momentum` of the way towards the momentum. With slow > 0 a
+    second buffer of beta `slow` updates too and the momentum is slow_share of it and the rest of the first (ANVIL2's
+    two rails). momentum, one_minus_fast and slow_share are floats or 0-dim tensors (Muon's scheduled scalars)."""
     if "momentum_buffer" not in state:
         state["momentum_buffer"] = torch.zeros_like(grad)
     buf = state["momentum_buffer"]
-    buf.lerp_(grad, 1 - (momentum if fast is None else fast))
+    buf.lerp_(grad, one_minus_fast)
     if not slow:
         return grad.lerp(buf, momentum)
     if "slow_momentum_buffer" not in state:
@@ -3677,7 +3800,8 @@ def build_optimizers(model: GPT, cfg: Config) -> list[torch.optim.Optimizer]:
                 lr=cfg.muon_lr, momentum=cfg.muon_momentum, weight_decay=cfg.muon_weight_decay,
                 beta2=cfg.normuon_beta2, shape_lr=cfg.muon_shape_lr, use_triton=model.kernels.newton_schulz,
                 layers=[layer_of[p] for kind in ("attn", "mlp_in", "mlp_out") for p in matrices[kind]],
-                slow_momentum=cfg.muon_slow_momentum, grad_dtype=grad_dtype)
+                slow_momentum=cfg.muon_slow_momentum, grad_dtype=grad_dtype,
+                cuda_graphs=cfg.muon_graphs and next(model.parameters()).is_cuda)
     bigram = [model.bigram_embed.weight] if model.bigram_embed is not None else []
     tables = [ve.weight for ve in model.value_embeds] + bigram
     scalars = [model.skip_gate] + [block.value_scales for block in model.blocks]

@@ -1469,6 +1469,15 @@ def test_fa3_under_cuda_graphs_is_refused_in_one_line(tiny_data, mode):
     tg.parse_cli([*args[:-1], "--attn_backend=flex", f"--compile_mode={mode}"])
 
 
+def test_muon_graphs_on_a_cpu_is_refused_in_one_line(tiny_data):
+    """--muon_graphs needs CUDA graphs: on a CPU one line names the flag and the device; on CUDA it is taken."""
+    train, val = tiny_data
+    args = [*TINY, f"--train_files={train}", f"--val_files={val}", "--muon_graphs=1"]
+    with pytest.raises(tg.UserError, match=r"^--muon_graphs=1 needs --device=cuda .*on cpu pass --muon_graphs=0"):
+        tg.parse_cli([*args, "--device=cpu"])
+    assert tg.parse_cli([*args, "--device=cuda"])[0].muon_graphs
+
+
 def test_auto_attention_takes_flex_where_the_forwards_replay_cuda_graphs(tiny_data, monkeypatch):
     """--attn_backend=auto takes FA3 when it imports, but not under CUDA graphs, where it trained wrong and flex
     under graphs was the faster step; an explicit FA3 is taken as asked."""

@@ -280,6 +280,35 @@ def test_normuon_matches_float64():
         assert relative_error(got.cpu(), want) < 1e-2
 
 
+def test_muon_parts_as_cuda_graphs_give_the_steps_run_kernel_by_kernel():
+    """--muon_graphs: Muon's compute between its collectives and its weight update, captured as CUDA graphs at the
+    second step and replayed from then on, on the Triton Newton-Schulz, with the lr, momentum and slow share
+    changing at every step (a graph that kept its recording's values would drift from the eager run): the same
+    weights as the same steps launched kernel by kernel."""
+    def train(graphs):
+        g = torch.Generator().manual_seed(0)
+        attn = [torch.randn(1024, 256, generator=g).cuda().requires_grad_() for _ in range(3)]
+        mlp = [torch.randn(1024, 256, generator=g).cuda().requires_grad_() for _ in range(4)]
+        opt = tg.Muon([dict(params=attn, split=((64, 6), (256, 2))), dict(params=mlp, lr_mul=2.0)], lr=0.02,
+                      momentum=0.9, weight_decay=0.5, beta2=0.95, shape_lr=True, use_triton=True, slow_momentum=0.98,
+                      cuda_graphs=graphs)
+        for step in range(6):
+            for group in opt.param_groups:
+                group["lr"] = 0.02 * (1 - 0.1 * step)
+                group["momentum"], group["fast_momentum"], group["slow_share"] = 0.85 + 0.02 * step, 0.8, 0.1 * step
+            for p in attn + mlp:
+                p.grad = torch.randn(p.shape, generator=g).cuda()
+            opt.step()
+        return [p.detach().cpu() for p in attn + mlp], opt
+    eager, _ = train(False)
+    graphed, opt = train(True)
+    assert len(opt.graphs.graphs) == 2 * len(opt.groups)  # each group's two parts captured
+    again, _ = train(False)
+    assert all(torch.equal(a, b) for a, b in zip(eager, again))  # the eager steps give the same bits twice
+    for got, want in zip(graphed, eager):
+        assert relative_error(got, want) < 1e-6
+
+
 @pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("rows,vocab", [(4096, 50304), (333, 1001)])
 def test_softcapped_cross_entropy_kernel_matches_float64(rows, vocab, compiled):

@@ -83,3 +83,17 @@ def test_cuda_graphs_on_two_ranks_train_as_without(tiny_data, tmp_path):
     graph_losses, _ = train_on_two_gpus(dataclasses.replace(cfg, compile_mode="reduce-overhead", run_id="graphs"))
     assert len(graph_losses) == cfg.num_iterations and graph_losses[-1] < graph_losses[0]
     np.testing.assert_allclose(graph_losses, plain_losses, rtol=1e-5)
+
+
+def test_muon_parts_as_cuda_graphs_on_two_ranks_train_as_without(tiny_data, tmp_path):
+    """--muon_graphs on two ranks: Muon's compute between its NCCL collectives and its weight update replay as CUDA
+    graphs, the collectives launched around them; the same losses as the same steps launched kernel by kernel, up
+    to the order of the row-gradient kernel's atomic adds (rtol 1e-5, as above)."""
+    train, val = tiny_data
+    cfg, _ = tg.parse_cli(["--device=cuda", *TINY, f"--train_files={train}", f"--val_files={val}",
+                           "--micro_batch_tokens=128", "--num_iterations=6", "--val_loss_every=0", "--compile=0",
+                           f"--log_dir={tmp_path}", "--run_id=eager"])
+    eager_losses, _ = train_on_two_gpus(cfg)
+    graph_losses, _ = train_on_two_gpus(dataclasses.replace(cfg, muon_graphs=True, run_id="muon_graphs"))
+    assert len(graph_losses) == cfg.num_iterations and graph_losses[-1] < graph_losses[0]
+    np.testing.assert_allclose(graph_losses, eager_losses, rtol=1e-5)
