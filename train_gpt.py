@@ -2570,10 +2570,23 @@ class Muon(torch.optim.Optimizer):
             rows.append((1 - (momentum if fast is None else fast), momentum, settings.get("slow_share", 0.0), -lr,
                          -lr * settings["weight_decay"] * settings["lr"]))
         values = torch.tensor(rows, dtype=torch.float32)
+        device = self.param_groups[0]["params"][0].device
+        if device.type == "cuda":  # from pinned memory, without waiting for the GPU (a pageable copy would sync)
+            values = values.pin_memory()  # torch's pinned allocator keeps the block until the copy has run
         if self.scalars is None:
-            self.scalars = values.to(self.param_groups[0]["params"][0].device)
+            self.scalars = values.to(device, non_blocking=True)
         else:
-            self.scalars.copy_(values)
+            self.scalars.copy_(values, non_blocking=True)
+
+    def zero_state_(self):
+        """Empty the state, as a new optimizer's: under cuda_graphs the buffers are zeroed where they are, which is what
+        the first step would make them, so the captured graphs go on reading them; else they are dropped."""
+        if not self.cuda_graphs:
+            self.state.clear()
+            return
+        for state in self.state.values():
+            for buffer in state.values():
+                buffer.zero_()
 
     @torch.no_grad()
     def step(self):
@@ -3996,7 +4009,10 @@ def warm_up(model: GPT, optimizers, cfg: Config, comm: Comm, schedule: Schedule,
         batches.close()
     model.load_state_dict(initial)
     for opt in optimizers:
-        opt.state.clear()
+        if isinstance(opt, Muon):
+            opt.zero_state_()
+        else:
+            opt.state.clear()
 
 
 @dataclass

@@ -1,4 +1,6 @@
 """The sharded Muon: its group planner, and its updates on two gloo ranks against a plain one-process Muon."""
+from unittest import mock
+
 import numpy as np
 import pytest
 import torch
@@ -151,11 +153,17 @@ class ReplayedGraph:
 def muon_params(rank, world_size, from_backward=False, attn_split=4, rails=None, graphs=False):
     """from_backward: gradients come from a backward with the hooks armed, so the reduce-scatters are
     launched inside the backward instead of in step(). graphs: Muon's parts captured and replayed (cuda_graphs),
-    by ReplayedGraph."""
+    by ReplayedGraph, for this run only (at one rank it runs in the test's own process)."""
+    if not graphs:
+        return _muon_params(rank, from_backward, attn_split, rails, graphs)
+    ReplayedGraph.captures = ReplayedGraph.replays = 0
+    with mock.patch.object(tg.CapturedSteps, "capture", staticmethod(ReplayedGraph.capture)):
+        return _muon_params(rank, from_backward, attn_split, rails, graphs)
+
+
+def _muon_params(rank, from_backward, attn_split, rails, graphs):
     attn, mlp, other = make_params()
     params = attn + mlp + other
-    if graphs:
-        tg.CapturedSteps.capture = staticmethod(ReplayedGraph.capture)
     opt = tg.Muon([dict(params=attn, split=attn_split), dict(params=mlp, lr_mul=MLP_LR_MUL), dict(params=other)], lr=LR,
                   momentum=MOMENTUM, weight_decay=WD, beta2=BETA2, shape_lr=True,
                   slow_momentum=rails[0] if rails else 0.0, cuda_graphs=graphs)
@@ -250,6 +258,32 @@ def test_captured_parts_replayed_give_the_steps_run_kernel_by_kernel(world_size)
     want = reference_params(world_size, 4, RAILS)
     for params, *_ in results:
         assert_close(params, want)
+
+
+def test_zeroed_state_under_graphs_steps_as_a_new_optimizer_without_capturing_again(monkeypatch):
+    """The warm-up's end (zero_state_): under cuda_graphs the state is zeroed where it is, so the graphs captured in
+    the warm-up go on serving, and the steps after it are those of a new optimizer from the same weights."""
+    monkeypatch.setattr(tg.CapturedSteps, "capture", staticmethod(ReplayedGraph.capture))
+    attn, mlp, other = make_params()
+    params = attn + mlp + other
+    initial = [p.detach().clone() for p in params]
+    opt = tg.Muon([dict(params=attn, split=4), dict(params=mlp), dict(params=other)], lr=LR, momentum=MOMENTUM,
+                  weight_decay=WD, beta2=BETA2, shape_lr=True, cuda_graphs=True)
+
+    def steps():
+        for step in range(STEPS):
+            for p, g in zip(params, rank_grads(0, step, params)):
+                p.grad = g
+            opt.step()
+        return [p.detach().clone() for p in params]
+    first = steps()
+    captures = ReplayedGraph.captures
+    opt.zero_state_()
+    with torch.no_grad():
+        for p, w in zip(params, initial):
+            p.copy_(w)
+    assert all(torch.equal(a, b) for a, b in zip(steps(), first))
+    assert ReplayedGraph.captures == captures  # replayed only
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
