@@ -289,7 +289,7 @@ def test_muon_parts_as_cuda_graphs_give_the_steps_run_kernel_by_kernel():
         g = torch.Generator().manual_seed(0)
         attn = [torch.randn(1024, 256, generator=g).cuda().requires_grad_() for _ in range(3)]
         mlp = [torch.randn(1024, 256, generator=g).cuda().requires_grad_() for _ in range(4)]
-        opt = tg.Muon([dict(params=attn, split=((64, 6), (256, 2))), dict(params=mlp, lr_mul=2.0)], lr=0.02,
+        opt = tg.Muon([dict(params=attn, split=((128, 4), (256, 2))), dict(params=mlp, lr_mul=2.0)], lr=0.02,
                       momentum=0.9, weight_decay=0.5, beta2=0.95, shape_lr=True, use_triton=True, slow_momentum=0.98,
                       cuda_graphs=graphs)
         for step in range(6):
