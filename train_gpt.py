@@ -2420,7 +2420,8 @@ class CapturedSteps:
         """(the CUDA graph of compute(), what compute returned), the graph recorded and then replayed once: the
         tensors it returns are the graph's, rewritten by each replay."""
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):  # recorded, not run
+        # thread_local: the loader's thread may wait on its copies' events meanwhile (as inductor's graphs allow it)
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # recorded, not run
             result = compute()
         graph.replay()
         return graph, result
