@@ -291,9 +291,11 @@ class Config:
     head_wgrad_rows: int = _optim(1, "the FP8 head's weight gradient from every this-many-th token row, scaled to match")
     # ---- speed switches
     compile: bool = _speed(True, "torch.compile the model, over compile_scope")
-    # Muon's launches cost the host about 15-17 ms a step on 4 GPUs (docs/performance.md); its compute between the
-    # collectives and its weight update replayed as CUDA graphs (CapturedSteps) launch as a few graphs instead.
-    muon_graphs: bool = _speed(False, "Muon's compute between its collectives as CUDA graphs (CUDA); 0: kernel by kernel")
+    # Muon's compute between its collectives and its weight update replayed as CUDA graphs (CapturedSteps): the host
+    # issues Muon's step in under 1 ms instead of its hundreds of launches. auto takes them on several GPUs, where the
+    # host's launches set the step; on one GPU they were no faster (docs/performance.md).
+    muon_graphs: str = _speed("auto", "Muon's compute between its collectives as CUDA graphs: 1, 0 (kernel by kernel), "
+                                      "auto (1 on several CUDA ranks)")
     # auto: see compile_model for why whole. split: two graphs, layers before split_layer and the rest, so that the
     # second one's backward ends before the first one's and its gradients' reduce-scatters overlap the first one.
     compile_scope: str = _speed("auto", "whole | split (two graphs) | regional (each block and the loss head) | auto (whole)")
@@ -559,8 +561,9 @@ def validate_config(cfg: Config) -> None:
     need(0 <= cfg.split_layer < cfg.num_layers,
          f"--split_layer={cfg.split_layer}: use a layer 1 .. num_layers-1 ({cfg.num_layers - 1}), or 0 for num_layers // 2")
     need(cfg.compile_mode in COMPILE_MODES, f"--compile_mode={cfg.compile_mode}: use {', '.join(COMPILE_MODES)}")
-    need(not (cfg.muon_graphs and cfg.device != "cuda"),
-         f"--muon_graphs=1 needs --device=cuda (CUDA graphs); on {cfg.device} pass --muon_graphs=0")
+    need(cfg.muon_graphs in ("auto", "1", "0"), f"--muon_graphs={cfg.muon_graphs}: use auto, 1 or 0")
+    need(not (cfg.muon_graphs == "1" and cfg.device != "cuda"),
+         f"--muon_graphs=1 needs --device=cuda (CUDA graphs); on {cfg.device} pass --muon_graphs=0 or auto")
     need(not (cfg.compile and cfg.compile_mode in CUDA_GRAPH_MODES and cfg.attn_backend == "fa3"),
          f"--compile_mode={cfg.compile_mode} with --attn_backend=fa3: FA3 between CUDA graphs trains wrong "
          f"(docs/performance.md); use --compile_mode=default or auto with FA3, or --attn_backend=flex for CUDA graphs")
@@ -3815,7 +3818,7 @@ def build_optimizers(model: GPT, cfg: Config) -> list[torch.optim.Optimizer]:
                 beta2=cfg.normuon_beta2, shape_lr=cfg.muon_shape_lr, use_triton=model.kernels.newton_schulz,
                 layers=[layer_of[p] for kind in ("attn", "mlp_in", "mlp_out") for p in matrices[kind]],
                 slow_momentum=cfg.muon_slow_momentum, grad_dtype=grad_dtype,
-                cuda_graphs=cfg.muon_graphs and next(model.parameters()).is_cuda)
+                cuda_graphs=uses_muon_graphs(cfg, next(model.parameters()).device, current_rank_and_world()[1]))
     bigram = [model.bigram_embed.weight] if model.bigram_embed is not None else []
     tables = [ve.weight for ve in model.value_embeds] + bigram
     scalars = [model.skip_gate] + [block.value_scales for block in model.blocks]
@@ -4083,6 +4086,11 @@ def replays_cuda_graphs(cfg: Config, device: torch.device, forward_micro_batches
     """Whether the compiled forwards and backwards replay as CUDA graphs: build_model picks the attention by it,
     compile_model marks the model with it."""
     return cfg.compile and resolve_compile_mode(cfg, device, forward_micro_batches) in CUDA_GRAPH_MODES
+
+
+def uses_muon_graphs(cfg: Config, device: torch.device, world_size: int) -> bool:
+    """Whether Muon replays its compute as CUDA graphs (--muon_graphs): 1 or auto on several ranks, on CUDA only."""
+    return device.type == "cuda" and (cfg.muon_graphs == "1" or (cfg.muon_graphs == "auto" and world_size > 1))
 
 
 def check_gpu_features(cfg: Config, device: torch.device, kernels: Kernels) -> None:

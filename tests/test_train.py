@@ -1469,13 +1469,20 @@ def test_fa3_under_cuda_graphs_is_refused_in_one_line(tiny_data, mode):
     tg.parse_cli([*args[:-1], "--attn_backend=flex", f"--compile_mode={mode}"])
 
 
-def test_muon_graphs_on_a_cpu_is_refused_in_one_line(tiny_data):
-    """--muon_graphs needs CUDA graphs: on a CPU one line names the flag and the device; on CUDA it is taken."""
+def test_muon_graphs_on_a_cpu_is_refused_in_one_line_and_auto_takes_them_on_several_cuda_ranks(tiny_data):
+    """--muon_graphs=1 needs CUDA graphs: on a CPU one line names the flag and the device; on CUDA it is taken.
+    auto, the default, takes them on CUDA at more than one rank only; an unknown value is refused in one line."""
     train, val = tiny_data
-    args = [*TINY, f"--train_files={train}", f"--val_files={val}", "--muon_graphs=1"]
+    args = [*TINY, f"--train_files={train}", f"--val_files={val}"]
     with pytest.raises(tg.UserError, match=r"^--muon_graphs=1 needs --device=cuda .*on cpu pass --muon_graphs=0"):
-        tg.parse_cli([*args, "--device=cpu"])
-    assert tg.parse_cli([*args, "--device=cuda"])[0].muon_graphs
+        tg.parse_cli([*args, "--muon_graphs=1", "--device=cpu"])
+    with pytest.raises(tg.UserError, match=r"^--muon_graphs=yes: use auto, 1 or 0$"):
+        tg.parse_cli([*args, "--muon_graphs=yes", "--device=cpu"])
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    for flag, device, world_size, want in [("auto", cpu, 8, False), ("auto", cuda, 1, False), ("auto", cuda, 2, True),
+                                           ("auto", cuda, 8, True), ("0", cuda, 8, False), ("1", cuda, 1, True)]:
+        cfg, _ = tg.parse_cli([*args, f"--muon_graphs={flag}", f"--device={device.type}"])
+        assert tg.uses_muon_graphs(cfg, device, world_size) == want, (flag, device, world_size)
 
 
 def test_auto_attention_takes_flex_where_the_forwards_replay_cuda_graphs(tiny_data, monkeypatch):

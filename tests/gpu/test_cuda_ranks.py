@@ -92,8 +92,8 @@ def test_muon_parts_as_cuda_graphs_on_two_ranks_train_as_without(tiny_data, tmp_
     train, val = tiny_data
     cfg, _ = tg.parse_cli(["--device=cuda", *TINY, f"--train_files={train}", f"--val_files={val}",
                            "--micro_batch_tokens=128", "--num_iterations=6", "--val_loss_every=0", "--compile=0",
-                           f"--log_dir={tmp_path}", "--run_id=eager"])
+                           f"--log_dir={tmp_path}", "--run_id=eager", "--muon_graphs=0"])
     eager_losses, _ = train_on_two_gpus(cfg)
-    graph_losses, _ = train_on_two_gpus(dataclasses.replace(cfg, muon_graphs=True, run_id="muon_graphs"))
+    graph_losses, _ = train_on_two_gpus(dataclasses.replace(cfg, muon_graphs="1", run_id="muon_graphs"))
     assert len(graph_losses) == cfg.num_iterations and graph_losses[-1] < graph_losses[0]
     np.testing.assert_allclose(graph_losses, eager_losses, rtol=1e-5)
