@@ -294,7 +294,7 @@ class Config:
     # Muon's compute between its collectives and its weight update replayed as CUDA graphs (CapturedSteps): the host
     # issues Muon's step in under 1 ms instead of its hundreds of launches. auto takes them on several GPUs, where the
     # host's launches set the step; on one GPU they were no faster (docs/performance.md).
-    muon_graphs: str = _speed("auto", "Muon's compute between its collectives as CUDA graphs: 1, 0 (kernel by kernel), "
+    muon_graphs: str = _speed("auto", "Muon's compute as CUDA graphs: 1, 0 (kernel by kernel), "
                                       "auto (1 on several CUDA ranks)")
     # auto: see compile_model for why whole. split: two graphs, layers before split_layer and the rest, so that the
     # second one's backward ends before the first one's and its gradients' reduce-scatters overlap the first one.
