@@ -7,7 +7,9 @@ After the trainer's own warm-up it runs, for every stage of the schedule (its mi
 attention windows), a few untimed steps and then N timed ones, and prints per stage: median step ms,
 tokens/s, MFU, the slowest step against the median, the per-phase split from CUDA events (forward,
 backward, each optimizer; comm waits sit inside the optimizers), the host's time to issue a step and each
-phase (where it nears the GPU's, the GPU waits on the host), and graphs compiled in the timed region.
+phase (where it nears the GPU's, the GPU waits on the host), then the host's own cost of each phase, issued to an
+idle GPU over three more steps (HostCost: without the waits for a full launch queue that the first split holds),
+and graphs compiled in the timed region.
 BENCH_SYNC_DEBUG=1 turns on torch's sync debug mode there: a warning at every host sync.
 FLEX_KERNEL_OPTIONS='{"bwd_num_stages":2,...}' passes flex attention these kernel_options (an A/B of flex's tiles in
 the whole model; 1xH100, 2026-11-24: torch's defaults were fastest, 651.9 ms per last-stage step against 655.0 with
@@ -242,6 +244,26 @@ class EventMarks:
         return totals
 
 
+class HostCost:
+    """The host's own cost of issuing each phase, with the launch queue empty: the GPU is synchronized at the step's
+    start and after each phase, and a phase's time runs from that synchronize to its end on the host. Unlike
+    EventMarks' host split, which holds the host's waits wherever the queue filled up, this is what the host spends
+    on the phase's Python and launches; where their sum nears the GPU's step, the host sets the step."""
+
+    def __init__(self):
+        self.totals: dict[str, float] = {}
+        self.since = 0.0
+
+    def start(self):
+        torch.cuda.synchronize()
+        self.since = time.perf_counter()
+
+    def __call__(self, phase: str):
+        self.totals[phase] = self.totals.get(phase, 0.0) + 1000 * (time.perf_counter() - self.since)
+        torch.cuda.synchronize()
+        self.since = time.perf_counter()
+
+
 def main() -> int:
     argv = [a for a in sys.argv[1:] if not a.startswith("--bench_steps=")]
     steps = next((int(a.split("=", 1)[1]) for a in sys.argv[1:] if a.startswith("--bench_steps=")), 10)
@@ -324,6 +346,14 @@ def main() -> int:
                 if cuda:  # the host's time to issue a step, beside the GPU's to run it
                     say(f"{'':>31}host {statistics.median(wall_times):8.1f} ms per step to issue: "
                         + " ".join(f"{k} {v:.1f}" for k, v in host_phases.items()))
+                    costs = []  # then the host's own cost of each phase, issued to an idle GPU (HostCost)
+                    for _ in range(3):
+                        costs.append(HostCost())
+                        costs[-1].start()
+                        losses.append(tg.train_step(model, optimizers, batches, windows, forwards, mark=costs[-1]))
+                    cost = {k: statistics.median(c.totals[k] for c in costs) for k in costs[0].totals}
+                    say(f"{'':>31}host {sum(cost.values()):8.1f} ms per step with an idle GPU: "
+                        + " ".join(f"{k} {v:.1f}" for k, v in cost.items()))
             reasons = trainer.recompiles.new_reasons()
             say(f"graphs compiled in the timed region: {len(reasons)}"
                 + (f"; peak memory {torch.cuda.max_memory_allocated() // 2**20} MiB" if cuda else ""))

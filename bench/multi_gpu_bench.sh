@@ -15,7 +15,9 @@
 #    "ranks" runs, which should come first) and "fwd1" / "fwd1_graphs" (world size N at one micro-batch per forward,
 #    the size each forward has at 8 GPUs, without / with CUDA graphs, which auto takes there; FLAGS picks the
 #    attention, and FLAGS naming fa3 installs it from .fa3 too; graphs are refused with FA3, see validate_config),
-#    "muon_eager" (world size N with --muon_graphs=0: Muon kernel by kernel, not as the CUDA graphs auto takes there).
+#    "muon_eager" (world size N with --muon_graphs=0: Muon kernel by kernel, not as the CUDA graphs auto takes there),
+#    "nccl_simple" (world size N with NCCL_PROTO=Simple: the profile names RING_LL, NCCL's protocol for small
+#    messages, for reduce-scatters of megabytes; whether another protocol moves them faster).
 #    The benches read the bench stream (real document lengths and bigram rows);
 # 2. DiLoCo against data parallelism at equal tokens on bench2, on data that does not repeat (micro-batches of
 #    4,096 tokens; up to STEPS=300 read under the stream's 51.3M tokens): data parallelism on 2 GPUs with a replica's
@@ -100,6 +102,7 @@ if [ "$what" = all ] || [ "$what" = bench ]; then
         fwd1) bench bench_fwd1 "$nproc" --forward_micro_batches=1 --compile_mode=default ;;  # as small as at 8 GPUs
         fwd1_graphs) bench bench_fwd1_graphs "$nproc" --forward_micro_batches=1 --compile_mode=reduce-overhead ;;
         muon_eager) bench bench_muon_eager "$nproc" --muon_graphs=0 ;;  # Muon without its CUDA graphs
+        nccl_simple) NCCL_PROTO=Simple bench bench_nccl_simple "$nproc" ;;  # NCCL's bandwidth protocol only
         esac
     done
 fi
