@@ -2436,9 +2436,18 @@ class _MuonGroup:
         self.per_rank = -(-len(params) // world_size)
         self.padding = self.per_rank * world_size - len(params)
         self.pending = None  # (work or None, this rank's averaged gradients [per_rank, rows, cols])
-        # Under CUDA graphs the graphs read and write these, allocated once: the reduce-scatter's output (the
-        # gradients, in the parameters' dtype), this rank's updates and every rank's gathered updates.
+        # Under CUDA graphs the graphs read and write these, allocated once (buffer): the reduce-scatter's output
+        # (the gradients, in the parameters' dtype), this rank's updates and every rank's gathered updates.
         self.inbox = self.outbox = self.gathered = None
+
+    def buffer(self, name: str, make, keep: bool) -> Tensor:
+        """The group's tensor `name` (inbox, outbox, gathered): with keep (under CUDA graphs, which read and write the
+        same tensor at every replay) made once and kept; else made anew, freed when the step is done with it."""
+        if not keep:
+            return make()
+        if getattr(self, name) is None:
+            setattr(self, name, make())
+        return getattr(self, name)
 
 
 class Muon(torch.optim.Optimizer):
@@ -2509,17 +2518,11 @@ class Muon(torch.optim.Optimizer):
         if self.grad_dtype is not None:
             stacked = stacked.to(self.grad_dtype)
         if self.distributed:
-            if self.cuda_graphs:  # the same buffer every step: the graph reads it
-                if group.inbox is None:
-                    group.inbox = stacked.new_empty(group.per_rank, *stacked.shape[1:])
-                owned = group.inbox
-            else:
-                owned = stacked.new_empty(group.per_rank, *stacked.shape[1:])
+            owned = group.buffer("inbox", lambda: stacked.new_empty(group.per_rank, *stacked.shape[1:]),
+                                 self.cuda_graphs)
             group.pending = (dist.reduce_scatter_tensor(owned, stacked, op=dist.ReduceOp.AVG, async_op=True), owned)
-        elif self.cuda_graphs:
-            if group.inbox is None:
-                group.inbox = torch.empty_like(stacked)
-            group.pending = (None, group.inbox.copy_(stacked))
+        elif self.cuda_graphs:  # the graph reads the same tensor every step
+            group.pending = (None, group.buffer("inbox", lambda: torch.empty_like(stacked), True).copy_(stacked))
         else:
             group.pending = (None, stacked)
 
@@ -2550,15 +2553,14 @@ class Muon(torch.optim.Optimizer):
                 ortho = normuon_(ortho, states, count, self.beta2, "second_moment" if run == 0 else f"second_moment_{run}")
             ortho = ortho.view(n, height * count, cols)
             if updates is None:
-                if group.outbox is None:
-                    group.outbox = ortho.new_empty(group.per_rank, *directions[0].shape)
-                updates = group.outbox.zero_()
+                updates = group.buffer("outbox", lambda: ortho.new_empty(group.per_rank, *directions[0].shape),
+                                       self.cuda_graphs).zero_()
             for slot, index in enumerate(members):  # indexing with a list would copy it to the GPU: a host sync
                 updates[index, rows].copy_(ortho[slot])
         if updates is None:  # this rank holds only padding
-            if group.outbox is None:
-                group.outbox = grads.new_empty(grads.shape, dtype=torch.bfloat16 if grads.is_cuda else torch.float32)
-            updates = group.outbox.zero_()
+            dtype = torch.bfloat16 if grads.is_cuda else torch.float32
+            updates = group.buffer("outbox", lambda: grads.new_empty(grads.shape, dtype=dtype),
+                                   self.cuda_graphs).zero_()
         return updates
 
     # the columns of self.scalars, one row per param group
@@ -2607,12 +2609,9 @@ class Muon(torch.optim.Optimizer):
             updates = self._run(("updates", index), lambda group=group, grads=grads: self._owned_updates(
                 group, grads.to(group.params[0].dtype)))  # back from grad_dtype
             if self.distributed:
-                if self.cuda_graphs:  # the same buffer every step: the graph of the update reads it
-                    if group.gathered is None:
-                        group.gathered = updates.new_empty(group.per_rank * self.world_size, *updates.shape[1:])
-                    everything = group.gathered
-                else:
-                    everything = updates.new_empty(group.per_rank * self.world_size, *updates.shape[1:])
+                everything = group.buffer(
+                    "gathered", lambda: updates.new_empty(group.per_rank * self.world_size, *updates.shape[1:]),
+                    self.cuda_graphs)
                 gathers.append((index, group, everything,
                                 dist.all_gather_into_tensor(everything, updates, async_op=True)))
             else:
