@@ -564,9 +564,6 @@ def validate_config(cfg: Config) -> None:
     need(cfg.muon_graphs in ("auto", "1", "0"), f"--muon_graphs={cfg.muon_graphs}: use auto, 1 or 0")
     need(not (cfg.muon_graphs == "1" and cfg.device != "cuda"),
          f"--muon_graphs=1 needs --device=cuda (CUDA graphs); on {cfg.device} pass --muon_graphs=0 or auto")
-    need(not (cfg.compile and cfg.compile_mode in CUDA_GRAPH_MODES and cfg.attn_backend == "fa3"),
-         f"--compile_mode={cfg.compile_mode} with --attn_backend=fa3: FA3 between CUDA graphs trains wrong "
-         f"(docs/performance.md); use --compile_mode=default or auto with FA3, or --attn_backend=flex for CUDA graphs")
     need(len(cfg.attn_layout) == cfg.num_layers and set(cfg.attn_layout) <= set("SL-"),
          f"--attn_layout={cfg.attn_layout!r}: needs one of S/L/- per layer ({cfg.num_layers} layers)")
     need(len(cfg.value_embed_layout) == cfg.num_layers and all(c == "." or c.isdigit() for c in cfg.value_embed_layout),
@@ -957,15 +954,16 @@ class FlexAttention:
 # is a graph of its own (one whole-model compile per window pair and per validation length); under automatic dynamic
 # they turn symbolic, but CUDA graphs still record again for each value. So the trainer hands them to FA3 inside an
 # opaque op of its own, in a small CPU tensor read when the op runs: one graph serves every window pair and length.
-# FA3 runs without CUDA graphs: inductor's graphs cut around the op trained wrong (docs/performance.md), so a
-# CUDA-graph --compile_mode with FA3 is refused and --attn_backend=auto takes flex where the graphs pay.
+# Under CUDA graphs a CPU tensor cannot pass them: a graph replays the launches it recorded, so the op would have
+# to run between graphs, and inductor's graphs cut around such an op trained wrong (docs/performance.md). There the
+# trainer hands them to a second op as ints instead (fa3_varlen_host_ints): each value is a graph of its own, which
+# the graphs need anyway, and the op is captured with the rest of the step.
 _fa3_kernels = None  # flash_attn_interface (or a stand-in), set by FlashAttention3
 
 
-def _fa3_arguments(cu_seqlens: Tensor, sizes: Tensor) -> dict:
-    """What FA3's forward and backward both take, from sizes = [window, max_seqlen, entries] on the CPU: the first
-    `entries` of cu_seqlens, max_seqlen, FA3's window (keys to the left of the query, besides itself), no scale."""
-    window, max_seqlen, entries = sizes.tolist()
+def _fa3_arguments(cu_seqlens: Tensor, window: int, max_seqlen: int, entries: int) -> dict:
+    """What FA3's forward and backward both take: the first `entries` of cu_seqlens, max_seqlen, FA3's window (keys
+    to the left of the query, besides itself), no scale."""
     cu_seqlens = cu_seqlens[:entries]
     return dict(cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen,
                 softmax_scale=1.0, window_size_left=window - 1, window_size_right=0)
@@ -975,7 +973,7 @@ def _fa3_arguments(cu_seqlens: Tensor, sizes: Tensor) -> dict:
 def fa3_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, sizes: Tensor) -> tuple[Tensor, Tensor]:
     """Causal FA3 over documents with a sliding window: sizes = [window, max_seqlen, entries] on the CPU, and the
     kernels take the first `entries` of cu_seqlens. Returns the output and the log-sum-exp the backward needs."""
-    out, lse, *_ = _fa3_kernels._flash_attn_forward(q, k, v, causal=True, **_fa3_arguments(cu_seqlens, sizes))
+    out, lse, *_ = _fa3_kernels._flash_attn_forward(q, k, v, causal=True, **_fa3_arguments(cu_seqlens, *sizes.tolist()))
     return out, lse
 
 
@@ -987,9 +985,14 @@ def _(q, k, v, cu_seqlens, sizes):
 @torch.library.custom_op("gpt::fa3_varlen_backward", mutates_args=())
 def fa3_varlen_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_seqlens: Tensor,
                         sizes: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    return _fa3_backward_kernels(grad, q, k, v, out, lse, cu_seqlens, *sizes.tolist())
+
+
+def _fa3_backward_kernels(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_seqlens: Tensor,
+                          window: int, max_seqlen: int, entries: int) -> tuple[Tensor, Tensor, Tensor]:
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     _fa3_kernels._flash_attn_backward(grad, q, k, v, out, lse, dq=dq, dk=dk, dv=dv, is_causal=True,
-                                      **_fa3_arguments(cu_seqlens, sizes))
+                                      **_fa3_arguments(cu_seqlens, window, max_seqlen, entries))
     return dq, dk, dv
 
 
@@ -1010,6 +1013,47 @@ def _fa3_backward(ctx, grad, _lse_grad):
 fa3_varlen.register_autograd(_fa3_backward, setup_context=_fa3_save)
 
 
+@torch.library.custom_op("gpt::fa3_varlen_host_ints", mutates_args=())
+def fa3_varlen_host_ints(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, window: int, max_seqlen: int,
+                         entries: int) -> tuple[Tensor, Tensor]:
+    """fa3_varlen with the window, max_seqlen and count of document starts as ints, for forwards that replay as
+    CUDA graphs: a compiled graph takes them as inputs (specialized, or symbolic once they vary), and the CUDA graphs
+    record one graph per value, so each replay launches the kernels with its own."""
+    out, lse, *_ = _fa3_kernels._flash_attn_forward(q, k, v, causal=True,
+                                                    **_fa3_arguments(cu_seqlens, window, max_seqlen, entries))
+    return out, lse
+
+
+@fa3_varlen_host_ints.register_fake
+def _(q, k, v, cu_seqlens, window, max_seqlen, entries):
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("gpt::fa3_varlen_host_ints_backward", mutates_args=())
+def fa3_varlen_host_ints_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                                  cu_seqlens: Tensor, window: int, max_seqlen: int,
+                                  entries: int) -> tuple[Tensor, Tensor, Tensor]:
+    return _fa3_backward_kernels(grad, q, k, v, out, lse, cu_seqlens, window, max_seqlen, entries)
+
+
+@fa3_varlen_host_ints_backward.register_fake
+def _(grad, q, k, v, out, lse, cu_seqlens, window, max_seqlen, entries):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _fa3_host_ints_save(ctx, inputs, output):
+    q, k, v, cu_seqlens, *ints = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], cu_seqlens)
+    ctx.ints = ints
+
+
+def _fa3_host_ints_backward(ctx, grad, _lse_grad):
+    return *fa3_varlen_host_ints_backward(grad, *ctx.saved_tensors, *ctx.ints), None, None, None, None
+
+
+fa3_varlen_host_ints.register_autograd(_fa3_host_ints_backward, setup_context=_fa3_host_ints_save)
+
+
 class FlashAttention3:
     """FlashAttention-3 varlen kernels (Hopper): documents as separate sequences, a sliding window, through
     the opaque op fa3_varlen, so one compiled graph serves every window pair and validation length.
@@ -1021,16 +1065,20 @@ class FlashAttention3:
     forward allows it: with all the loader's starts, or max_seqlen the whole forward, the empty blocks
     take most of the backward's time (docs/performance.md). Training documents never pass max_doc_len; a forward with
     a longer one (validation chunks are not cut) takes max_seqlen = the forward's length.
+
+    host_ints (forwards that replay as CUDA graphs): the window, max_seqlen and count reach the kernels as ints, one
+    CUDA graph per value (fa3_varlen_host_ints). The cut and the uncut starts are two values: a forward of more
+    documents than the cut keeps, if the warm-up met none, is compiled and recorded where it first comes.
     """
     name = "fa3"
 
-    def __init__(self, module, max_doc_len: int):
+    def __init__(self, module, max_doc_len: int, host_ints: bool = False):
         global _fa3_kernels
         _fa3_kernels = self.module = module
-        self.max_doc_len = max_doc_len
+        self.max_doc_len, self.host_ints = max_doc_len, host_ints
 
     def for_paired_heads(self):
-        return FlashAttention3(self.module, 2 * self.max_doc_len)
+        return FlashAttention3(self.module, 2 * self.max_doc_len, self.host_ints)
 
     def prepare(self, length: int, cu_seqlens: Tensor, windows: dict[str, int], documents: int | None = None,
                 longest: int | None = None) -> dict:
@@ -1039,24 +1087,28 @@ class FlashAttention3:
         if documents is None or documents >= entries:  # the cut keeps at least one closing T
             entries = len(cu_seqlens)
         max_seqlen = self.max_doc_len if longest is not None and longest <= self.max_doc_len else T
+        if self.host_ints:
+            return {kind: (cu_seqlens, w, max_seqlen, entries) for kind, w in windows.items()}
         return {kind: (cu_seqlens, torch.tensor([w, max_seqlen, entries], dtype=torch.int64))
                 for kind, w in windows.items()}
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask) -> Tensor:
+        if self.host_ints:
+            return fa3_varlen_host_ints(q, k, v, *mask)[0]
         return fa3_varlen(q, k, v, *mask)[0]
 
 
 def make_attention(cfg: Config, device: torch.device, seq_len: int, cuda_graphs: bool = False):
     """Pick the attention backend for forwards of seq_len tokens: FA3 when it imports (CUDA) and the forwards run
-    without CUDA graphs, else FlexAttention (CUDA), else SDPA. Under graphs auto takes flex: FA3 between them
-    trained wrong, and at one micro-batch per forward flex under graphs was 39% faster than FA3 without (4xH200)."""
+    without CUDA graphs, else FlexAttention (CUDA), else SDPA. Under graphs auto takes flex, which is checked there
+    (docs/performance.md); an explicit FA3 takes its window and lengths as ints there (FlashAttention3.host_ints)."""
     choice = cfg.attn_backend
     if choice in ("fa3", "flex") and device.type != "cuda":  # FA3 is CUDA's; torch's flex has no backward on a CPU
         raise UserError(f"--attn_backend={choice} needs --device=cuda; on a CPU use --attn_backend=sdpa or auto")
     if choice == "fa3" or (choice == "auto" and device.type == "cuda" and not cuda_graphs):
         try:
             import flash_attn_interface
-            return FlashAttention3(flash_attn_interface, cfg.max_doc_len)
+            return FlashAttention3(flash_attn_interface, cfg.max_doc_len, host_ints=cuda_graphs)
         except ImportError:
             if choice == "fa3":
                 raise UserError("--attn_backend=fa3 but flash_attn_interface does not import; "
@@ -3976,15 +4028,17 @@ def evaluate(model: GPT, cfg: Config, comm: Comm, val_paths: list[str], windows:
     return total.item() / (count * comm.world_size)
 
 
-def dummy_batches(cfg: Config, seed: int):
+def dummy_batches(cfg: Config, seed: int, dense: bool = False):
     """Random token windows for the warm-up: documents of random length, none longer than max_doc_len, as in
-    training."""
+    training; dense: a document every 128 tokens, more than FA3's cut of the starts keeps (FlashAttention3)."""
     rng = np.random.default_rng(seed)
     while True:
         window = rng.integers(0, cfg.vocab_size - 1, cfg.micro_batch_tokens + 1)
         window += window >= cfg.bos_token  # any token but BOS, which marks the starts
         window[0] = cfg.bos_token
         window[rng.integers(1, cfg.micro_batch_tokens, cfg.micro_batch_tokens // 512 + 1)] = cfg.bos_token
+        if dense:
+            window[::128] = cfg.bos_token
         window[:: cfg.max_doc_len] = cfg.bos_token
         window = window.astype(np.uint16)
         yield window
@@ -4010,6 +4064,14 @@ def warm_up(model: GPT, optimizers, cfg: Config, comm: Comm, schedule: Schedule,
             train_step(model, optimizers, batches, windows, forwards=forwards[windows])
     finally:
         batches.close()
+    if isinstance(model.attend, FlashAttention3) and model.attend.host_ints:
+        # A forward of more documents than FA3's cut keeps hands it another count: met here, that count turns
+        # symbolic now, so such a forward in the timed region is a new CUDA graph at most, not a new compile.
+        batches = prefetch(dummy_batches(cfg, seed=cfg.seed + 1 + comm.rank, dense=True), cfg, device, packed)
+        try:
+            train_step(model, optimizers, batches, schedule.stage_windows[0], forwards=1)
+        finally:
+            batches.close()
     model.load_state_dict(initial)
     for opt in optimizers:
         if isinstance(opt, Muon):
@@ -4071,8 +4133,8 @@ def resolve_compile_mode(cfg: Config, device: torch.device, forward_micro_batche
       takes flex there (make_attention).
     - Bigger forwards: default. There the GPU sets the step: graphs were no faster on 2xH200 at 2 micro-batches per
       forward, nor with flex on 1xH100 at 8, whose cold start they made 17 s longer.
-    - Default with FA3, whose op between inductor's CUDA graphs trained wrong, on CPUs, which have no graphs, and
-      under DiLoCo. An explicit mode is taken as asked (validate_config refuses graphs with --attn_backend=fa3).
+    - Default with an explicit FA3, whose host-int path under graphs (FlashAttention3.host_ints) is not yet timed, on
+      CPUs, which have no graphs, and under DiLoCo. An explicit mode is taken as asked.
     Measurements: docs/performance.md."""
     if cfg.compile_mode != "auto":
         return cfg.compile_mode

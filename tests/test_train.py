@@ -452,7 +452,7 @@ class StandInFA3:
     """FA3's two interface functions as the trainer's fa3_varlen op calls them, in plain float32 torch:
     causal attention within each document of cu_seqlens, FA3's window semantics (window_size_left keys to the
     left of the query, plus itself), with the output's log-sum-exp. Records each call's max_seqlen and how many
-    document starts it was given."""
+    document starts it was given, forward and backward."""
 
     def __init__(self):
         self.calls = []
@@ -483,6 +483,8 @@ class StandInFA3:
     def _flash_attn_backward(self, grad, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                              dq, dk, dv, softmax_scale, is_causal, window_size_left, window_size_right):
         # The op runs below autograd, so the gradients are written out: dS = P (dP - rowsum(dO * O)).
+        assert cu_seqlens_q is cu_seqlens_k and max_seqlen_q == max_seqlen_k
+        self.calls.append((max_seqlen_q, len(cu_seqlens_q)))
         probs = self._scores(q, k, cu_seqlens_q, window_size_left).softmax(-1)
         grad, out = grad.float(), out.float()
         d_probs = torch.einsum("qhd,khd->hqk", grad, v.float())
@@ -552,6 +554,44 @@ def test_fa3_compiles_one_graph_for_every_window_and_length():
                 assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5)
     assert sizes == {(slot.longest_document, entries), (T, entries), (slot.longest_document, len(slot.cu_seqlens))}
     assert counter.frame_count == 1
+
+
+def test_fa3_under_cuda_graphs_takes_its_window_and_lengths_as_ints_with_the_same_results():
+    """Under CUDA graphs FA3 gets the window, max_seqlen and the count of document starts as ints (a CPU tensor
+    cannot reach a replayed graph): the kernels see the same values as through the CPU tensor, with the same output
+    and gradients, eager and compiled, where each new window is a recompile or a symbolic int, not a wrong graph."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    T = 2048
+    tokens, q, k, v = random_attention_inputs(T=T, seed=4)
+    slot = tg._Slot(T, pin=False, bos=BOS)
+    slot.fill([np.concatenate([tokens.numpy(), [0]]).astype(np.uint16)])
+    kernels = StandInFA3()
+    tensor_path = tg.FlashAttention3(kernels, slot.longest_document)
+    int_path = tg.FlashAttention3(kernels, slot.longest_document, host_ints=True)
+    assert int_path.for_paired_heads().host_ints and int_path.for_paired_heads().max_doc_len == 2 * slot.longest_document
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(lambda q, k, v, mask: int_path(q, k, v, mask).square().sum(), backend=counter,
+                             fullgraph=True)
+    entries = T // 256 + 1
+    for window in (9, 130, 700):
+        for documents, longest in ((slot.documents, slot.longest_document), (entries, slot.longest_document + 1)):
+            facts = (tokens.numel(), slot.cu_seqlens, {"S": window}, documents, longest)
+            cu_seqlens, sizes = tensor_path.prepare(*facts)["S"]
+            mask = int_path.prepare(*facts)["S"]
+            assert mask[0] is cu_seqlens and mask[1:] == tuple(sizes.tolist())
+            assert all(type(value) is int for value in mask[1:])
+            results = []
+            for run, path_mask in ((lambda q, k, v, m: tensor_path(q, k, v, m).square().sum(), (cu_seqlens, sizes)),
+                                   (lambda q, k, v, m: int_path(q, k, v, m).square().sum(), mask), (compiled, mask)):
+                qkv = [t.clone().requires_grad_() for t in (q, k, v)]
+                loss = run(*qkv, path_mask)
+                results.append((loss, *torch.autograd.grad(loss, qkv)))
+                assert kernels.calls[-1] == (mask[2], mask[3])  # what the kernels were handed, backward's too
+            for other in results[1:]:
+                for got, expected in zip(other, results[0]):
+                    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5)
+    assert 1 < counter.frame_count <= 3  # specialized on the first values, then symbolic
 
 
 # --------------------------------------------------------------------------------------- model pieces
@@ -955,6 +995,21 @@ def test_warm_up_restores_the_initial_model(tiny_data):
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert all(p.grad is None for p in model.parameters())
     assert all(not opt.state for opt in optimizers)
+
+
+@pytest.mark.parametrize("host_ints", [False, True])
+def test_warm_up_meets_a_forward_of_more_documents_than_fa3s_cut_where_fa3_takes_host_ints(tiny_data, host_ints):
+    """Under CUDA graphs FA3's count of document starts is an int that the compiled graph specializes on until it
+    varies: the warm-up then runs one forward of more documents than the cut keeps, so the uncut count is met before
+    the timed region. Through its CPU tensor (one graph for every count) FA3 needs no such forward."""
+    cfg = tiny_config(*tiny_data, micro_batch_tokens=2048, max_doc_len=2048)
+    kernels = StandInFA3()
+    model = tg.GPT(cfg, tg.FlashAttention3(kernels, cfg.max_doc_len, host_ints=host_ints), torch.float32)
+    optimizers = tg.build_optimizers(model, cfg)
+    tg.warm_up(model, optimizers, cfg, tg.Comm(), tg.Schedule(cfg), torch.device("cpu"), packed=1)
+    counts = {entries for _, entries in kernels.calls}
+    assert 2048 // 256 + 1 in counts  # the cut starts of the warm-up's usual documents
+    assert (tg.max_documents(2048) + 1 in counts) == host_ints
 
 
 def test_closed_optimizers_are_freed(tiny_data):
@@ -1456,17 +1511,15 @@ def test_auto_compile_mode_uses_cuda_graphs_where_they_paid(tiny_data):
 
 
 @pytest.mark.parametrize("mode", tg.CUDA_GRAPH_MODES)
-def test_fa3_under_cuda_graphs_is_refused_in_one_line(tiny_data, mode):
-    """FA3's op between inductor's CUDA graphs trained wrong (docs/performance.md): asking for both is one line
-    naming the flags; FA3 without graphs, or graphs with flex, are taken."""
+def test_fa3_under_cuda_graphs_is_taken_and_auto_leaves_graphs_out_with_fa3(tiny_data, mode):
+    """An explicit CUDA-graph --compile_mode with --attn_backend=fa3 is taken as asked (FA3 then takes its window and
+    lengths as ints); auto runs an explicit FA3 without graphs, even at one micro-batch per forward."""
     train, val = tiny_data
-    args = [*TINY, f"--train_files={train}", f"--val_files={val}", "--compile=1", "--attn_backend=fa3"]
-    with pytest.raises(tg.UserError, match=rf"^--compile_mode={mode} with --attn_backend=fa3: .*trains wrong"):
-        tg.parse_cli([*args, f"--compile_mode={mode}"])
-    for fine in ([f"--compile_mode={mode}", "--compile=0"], ["--compile_mode=max-autotune-no-cudagraphs"],
-                 ["--compile_mode=auto"]):
-        tg.parse_cli([*args, *fine])
-    tg.parse_cli([*args[:-1], "--attn_backend=flex", f"--compile_mode={mode}"])
+    cfg, _ = tg.parse_cli([*TINY, f"--train_files={train}", f"--val_files={val}", "--compile=1", "--attn_backend=fa3",
+                           f"--compile_mode={mode}"])
+    cuda = torch.device("cuda", 0)
+    assert tg.replays_cuda_graphs(cfg, cuda, 1)
+    assert not tg.replays_cuda_graphs(dataclasses.replace(cfg, compile_mode="auto"), cuda, 1)
 
 
 def test_muon_graphs_on_a_cpu_is_refused_in_one_line_and_auto_takes_them_on_several_cuda_ranks(tiny_data):

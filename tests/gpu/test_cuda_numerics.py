@@ -64,6 +64,40 @@ def test_fa3_attention_matches_float64(window, max_doc_len):
         assert relative_error(got.grad.cpu(), want.grad) < 2e-2
 
 
+def test_fa3_with_host_ints_under_cuda_graphs_matches_float64_as_the_window_changes():
+    """FA3 as the forwards under CUDA graphs call it (FlashAttention3.host_ints): in a function compiled with
+    reduce-overhead, the window, max_seqlen and count of document starts as ints, one recorded graph per value. Two
+    windows in turn, three calls each (warm-up, recording, replay), each call's output and gradients against
+    float64: a replay that kept another window, or kernels left outside the graph, would show."""
+    fa3_module = pytest.importorskip("flash_attn_interface", reason="FlashAttention-3 is not installed")
+    T, H, D = 4096, 6, 128
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, VOCAB - 1, (T,), generator=g, dtype=torch.int32)
+    tokens[torch.randint(0, T, (12,), generator=g)] = BOS
+    q, k, v = (torch.randn(T, H, D, generator=g).div(D ** 0.5).to(torch.bfloat16) for _ in range(3))
+    slot = tg._Slot(T, pin=False, bos=BOS)
+    slot.fill([torch.cat([tokens, tokens[:1]]).numpy().astype("uint16")])
+    fa3 = tg.FlashAttention3(fa3_module, 4096, host_ints=True)
+    attend = torch.compile(lambda q, k, v, mask: fa3(q, k, v, mask), fullgraph=True, mode="reduce-overhead")
+    cu_seqlens = slot.cu_seqlens.cuda()
+    sdpa, references = tg.SdpaAttention(), {}
+    for window in (128, 1024) * 3:
+        if window not in references:
+            ref_qkv = [t.double().requires_grad_() for t in (q, k, v)]
+            ref = sdpa(*ref_qkv, sdpa.prepare(T, cu_seqlens_of(tokens, BOS), {"S": window})["S"])
+            ref.square().sum().backward()
+            references[window] = ref.detach(), [t.grad for t in ref_qkv]
+        torch.compiler.cudagraph_mark_step_begin()
+        qkv = [t.cuda().requires_grad_() for t in (q, k, v)]
+        mask = fa3.prepare(T, cu_seqlens, {"S": window}, slot.documents, slot.longest_document)["S"]
+        out = attend(*qkv, mask)
+        out.float().square().sum().backward()
+        want, want_grads = references[window]
+        assert relative_error(out.cpu(), want) < 1e-2, window
+        for got, expected in zip(qkv, want_grads):
+            assert relative_error(got.grad.cpu(), expected) < 2e-2, window
+
+
 @pytest.mark.parametrize("backend", ["flex", "fa3"])
 def test_compiled_paired_head_attention_matches_float64(backend):
     """A paired-head layer (gates on, the key offset on) compiled in bf16 with the backend for the doubled
