@@ -1067,8 +1067,9 @@ class FlashAttention3:
     a longer one (validation chunks are not cut) takes max_seqlen = the forward's length.
 
     host_ints (forwards that replay as CUDA graphs): the window, max_seqlen and count reach the kernels as ints, one
-    CUDA graph per value (fa3_varlen_host_ints). The cut and the uncut starts are two values: a forward of more
-    documents than the cut keeps, if the warm-up met none, is compiled and recorded where it first comes.
+    CUDA graph per value (fa3_varlen_host_ints), and compile_model marks them symbolic (FA3_HOST_INT_SOURCES), so
+    they make no new compiled graph. A value the warm-up did not meet (the uncut starts of a forward of more
+    documents than the cut keeps) is recorded where it first comes.
     """
     name = "fa3"
 
@@ -4028,17 +4029,15 @@ def evaluate(model: GPT, cfg: Config, comm: Comm, val_paths: list[str], windows:
     return total.item() / (count * comm.world_size)
 
 
-def dummy_batches(cfg: Config, seed: int, dense: bool = False):
+def dummy_batches(cfg: Config, seed: int):
     """Random token windows for the warm-up: documents of random length, none longer than max_doc_len, as in
-    training; dense: a document every 128 tokens, more than FA3's cut of the starts keeps (FlashAttention3)."""
+    training."""
     rng = np.random.default_rng(seed)
     while True:
         window = rng.integers(0, cfg.vocab_size - 1, cfg.micro_batch_tokens + 1)
         window += window >= cfg.bos_token  # any token but BOS, which marks the starts
         window[0] = cfg.bos_token
         window[rng.integers(1, cfg.micro_batch_tokens, cfg.micro_batch_tokens // 512 + 1)] = cfg.bos_token
-        if dense:
-            window[::128] = cfg.bos_token
         window[:: cfg.max_doc_len] = cfg.bos_token
         window = window.astype(np.uint16)
         yield window
@@ -4064,14 +4063,6 @@ def warm_up(model: GPT, optimizers, cfg: Config, comm: Comm, schedule: Schedule,
             train_step(model, optimizers, batches, windows, forwards=forwards[windows])
     finally:
         batches.close()
-    if isinstance(model.attend, FlashAttention3) and model.attend.host_ints:
-        # A forward of more documents than FA3's cut keeps hands it another count: met here, that count turns
-        # symbolic now, so such a forward in the timed region is a new CUDA graph at most, not a new compile.
-        batches = prefetch(dummy_batches(cfg, seed=cfg.seed + 1 + comm.rank, dense=True), cfg, device, packed)
-        try:
-            train_step(model, optimizers, batches, schedule.stage_windows[0], forwards=1)
-        finally:
-            batches.close()
     model.load_state_dict(initial)
     for opt in optimizers:
         if isinstance(opt, Muon):
@@ -4571,6 +4562,13 @@ class CompileCache:
         return f"{sum(kinds.values())} artifacts ({', '.join(f'{kind} {n}' for kind, n in kinds.items())})"
 
 
+# The ints of FA3's masks (FlashAttention3.host_ints) in the compiled functions' arguments: window, max_seqlen and
+# count of each kind, in the whole model's `masks` and a block's `mask` (--compile_scope=regional). Marked symbolic,
+# one compiled graph serves every value (the graphs are compiled with dynamic=False, under which each value would be
+# a whole-model compile of its own).
+FA3_HOST_INT_SOURCES = r"L\['masks'\]\['P?[SL]'\]\[[123]\],L\['mask'\]\[[123]\]"
+
+
 def compile_model(model: GPT, cfg: Config, comm: Comm, device: torch.device) -> tuple[str, str]:
     """Wrap the model's forward (or its blocks) in torch.compile as --compile, --compile_scope and --compile_mode
     say; the graphs compile at the first calls. Returns the scope and mode chosen."""
@@ -4582,6 +4580,8 @@ def compile_model(model: GPT, cfg: Config, comm: Comm, device: torch.device) -> 
     compile_mode = resolve_compile_mode(cfg, device, model.forward_micro_batches)
     mode = None if compile_mode == "default" else compile_mode
     model.replays_cuda_graphs = replays_cuda_graphs(cfg, device, model.forward_micro_batches)
+    if cfg.compile and isinstance(model.attend, FlashAttention3) and model.attend.host_ints:
+        torch.compiler.config.dynamic_sources = FA3_HOST_INT_SOURCES
     if cfg.compile and scope == "whole":
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         if cfg.row_embedding_grads:  # the lookups' backward writes .grad outside autograd: they stay eager

@@ -559,7 +559,9 @@ def test_fa3_compiles_one_graph_for_every_window_and_length():
 def test_fa3_under_cuda_graphs_takes_its_window_and_lengths_as_ints_with_the_same_results():
     """Under CUDA graphs FA3 gets the window, max_seqlen and the count of document starts as ints (a CPU tensor
     cannot reach a replayed graph): the kernels see the same values as through the CPU tensor, with the same output
-    and gradients, eager and compiled, where each new window is a recompile or a symbolic int, not a wrong graph."""
+    and gradients, eager and compiled. Compiled as the trainer compiles (dynamic=False, the ints marked symbolic by
+    FA3_HOST_INT_SOURCES), one graph serves every window and count, in the whole model's `masks` and a block's
+    `mask`."""
     from torch._dynamo.testing import CompileCounterWithBackend
     T = 2048
     tokens, q, k, v = random_attention_inputs(T=T, seed=4)
@@ -570,9 +572,15 @@ def test_fa3_under_cuda_graphs_takes_its_window_and_lengths_as_ints_with_the_sam
     int_path = tg.FlashAttention3(kernels, slot.longest_document, host_ints=True)
     assert int_path.for_paired_heads().host_ints and int_path.for_paired_heads().max_doc_len == 2 * slot.longest_document
     torch._dynamo.reset()
-    counter = CompileCounterWithBackend("aot_eager")
-    compiled = torch.compile(lambda q, k, v, mask: int_path(q, k, v, mask).square().sum(), backend=counter,
-                             fullgraph=True)
+    counter, block_counter = CompileCounterWithBackend("aot_eager"), CompileCounterWithBackend("aot_eager")
+
+    def whole(q, k, v, masks):
+        return int_path(q, k, v, masks["S"]).square().sum()
+
+    def block(q, k, v, mask):
+        return int_path(q, k, v, mask).square().sum()
+    whole = torch.compile(whole, backend=counter, fullgraph=True, dynamic=False)
+    block = torch.compile(block, backend=block_counter, fullgraph=True, dynamic=False)
     entries = T // 256 + 1
     for window in (9, 130, 700):
         for documents, longest in ((slot.documents, slot.longest_document), (entries, slot.longest_document + 1)):
@@ -583,15 +591,17 @@ def test_fa3_under_cuda_graphs_takes_its_window_and_lengths_as_ints_with_the_sam
             assert all(type(value) is int for value in mask[1:])
             results = []
             for run, path_mask in ((lambda q, k, v, m: tensor_path(q, k, v, m).square().sum(), (cu_seqlens, sizes)),
-                                   (lambda q, k, v, m: int_path(q, k, v, m).square().sum(), mask), (compiled, mask)):
+                                   (lambda q, k, v, m: int_path(q, k, v, m).square().sum(), mask),
+                                   (block, mask), (whole, {"S": mask})):
                 qkv = [t.clone().requires_grad_() for t in (q, k, v)]
-                loss = run(*qkv, path_mask)
+                with torch.compiler.config.patch(dynamic_sources=tg.FA3_HOST_INT_SOURCES):
+                    loss = run(*qkv, path_mask)
                 results.append((loss, *torch.autograd.grad(loss, qkv)))
                 assert kernels.calls[-1] == (mask[2], mask[3])  # what the kernels were handed, backward's too
             for other in results[1:]:
                 for got, expected in zip(other, results[0]):
                     assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5)
-    assert 1 < counter.frame_count <= 3  # specialized on the first values, then symbolic
+    assert counter.frame_count == block_counter.frame_count == 1
 
 
 # --------------------------------------------------------------------------------------- model pieces
@@ -995,21 +1005,6 @@ def test_warm_up_restores_the_initial_model(tiny_data):
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert all(p.grad is None for p in model.parameters())
     assert all(not opt.state for opt in optimizers)
-
-
-@pytest.mark.parametrize("host_ints", [False, True])
-def test_warm_up_meets_a_forward_of_more_documents_than_fa3s_cut_where_fa3_takes_host_ints(tiny_data, host_ints):
-    """Under CUDA graphs FA3's count of document starts is an int that the compiled graph specializes on until it
-    varies: the warm-up then runs one forward of more documents than the cut keeps, so the uncut count is met before
-    the timed region. Through its CPU tensor (one graph for every count) FA3 needs no such forward."""
-    cfg = tiny_config(*tiny_data, micro_batch_tokens=2048, max_doc_len=2048)
-    kernels = StandInFA3()
-    model = tg.GPT(cfg, tg.FlashAttention3(kernels, cfg.max_doc_len, host_ints=host_ints), torch.float32)
-    optimizers = tg.build_optimizers(model, cfg)
-    tg.warm_up(model, optimizers, cfg, tg.Comm(), tg.Schedule(cfg), torch.device("cpu"), packed=1)
-    counts = {entries for _, entries in kernels.calls}
-    assert 2048 // 256 + 1 in counts  # the cut starts of the warm-up's usual documents
-    assert (tg.max_documents(2048) + 1 in counts) == host_ints
 
 
 def test_closed_optimizers_are_freed(tiny_data):
