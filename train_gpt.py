@@ -950,14 +950,11 @@ class FlexAttention:
         return y[0].transpose(0, 1)
 
 
-# FA3's kernels take the window and max_seqlen as host ints. Passed as ints through a compiled graph, each new value
-# is a graph of its own (one whole-model compile per window pair and per validation length); under automatic dynamic
-# they turn symbolic, but CUDA graphs still record again for each value. So the trainer hands them to FA3 inside an
-# opaque op of its own, in a small CPU tensor read when the op runs: one graph serves every window pair and length.
-# Under CUDA graphs a CPU tensor cannot pass them: a graph replays the launches it recorded, so the op would have
-# to run between graphs, and inductor's graphs cut around such an op trained wrong (docs/performance.md). There the
-# trainer hands them to a second op as ints instead (fa3_varlen_host_ints): each value is a graph of its own, which
-# the graphs need anyway, and the op is captured with the rest of the step.
+# FA3's kernels take the window, max_seqlen and the count of document starts as host ints. Our op takes them as ints,
+# which compile_model marks symbolic (FA3_HOST_INT_SOURCES): one compiled graph serves every window pair and length
+# (as constants each value was a whole-model compile of its own), and under CUDA graphs the op is captured with the
+# rest of the step, one recorded graph per value. (Through a CPU tensor read as it ran, the op had to run between
+# CUDA graphs, and inductor's graphs cut around it trained wrong: docs/performance.md.)
 _fa3_kernels = None  # flash_attn_interface (or a stand-in), set by FlashAttention3
 
 
@@ -970,26 +967,23 @@ def _fa3_arguments(cu_seqlens: Tensor, window: int, max_seqlen: int, entries: in
 
 
 @torch.library.custom_op("gpt::fa3_varlen", mutates_args=())
-def fa3_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, sizes: Tensor) -> tuple[Tensor, Tensor]:
-    """Causal FA3 over documents with a sliding window: sizes = [window, max_seqlen, entries] on the CPU, and the
-    kernels take the first `entries` of cu_seqlens. Returns the output and the log-sum-exp the backward needs."""
-    out, lse, *_ = _fa3_kernels._flash_attn_forward(q, k, v, causal=True, **_fa3_arguments(cu_seqlens, *sizes.tolist()))
+def fa3_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, window: int, max_seqlen: int,
+               entries: int) -> tuple[Tensor, Tensor]:
+    """Causal FA3 over documents with a sliding window; the kernels take the first `entries` of cu_seqlens. Returns
+    the output and the log-sum-exp the backward needs."""
+    out, lse, *_ = _fa3_kernels._flash_attn_forward(q, k, v, causal=True,
+                                                    **_fa3_arguments(cu_seqlens, window, max_seqlen, entries))
     return out, lse
 
 
 @fa3_varlen.register_fake
-def _(q, k, v, cu_seqlens, sizes):
+def _(q, k, v, cu_seqlens, window, max_seqlen, entries):
     return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
 @torch.library.custom_op("gpt::fa3_varlen_backward", mutates_args=())
 def fa3_varlen_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_seqlens: Tensor,
-                        sizes: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    return _fa3_backward_kernels(grad, q, k, v, out, lse, cu_seqlens, *sizes.tolist())
-
-
-def _fa3_backward_kernels(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_seqlens: Tensor,
-                          window: int, max_seqlen: int, entries: int) -> tuple[Tensor, Tensor, Tensor]:
+                        window: int, max_seqlen: int, entries: int) -> tuple[Tensor, Tensor, Tensor]:
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     _fa3_kernels._flash_attn_backward(grad, q, k, v, out, lse, dq=dq, dk=dk, dv=dv, is_causal=True,
                                       **_fa3_arguments(cu_seqlens, window, max_seqlen, entries))
@@ -997,66 +991,27 @@ def _fa3_backward_kernels(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
 
 
 @fa3_varlen_backward.register_fake
-def _(grad, q, k, v, out, lse, cu_seqlens, sizes):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-
-def _fa3_save(ctx, inputs, output):
-    q, k, v, cu_seqlens, sizes = inputs
-    ctx.save_for_backward(q, k, v, output[0], output[1], cu_seqlens, sizes)
-
-
-def _fa3_backward(ctx, grad, _lse_grad):
-    return *fa3_varlen_backward(grad, *ctx.saved_tensors), None, None
-
-
-fa3_varlen.register_autograd(_fa3_backward, setup_context=_fa3_save)
-
-
-@torch.library.custom_op("gpt::fa3_varlen_host_ints", mutates_args=())
-def fa3_varlen_host_ints(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, window: int, max_seqlen: int,
-                         entries: int) -> tuple[Tensor, Tensor]:
-    """fa3_varlen with the window, max_seqlen and count of document starts as ints, for forwards that replay as
-    CUDA graphs: a compiled graph takes them as inputs (specialized, or symbolic once they vary), and the CUDA graphs
-    record one graph per value, so each replay launches the kernels with its own."""
-    out, lse, *_ = _fa3_kernels._flash_attn_forward(q, k, v, causal=True,
-                                                    **_fa3_arguments(cu_seqlens, window, max_seqlen, entries))
-    return out, lse
-
-
-@fa3_varlen_host_ints.register_fake
-def _(q, k, v, cu_seqlens, window, max_seqlen, entries):
-    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
-
-
-@torch.library.custom_op("gpt::fa3_varlen_host_ints_backward", mutates_args=())
-def fa3_varlen_host_ints_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                                  cu_seqlens: Tensor, window: int, max_seqlen: int,
-                                  entries: int) -> tuple[Tensor, Tensor, Tensor]:
-    return _fa3_backward_kernels(grad, q, k, v, out, lse, cu_seqlens, window, max_seqlen, entries)
-
-
-@fa3_varlen_host_ints_backward.register_fake
 def _(grad, q, k, v, out, lse, cu_seqlens, window, max_seqlen, entries):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _fa3_host_ints_save(ctx, inputs, output):
+def _fa3_save(ctx, inputs, output):
     q, k, v, cu_seqlens, *ints = inputs
     ctx.save_for_backward(q, k, v, output[0], output[1], cu_seqlens)
     ctx.ints = ints
 
 
-def _fa3_host_ints_backward(ctx, grad, _lse_grad):
-    return *fa3_varlen_host_ints_backward(grad, *ctx.saved_tensors, *ctx.ints), None, None, None, None
+def _fa3_backward(ctx, grad, _lse_grad):
+    return *fa3_varlen_backward(grad, *ctx.saved_tensors, *ctx.ints), None, None, None, None
 
 
-fa3_varlen_host_ints.register_autograd(_fa3_host_ints_backward, setup_context=_fa3_host_ints_save)
+fa3_varlen.register_autograd(_fa3_backward, setup_context=_fa3_save)
 
 
 class FlashAttention3:
     """FlashAttention-3 varlen kernels (Hopper): documents as separate sequences, a sliding window, through
-    the opaque op fa3_varlen, so one compiled graph serves every window pair and validation length.
+    the opaque op fa3_varlen, whose ints compile_model marks symbolic, so one compiled graph serves every window pair
+    and validation length.
 
     FA3's backward launches a thread block for every (sequence, key tile of max_seqlen) pair, empty
     ones included, so the kernels get the document starts cut to one entry per 256 tokens (of the
@@ -1065,21 +1020,18 @@ class FlashAttention3:
     forward allows it: with all the loader's starts, or max_seqlen the whole forward, the empty blocks
     take most of the backward's time (docs/performance.md). Training documents never pass max_doc_len; a forward with
     a longer one (validation chunks are not cut) takes max_seqlen = the forward's length.
-
-    host_ints (forwards that replay as CUDA graphs): the window, max_seqlen and count reach the kernels as ints, one
-    CUDA graph per value (fa3_varlen_host_ints), and compile_model marks them symbolic (FA3_HOST_INT_SOURCES), so
-    they make no new compiled graph. A value the warm-up did not meet (the uncut starts of a forward of more
-    documents than the cut keeps) is recorded where it first comes.
+    Under CUDA graphs each (window, max_seqlen, count) is a recorded graph of its own: a value the warm-up did not
+    meet (the uncut starts of a forward of more documents than the cut keeps) is recorded where it first comes.
     """
     name = "fa3"
 
-    def __init__(self, module, max_doc_len: int, host_ints: bool = False):
+    def __init__(self, module, max_doc_len: int):
         global _fa3_kernels
         _fa3_kernels = self.module = module
-        self.max_doc_len, self.host_ints = max_doc_len, host_ints
+        self.max_doc_len = max_doc_len
 
     def for_paired_heads(self):
-        return FlashAttention3(self.module, 2 * self.max_doc_len, self.host_ints)
+        return FlashAttention3(self.module, 2 * self.max_doc_len)
 
     def prepare(self, length: int, cu_seqlens: Tensor, windows: dict[str, int], documents: int | None = None,
                 longest: int | None = None) -> dict:
@@ -1088,28 +1040,23 @@ class FlashAttention3:
         if documents is None or documents >= entries:  # the cut keeps at least one closing T
             entries = len(cu_seqlens)
         max_seqlen = self.max_doc_len if longest is not None and longest <= self.max_doc_len else T
-        if self.host_ints:
-            return {kind: (cu_seqlens, w, max_seqlen, entries) for kind, w in windows.items()}
-        return {kind: (cu_seqlens, torch.tensor([w, max_seqlen, entries], dtype=torch.int64))
-                for kind, w in windows.items()}
+        return {kind: (cu_seqlens, w, max_seqlen, entries) for kind, w in windows.items()}
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask) -> Tensor:
-        if self.host_ints:
-            return fa3_varlen_host_ints(q, k, v, *mask)[0]
         return fa3_varlen(q, k, v, *mask)[0]
 
 
 def make_attention(cfg: Config, device: torch.device, seq_len: int, cuda_graphs: bool = False):
     """Pick the attention backend for forwards of seq_len tokens: FA3 when it imports (CUDA) and the forwards run
     without CUDA graphs, else FlexAttention (CUDA), else SDPA. Under graphs auto takes flex, which is checked there
-    (docs/performance.md); an explicit FA3 takes its window and lengths as ints there (FlashAttention3.host_ints)."""
+    (docs/performance.md); an explicit FA3 is captured in them with the rest of the step (fa3_varlen)."""
     choice = cfg.attn_backend
     if choice in ("fa3", "flex") and device.type != "cuda":  # FA3 is CUDA's; torch's flex has no backward on a CPU
         raise UserError(f"--attn_backend={choice} needs --device=cuda; on a CPU use --attn_backend=sdpa or auto")
     if choice == "fa3" or (choice == "auto" and device.type == "cuda" and not cuda_graphs):
         try:
             import flash_attn_interface
-            return FlashAttention3(flash_attn_interface, cfg.max_doc_len, host_ints=cuda_graphs)
+            return FlashAttention3(flash_attn_interface, cfg.max_doc_len)
         except ImportError:
             if choice == "fa3":
                 raise UserError("--attn_backend=fa3 but flash_attn_interface does not import; "
@@ -4124,7 +4071,7 @@ def resolve_compile_mode(cfg: Config, device: torch.device, forward_micro_batche
       takes flex there (make_attention).
     - Bigger forwards: default. There the GPU sets the step: graphs were no faster on 2xH200 at 2 micro-batches per
       forward, nor with flex on 1xH100 at 8, whose cold start they made 17 s longer.
-    - Default with an explicit FA3, whose host-int path under graphs (FlashAttention3.host_ints) is not yet timed, on
+    - Default with an explicit FA3, which under graphs (fa3_varlen captured with the step) is not yet timed, on
       CPUs, which have no graphs, and under DiLoCo. An explicit mode is taken as asked.
     Measurements: docs/performance.md."""
     if cfg.compile_mode != "auto":
@@ -4562,7 +4509,7 @@ class CompileCache:
         return f"{sum(kinds.values())} artifacts ({', '.join(f'{kind} {n}' for kind, n in kinds.items())})"
 
 
-# The ints of FA3's masks (FlashAttention3.host_ints) in the compiled functions' arguments: window, max_seqlen and
+# The ints of FA3's masks (FlashAttention3.prepare) in the compiled functions' arguments: window, max_seqlen and
 # count of each kind, in the whole model's `masks` and a block's `mask` (--compile_scope=regional). Marked symbolic,
 # one compiled graph serves every value (the graphs are compiled with dynamic=False, under which each value would be
 # a whole-model compile of its own).
@@ -4580,7 +4527,7 @@ def compile_model(model: GPT, cfg: Config, comm: Comm, device: torch.device) -> 
     compile_mode = resolve_compile_mode(cfg, device, model.forward_micro_batches)
     mode = None if compile_mode == "default" else compile_mode
     model.replays_cuda_graphs = replays_cuda_graphs(cfg, device, model.forward_micro_batches)
-    if cfg.compile and isinstance(model.attend, FlashAttention3) and model.attend.host_ints:
+    if cfg.compile and isinstance(model.attend, FlashAttention3):
         torch.compiler.config.dynamic_sources = FA3_HOST_INT_SOURCES
     if cfg.compile and scope == "whole":
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)

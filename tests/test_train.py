@@ -497,7 +497,7 @@ class StandInFA3:
 def test_fa3_path_passes_documents_window_and_length():
     """FA3 itself needs a Hopper GPU; a varlen stand-in checks what we hand it: the document starts cut to T/256 + 1
     entries and max_seqlen the bound on documents, or the length where a document is longer (or where the loader
-    gave no facts), with the output and gradients of SDPA's."""
+    gave no facts), as ints, with the output and gradients of SDPA's."""
     T = 2048
     tokens, q, k, v = random_attention_inputs(T=T, seed=2)
     slot = tg._Slot(T, pin=False, bos=BOS)
@@ -513,94 +513,61 @@ def test_fa3_path_passes_documents_window_and_length():
                                                        (longest - 1, (slot.documents, longest), entries, T),
                                                        (longest, (), len(slot.cu_seqlens), T)):
         fa3 = tg.FlashAttention3(kernels, max_doc_len)
-        cu_seqlens, sizes = fa3.prepare(tokens.numel(), slot.cu_seqlens, {"S": 9}, *facts)["S"]
-        assert cu_seqlens is slot.cu_seqlens  # the op cuts it, so the compiled graph sees one shape
-        assert sizes.device.type == "cpu" and sizes.tolist() == [9, want_max, want_entries]
+        mask = fa3.prepare(tokens.numel(), slot.cu_seqlens, {"S": 9}, *facts)["S"]
+        assert mask[0] is slot.cu_seqlens  # the op cuts it, so the compiled graph sees one shape
+        assert mask[1:] == (9, want_max, want_entries) and all(type(n) is int for n in mask[1:])
         qkv = [t.clone().requires_grad_() for t in (q, k, v)]
-        out = fa3(*qkv, (cu_seqlens, sizes))
+        out = fa3(*qkv, mask)
         assert torch.allclose(out, want, atol=1e-5) and kernels.calls[-1] == (want_max, want_entries)
-        for got, expected in zip(torch.autograd.grad(out.square().sum(), qkv), want_grads):
+        grads = torch.autograd.grad(out.square().sum(), qkv)
+        assert kernels.calls[-1] == (want_max, want_entries)  # the backward's
+        for got, expected in zip(grads, want_grads):
             assert torch.allclose(got, expected, atol=1e-4)
 
 
 def test_fa3_compiles_one_graph_for_every_window_and_length():
-    """The window, max_seqlen and the count of document starts reach FA3 in a CPU tensor, not as ints or shapes the
-    graph would specialize on: one compiled graph (forward and backward) serves three windows, both max_seqlen cases
-    and the cut and uncut document starts, each equal to eager."""
+    """The window, max_seqlen and the count of document starts reach FA3 as ints that FA3_HOST_INT_SOURCES marks
+    symbolic: compiled as the trainer compiles (dynamic=False), one graph, forward and backward, serves three windows,
+    both max_seqlen cases and the cut and uncut document starts, in the whole model's `masks` and in a block's
+    `mask` (--compile_scope=regional), each equal to eager. (Constants would make a graph per value; under CUDA
+    graphs the op is then captured with the step, one recorded graph per value.)"""
     from torch._dynamo.testing import CompileCounterWithBackend
     T = 2048
     tokens, q, k, v = random_attention_inputs(T=T, seed=3)
     slot = tg._Slot(T, pin=False, bos=BOS)
     slot.fill([np.concatenate([tokens.numpy(), [0]]).astype(np.uint16)])
-    fa3 = tg.FlashAttention3(StandInFA3(), slot.longest_document)
+    kernels = StandInFA3()
+    fa3 = tg.FlashAttention3(kernels, slot.longest_document)
     torch._dynamo.reset()
-    counter = CompileCounterWithBackend("aot_eager")
-    attend = torch.compile(lambda q, k, v, mask: fa3(q, k, v, mask).square().sum(), backend=counter, fullgraph=True,
-                           dynamic=False)
-    sizes = set()
+    counter, block_counter = CompileCounterWithBackend("aot_eager"), CompileCounterWithBackend("aot_eager")
+
+    def whole(q, k, v, masks):
+        return fa3(q, k, v, masks["S"]).square().sum()
+
+    def block(q, k, v, mask):
+        return fa3(q, k, v, mask).square().sum()
+    whole = torch.compile(whole, backend=counter, fullgraph=True, dynamic=False)
+    block = torch.compile(block, backend=block_counter, fullgraph=True, dynamic=False)
+    handed = set()
     entries = T // 256 + 1
     for window in (9, 130, 700):
         # the second longer, as in validation; the third with as many documents as the cut keeps starts
         for documents, longest in ((slot.documents, slot.longest_document), (slot.documents, slot.longest_document + 1),
                                    (entries, slot.longest_document)):
             mask = fa3.prepare(tokens.numel(), slot.cu_seqlens, {"S": window}, documents, longest)["S"]
-            sizes.add(tuple(mask[1].tolist()[1:]))
+            handed.add(mask[2:])
             results = []
-            for run in (attend, lambda q, k, v, mask: fa3(q, k, v, mask).square().sum()):
-                qkv = [t.clone().requires_grad_() for t in (q, k, v)]
-                loss = run(*qkv, mask)
-                results.append((loss, *torch.autograd.grad(loss, qkv)))
-            for got, expected in zip(*results):
-                assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5)
-    assert sizes == {(slot.longest_document, entries), (T, entries), (slot.longest_document, len(slot.cu_seqlens))}
-    assert counter.frame_count == 1
-
-
-def test_fa3_under_cuda_graphs_takes_its_window_and_lengths_as_ints_with_the_same_results():
-    """Under CUDA graphs FA3 gets the window, max_seqlen and the count of document starts as ints (a CPU tensor
-    cannot reach a replayed graph): the kernels see the same values as through the CPU tensor, with the same output
-    and gradients, eager and compiled. Compiled as the trainer compiles (dynamic=False, the ints marked symbolic by
-    FA3_HOST_INT_SOURCES), one graph serves every window and count, in the whole model's `masks` and a block's
-    `mask`."""
-    from torch._dynamo.testing import CompileCounterWithBackend
-    T = 2048
-    tokens, q, k, v = random_attention_inputs(T=T, seed=4)
-    slot = tg._Slot(T, pin=False, bos=BOS)
-    slot.fill([np.concatenate([tokens.numpy(), [0]]).astype(np.uint16)])
-    kernels = StandInFA3()
-    tensor_path = tg.FlashAttention3(kernels, slot.longest_document)
-    int_path = tg.FlashAttention3(kernels, slot.longest_document, host_ints=True)
-    assert int_path.for_paired_heads().host_ints and int_path.for_paired_heads().max_doc_len == 2 * slot.longest_document
-    torch._dynamo.reset()
-    counter, block_counter = CompileCounterWithBackend("aot_eager"), CompileCounterWithBackend("aot_eager")
-
-    def whole(q, k, v, masks):
-        return int_path(q, k, v, masks["S"]).square().sum()
-
-    def block(q, k, v, mask):
-        return int_path(q, k, v, mask).square().sum()
-    whole = torch.compile(whole, backend=counter, fullgraph=True, dynamic=False)
-    block = torch.compile(block, backend=block_counter, fullgraph=True, dynamic=False)
-    entries = T // 256 + 1
-    for window in (9, 130, 700):
-        for documents, longest in ((slot.documents, slot.longest_document), (entries, slot.longest_document + 1)):
-            facts = (tokens.numel(), slot.cu_seqlens, {"S": window}, documents, longest)
-            cu_seqlens, sizes = tensor_path.prepare(*facts)["S"]
-            mask = int_path.prepare(*facts)["S"]
-            assert mask[0] is cu_seqlens and mask[1:] == tuple(sizes.tolist())
-            assert all(type(value) is int for value in mask[1:])
-            results = []
-            for run, path_mask in ((lambda q, k, v, m: tensor_path(q, k, v, m).square().sum(), (cu_seqlens, sizes)),
-                                   (lambda q, k, v, m: int_path(q, k, v, m).square().sum(), mask),
-                                   (block, mask), (whole, {"S": mask})):
+            for run, arg in ((lambda q, k, v, m: fa3(q, k, v, m).square().sum(), mask), (block, mask),
+                             (whole, {"S": mask})):
                 qkv = [t.clone().requires_grad_() for t in (q, k, v)]
                 with torch.compiler.config.patch(dynamic_sources=tg.FA3_HOST_INT_SOURCES):
-                    loss = run(*qkv, path_mask)
+                    loss = run(*qkv, arg)
                 results.append((loss, *torch.autograd.grad(loss, qkv)))
-                assert kernels.calls[-1] == (mask[2], mask[3])  # what the kernels were handed, backward's too
+                assert kernels.calls[-1] == mask[2:]  # what the kernels were handed, the backward's too
             for other in results[1:]:
                 for got, expected in zip(other, results[0]):
                     assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5)
+    assert handed == {(slot.longest_document, entries), (T, entries), (slot.longest_document, len(slot.cu_seqlens))}
     assert counter.frame_count == block_counter.frame_count == 1
 
 

@@ -64,9 +64,9 @@ def test_fa3_attention_matches_float64(window, max_doc_len):
         assert relative_error(got.grad.cpu(), want.grad) < 2e-2
 
 
-def test_fa3_with_host_ints_under_cuda_graphs_matches_float64_as_the_window_changes():
-    """FA3 as the forwards under CUDA graphs call it (FlashAttention3.host_ints): in a function compiled with
-    reduce-overhead, the window, max_seqlen and count of document starts as ints, one recorded graph per value. Two
+def test_fa3_under_cuda_graphs_matches_float64_as_the_window_changes():
+    """FA3 as the forwards under CUDA graphs call it: in a function compiled with reduce-overhead, the op captured
+    with the rest, its window, max_seqlen and count of document starts ints, one recorded graph per value. Two
     windows in turn, three calls each (warm-up, recording, replay), each call's output and gradients against
     float64: a replay that kept another window, or kernels left outside the graph, would show."""
     fa3_module = pytest.importorskip("flash_attn_interface", reason="FlashAttention-3 is not installed")
@@ -77,7 +77,7 @@ def test_fa3_with_host_ints_under_cuda_graphs_matches_float64_as_the_window_chan
     q, k, v = (torch.randn(T, H, D, generator=g).div(D ** 0.5).to(torch.bfloat16) for _ in range(3))
     slot = tg._Slot(T, pin=False, bos=BOS)
     slot.fill([torch.cat([tokens, tokens[:1]]).numpy().astype("uint16")])
-    fa3 = tg.FlashAttention3(fa3_module, 4096, host_ints=True)
+    fa3 = tg.FlashAttention3(fa3_module, 4096)
     attend = torch.compile(lambda q, k, v, mask: fa3(q, k, v, mask), fullgraph=True, mode="reduce-overhead")
     cu_seqlens = slot.cu_seqlens.cuda()
     sdpa, references = tg.SdpaAttention(), {}
