@@ -14,7 +14,7 @@
 #    world size N / 1, carrying .fa3: bench/fa3_build.sh, or .fa3src: then FA3 is built in the background while
 #    "ranks" runs, which should come first) and "fwd1" / "fwd1_graphs" (world size N at one micro-batch per forward,
 #    the size each forward has at 8 GPUs, without / with CUDA graphs, which auto takes there; FLAGS picks the
-#    attention, and FLAGS naming fa3 installs it from .fa3 too; under graphs FA3 takes host ints: FlashAttention3),
+#    attention, and FLAGS naming fa3 installs it from .fa3 too; under graphs FA3 is captured with the step: fa3_varlen),
 #    "muon_eager" (world size N with --muon_graphs=0: Muon kernel by kernel, not as the CUDA graphs auto takes there),
 #    "nccl_simple" (world size N with NCCL_PROTO=Simple: the profile names RING_LL, NCCL's protocol for small
 #    messages, for reduce-scatters of megabytes; whether another protocol moves them faster).
