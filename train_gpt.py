@@ -312,7 +312,7 @@ class Config:
     # configs (docs/performance.md).
     tune_kernels: str = _speed("auto", "coordinate-descent tuning of inductor's Triton kernels (CUDA): 1, 0, auto "
                                        "(with --compile_cache)")
-    attn_backend: str = _speed("auto", "auto (fa3 if it imports and no CUDA graphs run, else flex on CUDA; sdpa on CPU) "
+    attn_backend: str = _speed("auto", "auto (fa3 if it imports, else flex on CUDA; sdpa on CPU) "
                                        "| fa3 | flex | sdpa")
     triton_kernels: bool = _speed(True, "Triton kernels for Newton-Schulz, the loss and the MLP (CUDA); 0: plain torch")
     # e4m3 activations and weights, e5m2 logit gradients, scaled per tensor (speedrun 2024-12 idea, scales ours):
@@ -1046,14 +1046,15 @@ class FlashAttention3:
         return fa3_varlen(q, k, v, *mask)[0]
 
 
-def make_attention(cfg: Config, device: torch.device, seq_len: int, cuda_graphs: bool = False):
-    """Pick the attention backend for forwards of seq_len tokens: FA3 when it imports (CUDA) and the forwards run
-    without CUDA graphs, else FlexAttention (CUDA), else SDPA. Under graphs auto takes flex, which is checked there
-    (docs/performance.md); an explicit FA3 is captured in them with the rest of the step (fa3_varlen)."""
+def make_attention(cfg: Config, device: torch.device, seq_len: int):
+    """Pick the attention backend for forwards of seq_len tokens: FA3 when it imports (CUDA), with or without CUDA
+    graphs (fa3_varlen takes its window and lengths as ints, so it is captured with the step; on 4xH200 at one
+    micro-batch per forward its graphs were 3-4% faster than flex's, docs/performance.md), else FlexAttention (CUDA),
+    else SDPA."""
     choice = cfg.attn_backend
     if choice in ("fa3", "flex") and device.type != "cuda":  # FA3 is CUDA's; torch's flex has no backward on a CPU
         raise UserError(f"--attn_backend={choice} needs --device=cuda; on a CPU use --attn_backend=sdpa or auto")
-    if choice == "fa3" or (choice == "auto" and device.type == "cuda" and not cuda_graphs):
+    if choice == "fa3" or (choice == "auto" and device.type == "cuda"):
         try:
             import flash_attn_interface
             return FlashAttention3(flash_attn_interface, cfg.max_doc_len)
@@ -4064,19 +4065,17 @@ def resolve_forward_micro_batches(cfg: Config, world_size: int, device_memory_gi
 
 def resolve_compile_mode(cfg: Config, device: torch.device, forward_micro_batches: int) -> str:
     """--compile_mode=auto: reduce-overhead (CUDA graphs) on a GPU where they make the steps faster, else default.
-    - One micro-batch per forward (8 GPUs' size, or --forward_micro_batches=1): the host's launches set the step, and
-      with flex the graphs were 32% faster in the last stage on 4xH200, and 39% faster than FA3 without graphs on
-      the same machine; two ranks under graphs train as without (tests/gpu/test_cuda_ranks.py), and four at full
-      size compute the gradients computed without them (bench/graph_check.py). --attn_backend=auto
-      takes flex there (make_attention).
+    - One micro-batch per forward (8 GPUs' size, or --forward_micro_batches=1): the host's launches set the step. On
+      4xH200 FA3 under graphs took 36% off the last stage against FA3 without them, and was 3-4% faster than flex
+      under graphs; the graphs compute the gradients computed without them, on one GPU with FA3 and on four ranks
+      with flex (bench/graph_check.py), and two ranks under graphs train as without (tests/gpu/test_cuda_ranks.py).
     - Bigger forwards: default. There the GPU sets the step: graphs were no faster on 2xH200 at 2 micro-batches per
       forward, nor with flex on 1xH100 at 8, whose cold start they made 17 s longer.
-    - Default with an explicit FA3, which under graphs (fa3_varlen captured with the step) is not yet timed, on
-      CPUs, which have no graphs, and under DiLoCo. An explicit mode is taken as asked.
+    - Default on CPUs, which have no graphs, and under DiLoCo. An explicit mode is taken as asked.
     Measurements: docs/performance.md."""
     if cfg.compile_mode != "auto":
         return cfg.compile_mode
-    if device.type != "cuda" or cfg.diloco or cfg.attn_backend == "fa3":
+    if device.type != "cuda" or cfg.diloco:
         return "default"
     return "reduce-overhead" if forward_micro_batches == 1 else "default"
 
@@ -4111,7 +4110,7 @@ def build_model(cfg: Config, comm: Comm, log: RunLog) -> tuple[GPT, torch.device
     torch.manual_seed(cfg.seed)
     memory_gib = torch.cuda.get_device_properties(device).total_memory / 2 ** 30 if device.type == "cuda" else None
     packed = resolve_forward_micro_batches(cfg, comm.world_size, memory_gib)
-    attend = make_attention(cfg, device, packed * cfg.micro_batch_tokens, replays_cuda_graphs(cfg, device, packed))
+    attend = make_attention(cfg, device, packed * cfg.micro_batch_tokens)
     compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     kernels = choose_kernels(cfg, device)
     check_gpu_features(cfg, device, kernels)

@@ -1451,8 +1451,8 @@ def test_cuda_graph_modes_give_every_parameter_a_kept_gradient(tiny_data):
 
 
 def test_auto_compile_mode_uses_cuda_graphs_where_they_paid(tiny_data):
-    """CUDA graphs at one micro-batch per forward on a GPU; never at bigger forwards, with FA3, on a CPU or under
-    DiLoCo; an explicit mode as asked."""
+    """CUDA graphs at one micro-batch per forward on a GPU, with any attention; never at bigger forwards, on a CPU or
+    under DiLoCo; an explicit mode as asked."""
     cfg = tiny_config(*tiny_data)
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     assert cfg.compile_mode == "auto"
@@ -1464,7 +1464,7 @@ def test_auto_compile_mode_uses_cuda_graphs_where_they_paid(tiny_data):
     assert mode(2) == mode(8) == "default"
     assert mode(1, device=cpu) == "default"
     assert mode(1, config=dataclasses.replace(cfg, diloco=True)) == "default"
-    assert mode(1, config=dataclasses.replace(cfg, attn_backend="fa3")) == "default"
+    assert mode(1, config=dataclasses.replace(cfg, attn_backend="fa3")) == "reduce-overhead"
     explicit = dataclasses.replace(cfg, compile_mode="max-autotune-no-cudagraphs")
     assert mode(1, config=explicit) == "max-autotune-no-cudagraphs"
     for asked in tg.CUDA_GRAPH_MODES:
@@ -1473,15 +1473,18 @@ def test_auto_compile_mode_uses_cuda_graphs_where_they_paid(tiny_data):
 
 
 @pytest.mark.parametrize("mode", tg.CUDA_GRAPH_MODES)
-def test_fa3_under_cuda_graphs_is_taken_and_auto_leaves_graphs_out_with_fa3(tiny_data, mode):
-    """An explicit CUDA-graph --compile_mode with --attn_backend=fa3 is taken as asked (FA3 then takes its window and
-    lengths as ints); auto runs an explicit FA3 without graphs, even at one micro-batch per forward."""
+def test_fa3_under_cuda_graphs_is_taken_and_auto_takes_graphs_with_fa3_at_one_micro_batch_per_forward(tiny_data, mode):
+    """An explicit CUDA-graph --compile_mode with --attn_backend=fa3 is taken as asked (FA3 takes its window and
+    lengths as ints); auto takes graphs with FA3 as with flex: at one micro-batch per forward, not at two."""
     train, val = tiny_data
     cfg, _ = tg.parse_cli([*TINY, f"--train_files={train}", f"--val_files={val}", "--compile=1", "--attn_backend=fa3",
                            f"--compile_mode={mode}"])
     cuda = torch.device("cuda", 0)
-    assert tg.replays_cuda_graphs(cfg, cuda, 1)
-    assert not tg.replays_cuda_graphs(dataclasses.replace(cfg, compile_mode="auto"), cuda, 1)
+    assert tg.replays_cuda_graphs(cfg, cuda, 2)
+    auto = dataclasses.replace(cfg, compile_mode="auto")
+    assert tg.replays_cuda_graphs(auto, cuda, 1)
+    assert not tg.replays_cuda_graphs(auto, cuda, 2)
+    assert not tg.replays_cuda_graphs(auto, torch.device("cpu"), 1)
 
 
 def test_muon_graphs_on_a_cpu_is_refused_in_one_line_and_auto_takes_them_on_several_cuda_ranks(tiny_data):
@@ -1500,16 +1503,20 @@ def test_muon_graphs_on_a_cpu_is_refused_in_one_line_and_auto_takes_them_on_seve
         assert tg.uses_muon_graphs(cfg, device, world_size) == want, (flag, device, world_size)
 
 
-def test_auto_attention_takes_flex_where_the_forwards_replay_cuda_graphs(tiny_data, monkeypatch):
-    """--attn_backend=auto takes FA3 when it imports, but not under CUDA graphs, where it trained wrong and flex
-    under graphs was the faster step; an explicit FA3 is taken as asked."""
-    monkeypatch.setitem(sys.modules, "flash_attn_interface", types.ModuleType("flash_attn_interface"))
+def test_auto_attention_takes_fa3_where_it_imports_else_flex_on_cuda_and_sdpa_on_a_cpu(tiny_data, monkeypatch):
+    """--attn_backend=auto takes FA3 on CUDA when it imports (with or without CUDA graphs: make_attention is not
+    told), flex on CUDA when it does not, SDPA on a CPU; an explicit FA3 that does not import is one line."""
     monkeypatch.setattr(tg, "FlexAttention", lambda seq_len, device: "flex")  # builds on the GPU: a stand-in
     cfg = tiny_config(*tiny_data)
-    cuda = torch.device("cuda", 0)
-    assert tg.make_attention(cfg, cuda, 128, cuda_graphs=True) == "flex"
-    assert tg.make_attention(cfg, cuda, 128, cuda_graphs=False).name == "fa3"
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", None)  # None in sys.modules: the import fails
+    assert tg.make_attention(cfg, cuda, 128) == "flex"
+    with pytest.raises(tg.UserError, match=r"^--attn_backend=fa3 but flash_attn_interface does not import"):
+        tg.make_attention(dataclasses.replace(cfg, attn_backend="fa3"), cuda, 128)
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", types.ModuleType("flash_attn_interface"))
+    assert tg.make_attention(cfg, cuda, 128).name == "fa3"
     assert tg.make_attention(dataclasses.replace(cfg, attn_backend="fa3"), cuda, 128).name == "fa3"
+    assert isinstance(tg.make_attention(cfg, cpu, 128), tg.SdpaAttention)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
