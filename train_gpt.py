@@ -4067,8 +4067,9 @@ def resolve_compile_mode(cfg: Config, device: torch.device, forward_micro_batche
     """--compile_mode=auto: reduce-overhead (CUDA graphs) on a GPU where they make the steps faster, else default.
     - One micro-batch per forward (8 GPUs' size, or --forward_micro_batches=1): the host's launches set the step. On
       4xH200 FA3 under graphs took 36% off the last stage against FA3 without them, and was 3-4% faster than flex
-      under graphs; the graphs compute the gradients computed without them, on one GPU with FA3 and on four ranks
-      with flex (bench/graph_check.py), and two ranks under graphs train as without (tests/gpu/test_cuda_ranks.py).
+      under graphs; the graphs compute the gradients computed without them, with FA3 on one GPU and two ranks, with
+      flex on four ranks (bench/graph_check.py), and two ranks under graphs train as without
+      (tests/gpu/test_cuda_ranks.py).
     - Bigger forwards: default. There the GPU sets the step: graphs were no faster on 2xH200 at 2 micro-batches per
       forward, nor with flex on 1xH100 at 8, whose cold start they made 17 s longer.
     - Default on CPUs, which have no graphs, and under DiLoCo. An explicit mode is taken as asked.

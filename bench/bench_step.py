@@ -18,7 +18,7 @@ BENCH_ADAM_MERGE=N sets DistAdam.MERGE (buckets under N values share their colle
 collective per bucket), for an A/B of that merging in one call.
 Then two torch.profiler windows over the last stage (GPU only, then host and GPU): GPU time by kind of
 kernel, idle gaps split into host-late and not, the host ops the GPU waited on, the longest kernels; on several
-GPUs also one line per rank: its NCCL kernel time by collective, algorithm and protocol, and its idle GPU time
+GPUs also one line per rank: its NCCL kernel time by collective and kernel name, and its idle GPU time
 (collectives that take one rank far longer than another are mostly spent waiting for the late ranks).
 Real text from --train_files when it matches, else random tokens.
 
@@ -195,8 +195,10 @@ NCCL_COLLECTIVES = ("ReduceScatter", "AllGather", "AllReduce", "SendRecv", "Broa
 
 
 def rank_communication(trace: dict, steps: int) -> str:
-    """One rank's NCCL kernel time per step by collective, with each kernel's protocol, and its idle GPU time: a rank
-    whose collectives take far longer than another's is mostly waiting in them for the ranks that come late."""
+    """One rank's NCCL kernel time per step by collective, with the algorithm and protocol its kernel's name carries,
+    and its idle GPU time: a rank whose collectives take far longer than another's is mostly waiting in them for the
+    ranks that come late. The name is the kernel NCCL built for that pair, not always the protocol that ran: with
+    NCCL_PROTO=Simple the reduce-scatters' kernels were still named RING_LL (4xH200, docs/performance.md)."""
     gpu = gpu_activity(trace)
     by_collective: dict = {}
     for e in gpu:

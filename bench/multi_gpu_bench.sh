@@ -16,8 +16,8 @@
 #    the size each forward has at 8 GPUs, without / with CUDA graphs, which auto takes there; FLAGS picks the
 #    attention, and FLAGS naming fa3 installs it from .fa3 too; under graphs FA3 is captured with the step: fa3_varlen),
 #    "muon_eager" (world size N with --muon_graphs=0: Muon kernel by kernel, not as the CUDA graphs auto takes there),
-#    "nccl_simple" (world size N with NCCL_PROTO=Simple: the profile names RING_LL, NCCL's protocol for small
-#    messages, for reduce-scatters of megabytes; whether another protocol moves them faster).
+#    "nccl_simple" (world size N with NCCL_PROTO=Simple, NCCL's bandwidth protocol alone: no faster than NCCL's own
+#    choice on 4xH200, docs/performance.md).
 #    The benches read the bench stream (real document lengths and bigram rows);
 # 2. DiLoCo against data parallelism at equal tokens on bench2, on data that does not repeat (micro-batches of
 #    4,096 tokens; up to STEPS=300 read under the stream's 51.3M tokens): data parallelism on 2 GPUs with a replica's
