@@ -1185,19 +1185,22 @@ class Block(nn.Module):
     - --sublayer_scales (speedrun 2026-02-12, as simplified 2026-03-06): x = r_a * x + o_a * attention(norm a) +
       x0_scale * x0 + bigram_scale * bigram, then r_m * x + o_m * MLP(norm x), with a the layer's input or (past
       --attn_input_from) that layer's output; a layer without attention only runs its MLP.
-    value_scales: [value scale, value-embedding scale] of the attention's v. fused_mlp: Kernels.fused_mlp. With
+    value_scales (a layer with attention): [value scale, value-embedding scale] of the attention's v. fused_mlp: Kernels.fused_mlp. With
     `mixed` (MUDD's last layer) the sublayer scales are per token, from a LayerMix, and the block has none of its own;
     with --token_gates the x0 and bigram scales are per token, from the forward's LayerGates."""
 
     def __init__(self, cfg: Config, has_attention: bool, shift_keys: bool = False, paired: bool = False,
                  xsa: bool = False, fused_mlp: bool = False, mixed: bool = False):
         super().__init__()
-        self.attn = (CausalSelfAttention(cfg.model_dim, cfg.num_heads, cfg.head_dim, cfg.gate_dims if cfg.gates else 0,
-                                         shift_keys, cfg.attn_out_scale, paired, xsa, cfg.value_gate_reads_embed,
-                                         cfg.token_gates) if has_attention else None)
+        # MUDD's last layer under --token_gates takes its value gate from the LayerMix and its output gate from the
+        # token gates, so it has no gate weights of its own
+        gate_dims = cfg.gate_dims if cfg.gates and not (mixed and cfg.token_gates) else 0
+        self.attn = (CausalSelfAttention(cfg.model_dim, cfg.num_heads, cfg.head_dim, gate_dims, shift_keys,
+                                         cfg.attn_out_scale, paired, xsa, cfg.value_gate_reads_embed, cfg.token_gates)
+                     if has_attention else None)
         self.paired = paired
         self.mlp = MLP(cfg.model_dim, cfg.mlp_ratio * cfg.model_dim, fused_mlp)
-        self.value_scales = nn.Parameter(torch.tensor([0.5, cfg.value_embed_scale_init]))
+        self.value_scales = nn.Parameter(torch.tensor([0.5, cfg.value_embed_scale_init])) if has_attention else None
         if mixed:  # the sublayer scales come with each forward's LayerMix
             self.residual_scales = self.output_scales = self.injection = self.lambdas = None
         elif cfg.sublayer_scales:  # sqrt(1.1) per sublayer: 1.1 per layer, as the single scale
@@ -1213,7 +1216,7 @@ class Block(nn.Module):
     def forward(self, x: Tensor, x0: Tensor, value_embed: Tensor, rope, mask, bigram: Tensor | None,
                 starts: Tensor, attn_input: Tensor | None = None, mix: "LayerMix | None" = None,
                 token: "LayerGates | None" = None) -> Tensor:
-        value_scales = self.value_scales.to(x.dtype)
+        value_scales = self.value_scales.to(x.dtype) if self.attn is not None else None
         if self.lambdas is not None:
             lambdas = self.lambdas.to(x.dtype)
             x = lambdas[0] * x + lambdas[1] * x0  # every layer can re-read the embedding (speedrun 2024-11)
@@ -3603,7 +3606,7 @@ def weights_checksum(model: nn.Module) -> str:
 # on loading each rank keeps its own shards again, so a checkpoint resumes at any world size with the same math.
 # Loaded with weights_only=True: tensors, numbers, strings, lists, tuples and dicts, nothing that runs code.
 
-CHECKPOINT_KIND, CHECKPOINT_FORMAT = "train_gpt.py checkpoint", 1
+CHECKPOINT_KIND, CHECKPOINT_FORMAT = "train_gpt.py checkpoint", 2  # 2: value scales only where a layer has attention
 
 
 class CheckpointError(UserError):
@@ -3821,7 +3824,7 @@ def build_optimizers(model: GPT, cfg: Config) -> list[torch.optim.Optimizer]:
                 cuda_graphs=uses_muon_graphs(cfg, next(model.parameters()).device, current_rank_and_world()[1]))
     bigram = [model.bigram_embed.weight] if model.bigram_embed is not None else []
     tables = [ve.weight for ve in model.value_embeds] + bigram
-    scalars = [model.skip_gate] + [block.value_scales for block in model.blocks]
+    scalars = [model.skip_gate] + [block.value_scales for block in model.blocks if block.value_scales is not None]
     scalars += [block.lambdas for block in model.blocks if block.lambdas is not None]
     residual_scales = [block.residual_scales for block in model.blocks if block.residual_scales is not None]
     # the speedrun's 2026-03-06 record: betas 0.9 / 0.95; the residual scales at the scalars' lr, the others at the base

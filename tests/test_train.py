@@ -1450,6 +1450,23 @@ def test_cuda_graph_modes_give_every_parameter_a_kept_gradient(tiny_data):
             assert has_zeros == (expected == "all" or id(p) in tables), (replays, p.shape)
 
 
+def test_every_parameter_reaches_the_loss(tiny_data):
+    """One forward and backward give every parameter a gradient (the tables get theirs from prepare_grads, which
+    the row gradients add into), in the tiny model with a layer without attention, MUDD's last layer and the token
+    gates: a parameter the loss never reads would only weigh on the optimizers, their communication and the
+    checkpoints. Its gradient is not None, not necessarily non-zero: at the first step some factor of it is zero."""
+    cfg = tiny_config(*tiny_data, attn_layout="S-SL", sublayer_scales=1, attn_input_from=1, mudd=1, token_gates=1,
+                      xsa_layers="0,3")
+    model = tg.GPT(cfg, tg.SdpaAttention(), torch.float32)
+    batches = tg.prefetch(tg.dummy_batches(cfg, seed=1), cfg, torch.device("cpu"), packed=1)
+    model.prepare_grads()
+    tables = {id(p) for p in model.embedding_tables()}
+    assert all(p.grad is None for p in model.parameters() if id(p) not in tables)
+    tg.forward_loss(model, batches.next(), (64, 128)).backward()
+    batches.close()
+    assert [name for name, p in model.named_parameters() if p.grad is None] == []
+
+
 def test_auto_compile_mode_uses_cuda_graphs_where_they_paid(tiny_data):
     """CUDA graphs at one micro-batch per forward on a GPU, with any attention; never at bigger forwards, on a CPU or
     under DiLoCo; an explicit mode as asked."""
