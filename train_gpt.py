@@ -1185,9 +1185,10 @@ class Block(nn.Module):
     - --sublayer_scales (speedrun 2026-02-12, as simplified 2026-03-06): x = r_a * x + o_a * attention(norm a) +
       x0_scale * x0 + bigram_scale * bigram, then r_m * x + o_m * MLP(norm x), with a the layer's input or (past
       --attn_input_from) that layer's output; a layer without attention only runs its MLP.
-    value_scales (a layer with attention): [value scale, value-embedding scale] of the attention's v. fused_mlp: Kernels.fused_mlp. With
-    `mixed` (MUDD's last layer) the sublayer scales are per token, from a LayerMix, and the block has none of its own;
-    with --token_gates the x0 and bigram scales are per token, from the forward's LayerGates."""
+    value_scales (a layer with attention): [value scale, value-embedding scale] of the attention's v. fused_mlp:
+    Kernels.fused_mlp. With `mixed` (MUDD's last layer) the sublayer scales are per token, from a LayerMix, and the
+    block has none of its own; with --token_gates the x0 and bigram scales are per token, from the forward's
+    LayerGates."""
 
     def __init__(self, cfg: Config, has_attention: bool, shift_keys: bool = False, paired: bool = False,
                  xsa: bool = False, fused_mlp: bool = False, mixed: bool = False):
@@ -1216,7 +1217,7 @@ class Block(nn.Module):
     def forward(self, x: Tensor, x0: Tensor, value_embed: Tensor, rope, mask, bigram: Tensor | None,
                 starts: Tensor, attn_input: Tensor | None = None, mix: "LayerMix | None" = None,
                 token: "LayerGates | None" = None) -> Tensor:
-        value_scales = self.value_scales.to(x.dtype) if self.attn is not None else None
+        value_scales = self.value_scales.to(x.dtype) if self.value_scales is not None else None
         if self.lambdas is not None:
             lambdas = self.lambdas.to(x.dtype)
             x = lambdas[0] * x + lambdas[1] * x0  # every layer can re-read the embedding (speedrun 2024-11)
@@ -4084,12 +4085,6 @@ def resolve_compile_mode(cfg: Config, device: torch.device, forward_micro_batche
     return "reduce-overhead" if forward_micro_batches == 1 else "default"
 
 
-def replays_cuda_graphs(cfg: Config, device: torch.device, forward_micro_batches: int) -> bool:
-    """Whether the compiled forwards and backwards replay as CUDA graphs: build_model picks the attention by it,
-    compile_model marks the model with it."""
-    return cfg.compile and resolve_compile_mode(cfg, device, forward_micro_batches) in CUDA_GRAPH_MODES
-
-
 def uses_muon_graphs(cfg: Config, device: torch.device, world_size: int) -> bool:
     """Whether Muon replays its compute as CUDA graphs (--muon_graphs): 1 or auto on several ranks, on CUDA only."""
     return device.type == "cuda" and (cfg.muon_graphs == "1" or (cfg.muon_graphs == "auto" and world_size > 1))
@@ -4529,7 +4524,7 @@ def compile_model(model: GPT, cfg: Config, comm: Comm, device: torch.device) -> 
         scope = "whole"
     compile_mode = resolve_compile_mode(cfg, device, model.forward_micro_batches)
     mode = None if compile_mode == "default" else compile_mode
-    model.replays_cuda_graphs = replays_cuda_graphs(cfg, device, model.forward_micro_batches)
+    model.replays_cuda_graphs = cfg.compile and compile_mode in CUDA_GRAPH_MODES
     if cfg.compile and isinstance(model.attend, FlashAttention3):
         torch.compiler.config.dynamic_sources = FA3_HOST_INT_SOURCES
     if cfg.compile and scope == "whole":

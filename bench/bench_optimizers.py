@@ -56,8 +56,8 @@ def main():
     hyper = dict(lr=cfg.adam_lr, betas=cfg.adam_betas, eps=cfg.adam_eps, weight_decay=cfg.adam_weight_decay)
     adam_groups = lambda: [dict(params=[model.embed.weight] + [v.weight for v in model.value_embeds]),
                            dict(params=[model.lm_head.weight]),
-                           dict(params=[model.skip_gate] + [b.lambdas for b in model.blocks]
-                                       + [b.value_scales for b in model.blocks if b.value_scales is not None])]
+                           dict(params=[model.skip_gate]  # the blocks' scalars, where the model has them
+                                       + [p for b in model.blocks for p in (b.value_scales, b.lambdas) if p is not None])]
     for name, opt in (("adam_allreduce_step_ms", AllReduceAdam(adam_groups(), **hyper)),
                       ("dist_adam_step_ms", tg.DistAdam(adam_groups(), **hyper))):
         results[name] = median_ms(opt.step)

@@ -1497,11 +1497,15 @@ def test_fa3_under_cuda_graphs_is_taken_and_auto_takes_graphs_with_fa3_at_one_mi
     cfg, _ = tg.parse_cli([*TINY, f"--train_files={train}", f"--val_files={val}", "--compile=1", "--attn_backend=fa3",
                            f"--compile_mode={mode}"])
     cuda = torch.device("cuda", 0)
-    assert tg.replays_cuda_graphs(cfg, cuda, 2)
+
+    def replays(config, device, packed):  # as compile_model marks the model
+        return config.compile and tg.resolve_compile_mode(config, device, packed) in tg.CUDA_GRAPH_MODES
+
+    assert replays(cfg, cuda, 2)
     auto = dataclasses.replace(cfg, compile_mode="auto")
-    assert tg.replays_cuda_graphs(auto, cuda, 1)
-    assert not tg.replays_cuda_graphs(auto, cuda, 2)
-    assert not tg.replays_cuda_graphs(auto, torch.device("cpu"), 1)
+    assert replays(auto, cuda, 1)
+    assert not replays(auto, cuda, 2)
+    assert not replays(auto, torch.device("cpu"), 1)
 
 
 def test_muon_graphs_on_a_cpu_is_refused_in_one_line_and_auto_takes_them_on_several_cuda_ranks(tiny_data):
