@@ -9,6 +9,7 @@ tokens/s, MFU, the slowest step against the median, the per-phase split from CUD
 backward, each optimizer; comm waits sit inside the optimizers), the host's time to issue a step and each
 phase (where it nears the GPU's, the GPU waits on the host), then the host's own cost of each phase, issued to an
 idle GPU over three more steps (HostCost: without the waits for a full launch queue that the first split holds),
+on several GPUs each rank's own forward and backward and host cost (a rank that holds the others back shows there),
 and graphs compiled in the timed region.
 BENCH_SYNC_DEBUG=1 turns on torch's sync debug mode there: a warning at every host sync.
 FLEX_KERNEL_OPTIONS='{"bwd_num_stages":2,...}' passes flex attention these kernel_options (an A/B of flex's tiles in
@@ -215,6 +216,19 @@ def rank_communication(trace: dict, steps: int) -> str:
             f"GPU idle {idle / 1000 / steps:.2f} ms")
 
 
+def ranks_alone(rows: list[dict[str, float]]) -> str:
+    """Each rank's medians of what it spends on its own, one line: its GPU's forward and backward and its host's cost
+    of a step issued to an idle GPU (HostCost), then the slowest rank less the fastest. The ranks meet at the
+    optimizers' first collective, so the slowest rank's lead there is everyone else's wait, which rank 0's split
+    counts in Muon's or DistAdam's phase. Mostly on its own: the reduce-scatters launched during the backward share
+    its SMs, and the bigram exchange's host waits for the other ranks' row counts inside it."""
+    gpu = [row["gpu"] for row in rows]
+    host = [row["host"] for row in rows]
+    ranks = ", ".join(f"rank {rank} {g:.1f} / {h:.1f}" for rank, (g, h) in enumerate(zip(gpu, host)))
+    return (f"{'':>31}alone, forward+backward on the GPU / host with an idle GPU (ms): {ranks}; slowest less fastest "
+            f"{max(gpu) - min(gpu):.1f} / {max(host) - min(host):.1f}")
+
+
 class EventMarks:
     """CUDA events recorded at one step's start and each phase end, read after the timed steps' synchronize, and
     the host's clock at the same points: what the host spends issuing each phase (it waits only where the launch
@@ -356,6 +370,11 @@ def main() -> int:
                     cost = {k: statistics.median(c.totals[k] for c in costs) for k in costs[0].totals}
                     say(f"{'':>31}host {sum(cost.values()):8.1f} ms per step with an idle GPU: "
                         + " ".join(f"{k} {v:.1f}" for k, v in cost.items()))
+                    if comm.distributed:  # a rank whose GPU or host runs late holds every other one back
+                        rows = [None] * comm.world_size
+                        torch.distributed.all_gather_object(rows, dict(
+                            gpu=phases.get("forward", 0.0) + phases.get("backward", 0.0), host=sum(cost.values())))
+                        say(ranks_alone(rows))
             reasons = trainer.recompiles.new_reasons()
             say(f"graphs compiled in the timed region: {len(reasons)}"
                 + (f"; peak memory {torch.cuda.max_memory_allocated() // 2**20} MiB" if cuda else ""))

@@ -623,3 +623,16 @@ def test_graph_check_finds_no_difference_between_repeats_and_one_between_seeds(t
     other = graph_check.differences(dumps["a"], dumps["seed"])
     assert all(min(abs(d) for d in step["loss_diffs"]) > 0 for step in other)
     assert sorted(other[0]["relative"].values())[len(other[0]["relative"]) // 2] > 1e-3  # the median parameter
+
+
+def test_bench_step_names_the_rank_that_holds_the_others_back():
+    """bench/bench_step.py on several GPUs prints what each rank spends on its own (its GPU's forward and backward,
+    its host's cost with an idle GPU) and the slowest less the fastest of each: where one rank runs late, the others'
+    wait is in the optimizers' phases of rank 0's split, not here."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bench_step", REPO / "bench/bench_step.py")
+    bench_step = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_step)
+    line = bench_step.ranks_alone([dict(gpu=50.4, host=46.0), dict(gpu=51.0, host=62.5), dict(gpu=50.1, host=47.25)])
+    assert "rank 0 50.4 / 46.0, rank 1 51.0 / 62.5, rank 2 50.1 / 47.2;" in line
+    assert line.endswith("slowest less fastest 0.9 / 16.5")
