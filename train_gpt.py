@@ -4074,8 +4074,9 @@ def resolve_compile_mode(cfg: Config, device: torch.device, forward_micro_batche
       under graphs; the graphs compute the gradients computed without them, with FA3 on one GPU and two ranks, with
       flex on four ranks (bench/graph_check.py), and two ranks under graphs train as without
       (tests/gpu/test_cuda_ranks.py).
-    - Bigger forwards: default. There the GPU sets the step: graphs were no faster on 2xH200 at 2 micro-batches per
-      forward, nor with flex on 1xH100 at 8, whose cold start they made 17 s longer.
+    - Bigger forwards: default. There the GPU sets the step: graphs were no faster at 2 micro-batches per forward on
+      2xH200, nor with FA3 on 4xH200 (0.5-1.5% slower per stage, with the host's cost of a step more than halved),
+      nor with flex on 1xH100 at 8, whose cold start they made 17 s longer.
     - Default on CPUs, which have no graphs, and under DiLoCo. An explicit mode is taken as asked.
     Measurements: docs/performance.md."""
     if cfg.compile_mode != "auto":
