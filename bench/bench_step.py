@@ -17,6 +17,8 @@ the whole model; 1xH100, 2026-11-24: torch's defaults were fastest, 651.9 ms per
 2 backward stages and 657.4 with backward tiles of 32 x 128 and 128 x 32).
 BENCH_ADAM_MERGE=N sets DistAdam.MERGE (buckets under N values share their collectives on several ranks; 0: a
 collective per bucket), for an A/B of that merging in one call.
+BENCH_SAME_DATA=1 gives every rank rank 0's micro-batches: against the usual run, what the ranks' different documents
+(their attention work) cost in waits at the collectives.
 Then two torch.profiler windows over the last stage (GPU only, then host and GPU): GPU time by kind of
 kernel, idle gaps split into host-late and not, the host ops the GPU waited on, the longest kernels; on several
 GPUs also one line per rank: its NCCL kernel time by collective and kernel name, and its idle GPU time
@@ -304,11 +306,17 @@ def main() -> int:
         # Real text when --train_files matches (document lengths shape the attention masks' sparsity and
         # the bigram rows touched); random tokens with ~500-token documents otherwise.
         real_text = bool(glob.glob(cfg.train_files))
+        # BENCH_SAME_DATA=1: every rank reads rank 0's micro-batches, so no rank has more attention work than another
+        same_data = os.environ.get("BENCH_SAME_DATA") == "1"
+        data_comm = dataclasses.replace(comm, rank=0) if same_data else comm
         if real_text:
             source, data = cfg.train_files, tg.train_batches_for_rank(tg.shard_paths(cfg.train_files, "train_files"),
-                                                                      dataclasses.replace(cfg, train_repeat=True), comm)
+                                                                      dataclasses.replace(cfg, train_repeat=True), data_comm)
         else:
-            source, data = "random tokens (no --train_files found)", tg.dummy_batches(cfg, seed=cfg.seed + 100 + comm.rank)
+            source, data = ("random tokens (no --train_files found)",
+                            tg.dummy_batches(cfg, seed=cfg.seed + 100 + data_comm.rank))
+        if same_data:
+            source += ", every rank reading rank 0's micro-batches (BENCH_SAME_DATA)"
         say(f"data: {source}")
         batches = tg.prefetch(data, cfg, device, trainer.packed)
         peak = peak_flops(device)

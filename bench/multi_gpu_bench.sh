@@ -17,7 +17,9 @@
 #    attention, and FLAGS naming fa3 installs it from .fa3 too; under graphs FA3 is captured with the step: fa3_varlen),
 #    "muon_eager" (world size N with --muon_graphs=0: Muon kernel by kernel, not as the CUDA graphs auto takes there),
 #    "nccl_simple" (world size N with NCCL_PROTO=Simple, NCCL's bandwidth protocol alone: no faster than NCCL's own
-#    choice on 4xH200, docs/performance.md).
+#    choice on 4xH200, docs/performance.md), "same_data" (world size N with every rank reading rank 0's micro-batches:
+#    what the ranks' different documents cost in waits; bench_step.py prints each rank's own forward + backward and
+#    host cost beside).
 #    The benches read the bench stream (real document lengths and bigram rows);
 # 2. DiLoCo against data parallelism at equal tokens on bench2, on data that does not repeat (micro-batches of
 #    4,096 tokens; up to STEPS=300 read under the stream's 51.3M tokens): data parallelism on 2 GPUs with a replica's
@@ -103,6 +105,7 @@ if [ "$what" = all ] || [ "$what" = bench ]; then
         fwd1_graphs) bench bench_fwd1_graphs "$nproc" --forward_micro_batches=1 --compile_mode=reduce-overhead ;;
         muon_eager) bench bench_muon_eager "$nproc" --muon_graphs=0 ;;  # Muon without its CUDA graphs
         nccl_simple) NCCL_PROTO=Simple bench bench_nccl_simple "$nproc" ;;  # NCCL's bandwidth protocol only
+        same_data) BENCH_SAME_DATA=1 bench bench_same_data "$nproc" ;;  # every rank reads rank 0's micro-batches
         esac
     done
 fi
