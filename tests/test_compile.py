@@ -636,3 +636,21 @@ def test_bench_step_names_the_rank_that_holds_the_others_back():
     line = bench_step.ranks_alone([dict(gpu=50.4, host=46.0), dict(gpu=51.0, host=62.5), dict(gpu=50.1, host=47.25)])
     assert "rank 0 50.4 / 46.0, rank 1 51.0 / 62.5, rank 2 50.1 / 47.2;" in line
     assert line.endswith("slowest less fastest 0.9 / 16.5")
+
+
+def test_attention_balance_counts_window_pairs_and_the_busiest_rank():
+    """bench/attention_balance.py: a document's query-key pairs under a causal sliding window, a micro-batch's
+    documents from its BOS tokens, and the busiest rank's excess when micro-batch i goes to rank i mod W."""
+    import importlib.util
+
+    import numpy as np
+    spec = importlib.util.spec_from_file_location("attention_balance", REPO / "bench/attention_balance.py")
+    balance = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(balance)
+    assert balance.attention_pairs(np.array([3, 5]), 2) == (1 + 2 + 2) + (1 + 2 + 2 + 2 + 2)
+    assert balance.attention_pairs(np.array([4]), 8) == 10
+    assert balance.document_lengths(np.array([7, 1, 2, 7, 3, 7]), bos=7).tolist() == [3, 2, 1]
+    assert balance.document_lengths(np.array([1, 2, 7, 3]), bos=7).tolist() == [2, 2]
+    work = np.array([[1.0, 1.0, 3.0, 1.0], [2.0, 2.0, 2.0, 2.0]])  # 2 steps of 4 micro-batches
+    np.testing.assert_allclose(balance.busiest_rank_excess(work, 2), [4 / 3 - 1, 0.0])  # ranks: (1 + 3, 1 + 1)
+    np.testing.assert_allclose(balance.busiest_rank_excess(work, 4), [3 / 1.5 - 1, 0.0])
