@@ -10,6 +10,8 @@ micro-batches to the ranks as the trainer does (micro-batch i to rank i mod W), 
 rank's attention pairs exceed the ranks' mean, as a median over steps. One GPU reads every micro-batch of a step and
 waits for no one.
 """
+import dataclasses
+import itertools
 import sys
 from pathlib import Path
 
@@ -30,11 +32,8 @@ def attention_pairs(lengths: np.ndarray, window: int) -> float:
 
 
 def document_lengths(tokens: np.ndarray, bos: int) -> np.ndarray:
-    """Lengths of the documents of one micro-batch, each starting at a BOS (the first at position 0)."""
-    starts = np.flatnonzero(tokens == bos)
-    if len(starts) == 0 or starts[0] != 0:
-        starts = np.concatenate([[0], starts])
-    return np.diff(np.concatenate([starts, [len(tokens)]]))
+    """Lengths of the documents of one micro-batch, where the loader starts them (micro_batch_document_starts)."""
+    return np.diff(tg.micro_batch_document_starts(tokens, bos), append=len(tokens))
 
 
 def busiest_rank_excess(work: np.ndarray, world: int) -> np.ndarray:
@@ -56,18 +55,16 @@ def main():
           f"(median of {steps} steps)")
     for stage, (micro, cut) in enumerate(zip(cfg.stage_batches, cfg.stage_doc_lens)):
         short, long = schedule.stage_windows[stage]
-        batches = tg.bos_aligned_batches(paths, cfg.micro_batch_tokens + 1, cut, False, bos=cfg.bos_token,
-                                         vocab_size=cfg.vocab_size)
+        # the whole stream, as one rank of one reads it, each document cut as this stage cuts it
+        stream = tg.train_batches_for_rank(paths, dataclasses.replace(cfg, max_doc_len=cut, doc_len_schedule="",
+                                                                      train_repeat=False), tg.Comm())
         work = []
         try:
-            for tokens, spans in batches:
-                inputs = np.concatenate([tokens[start:end] for start, end in spans])[:-1]
-                lengths = document_lengths(inputs, cfg.bos_token)
+            for window in itertools.islice(stream, steps * micro):
+                lengths = document_lengths(window[:-1], cfg.bos_token)  # the inputs: the last token is a target
                 work.append(kinds["S"] * attention_pairs(lengths, short) + kinds["L"] * attention_pairs(lengths, long))
-                if len(work) == steps * micro:
-                    break
         finally:
-            batches.close()
+            stream.close()
         if len(work) < steps * micro:
             sys.exit(f"TRAIN_SHARDS={args[0]}: {len(work) // micro} steps of stage {stage} in the shards, not {steps}")
         work = np.array(work).reshape(steps, micro)
