@@ -328,11 +328,12 @@ class Config:
     row_embedding_grads: bool = _speed(
         True, "embedding tables add only the rows a forward touched into their .grad; 0: dense")
     sparse_bigram_comms: bool = _speed(True, "the bigram table's gradient rows travel sparsely between ranks")
-    # auto: the most (up to 8 on a GPU of at least PACK_8_MIN_GIB, else 4) that divides every stage's and the
-    # validation's micro-batches per rank. Each micro-batch starts a document and its positions, so a packed
+    # auto: per stage, the most (up to 8 on a GPU of at least PACK_8_MIN_GIB, else 4) that divides the stage's
+    # micro-batches per rank (resolve_packing). Each micro-batch starts a document and its positions, so a packed
     # forward computes the same losses. Fewer, larger kernels make each step faster, for about 7 GiB more memory
     # per packed micro-batch (docs/performance.md).
-    forward_micro_batches: int = _speed(0, "micro-batches of one rank packed into each forward/backward; 0: auto")
+    forward_micro_batches: int = _speed(0, "micro-batches of one rank packed into each forward/backward, in every "
+                                           "stage; 0: auto, per stage")
     # ---- DiLoCo: across nodes, streaming DiLoCo on torchft (README: "Training across nodes")
     diloco: bool = _diloco(False, "train replica groups that sync rarely (streaming DiLoCo on torchft)")
     diloco_replicas: int = _diloco(2, "replica groups in the run; each reads its own share of the data")
@@ -880,7 +881,8 @@ class FlexAttention:
     forward's overwrite. The block masks are overwritten in place too: under CUDA graphs, torch
     takes the forward's inputs that the backward keeps for fixed addresses, so masks made afresh for
     each forward would have the backward graph recorded again and again (bench/why_rerecord.py finds
-    such recordings; docs/performance.md).
+    such recordings; docs/performance.md). Forwards of another length (stages that pack another number of
+    micro-batches) get a FlexAttention of their own, made at their first prepare.
     """
     name = "flex"
     block_size = 128  # FlexAttention's default tile
@@ -898,6 +900,7 @@ class FlexAttention:
         blocks = torch.arange(seq_len // self.block_size, device=device)
         self.block_offset = blocks[:, None] - blocks[None, :]  # query block - key block
         self.masks = {}  # kind -> the BlockMask whose tensors prepare() overwrites
+        self.other_lengths: dict[int, FlexAttention] = {}
 
     @staticmethod
     def _mask_tensors(mask) -> list[Tensor]:
@@ -932,7 +935,10 @@ class FlexAttention:
 
     def prepare(self, length: int, cu_seqlens: Tensor, windows: dict[str, int], documents: int | None = None,
                 longest: int | None = None) -> dict:
-        assert length == self.seq_len, (length, self.seq_len)
+        if length != self.seq_len:
+            if length not in self.other_lengths:
+                self.other_lengths[length] = FlexAttention(length, self.doc.device)
+            return self.other_lengths[length].prepare(length, cu_seqlens, windows, documents, longest)
         self.doc.copy_(document_ids(cu_seqlens, self.seq_len))
         for kind, w in windows.items():
             self.window[kind].fill_(w)
@@ -1472,13 +1478,13 @@ class _RowLookup(torch.autograd.Function):
 
 
 class GPT(nn.Module):
-    """kernels: the run's Triton kernels (choose_kernels); plain torch unless given."""
+    """kernels: the run's Triton kernels (choose_kernels); plain torch unless given. forward_micro_batches: the most
+    micro-batches one forward packs (the rotary tables' length)."""
 
     def __init__(self, cfg: Config, attend, compute_dtype: torch.dtype, forward_micro_batches: int = 1,
                  kernels: Kernels = PLAIN_TORCH):
         super().__init__()
         self.cfg, self.attend, self.compute_dtype, self.kernels = cfg, attend, compute_dtype, kernels
-        self.forward_micro_batches = forward_micro_batches
         # padded for efficient matmuls; the copy pointer's gate is the row after the vocabulary
         vocab = next_multiple_of(cfg.vocab_size + cfg.copy_pointer, 128)
         dim = cfg.model_dim
@@ -2943,7 +2949,8 @@ class ForwardBatch:
 
 
 class _Slot:
-    """Host buffers for one forward: `packed` micro-batches of seq_len tokens, one after the other."""
+    """Host buffers for one forward: up to `packed` micro-batches of seq_len tokens, one after the other; `length`
+    tokens of them filled."""
 
     def __init__(self, seq_len: int, pin: bool, bos: int, bigram_rows: int = 0, packed: int = 1,
                  token_classes: np.ndarray | None = None):
@@ -2956,6 +2963,7 @@ class _Slot:
         self.bigrams = torch.empty(length, dtype=torch.int32, pin_memory=pin) if bigram_rows else None
         self.bigram_rows_used = None
         self.documents = self.longest_document = None
+        self.length = 0
         self.copied = None  # CUDA event: the device copy out of this slot has finished
 
     def fill(self, windows: list[np.ndarray]):
@@ -2972,10 +2980,11 @@ class _Slot:
                 self.bigrams.numpy()[offset:end] = bigram_hash(inputs, self.bigram_rows, self.bos, self.token_classes)
             starts.append(micro_batch_document_starts(inputs, self.bos) + offset)
             offset = end
+        self.length = offset
         if self.bigram_rows:
-            self.bigram_rows_used = np.unique(self.bigrams.numpy())
+            self.bigram_rows_used = np.unique(self.bigrams.numpy()[:offset])
         starts = np.concatenate(starts)
-        cu = self.cu_seqlens.numpy()
+        cu = self.cu_seqlens.numpy()[: max_documents(offset) + 1]
         if len(starts) >= len(cu):
             raise DataError(f"{offset} tokens hold {len(starts)} documents, more than the {len(cu) - 1} supported; "
                             "the documents are implausibly short")
@@ -2985,16 +2994,16 @@ class _Slot:
 
 
 class Prefetcher:
-    """Builds the inputs of each forward (`packed` micro-batches from `batches`, a stream of token windows)
-    on a background thread into pinned host buffers; next() starts their non-blocking copy to the device
-    and returns at once, so the next batch is ready while the GPU works.
+    """Builds the inputs of each forward (`packed` micro-batches from `batches`, a stream of token windows; or with
+    `sizes`, each forward's count in turn, none over `packed`) on a background thread into pinned host buffers; next()
+    starts their non-blocking copy to the device and returns at once, so the next batch is ready while the GPU works.
 
     A few buffer slots rotate between the thread and the caller; the thread refills a slot only after
     the CUDA event recorded behind its copy has fired, so a buffer is never overwritten mid-copy.
     """
 
     def __init__(self, batches, seq_len: int, device: torch.device, slots: int = 4, bigram_rows: int = 0,
-                 packed: int = 1, *, bos: int, token_classes: np.ndarray | None = None):
+                 packed: int = 1, *, bos: int, token_classes: np.ndarray | None = None, sizes=None):
         self.device = device
         self.free, self.ready = queue.Queue(), queue.Queue()
         for _ in range(slots):
@@ -3002,20 +3011,25 @@ class Prefetcher:
                                 token_classes=token_classes))
         self.closed = False
         self.source = batches
-        self.thread = threading.Thread(target=self._fill, args=(batches, packed), daemon=True)
+        sizes = itertools.repeat(packed) if sizes is None else sizes
+        self.thread = threading.Thread(target=self._fill, args=(batches, sizes, packed), daemon=True)
         self.thread.start()
 
-    def _fill(self, batches, packed: int):
+    def _fill(self, batches, sizes, packed: int):
         try:
             windows = iter(batches)
-            # a partial group at the end of the stream is left out, like a stream that ran out
-            for group in zip(*[windows] * packed):
+            for size in sizes:
+                if not 0 < size <= packed:
+                    raise ValueError(f"a forward of {size} micro-batches in slots of {packed}")
+                group = list(itertools.islice(windows, size))
+                if len(group) < size:  # a partial group at the end of the stream is left out, like a stream that ran out
+                    break
                 slot = self.free.get()
                 if slot is None or self.closed:
                     return
                 if slot.copied is not None:
                     slot.copied.synchronize()
-                slot.fill(list(group))
+                slot.fill(group)
                 self.ready.put(slot)
             self.ready.put(StopIteration())
         except BaseException as e:  # handed to the training thread, which raises it
@@ -3028,7 +3042,9 @@ class Prefetcher:
                             "lower --num_iterations, or set --train_repeat=1")
         if isinstance(item, BaseException):
             raise item
-        tensors = (item.inputs, item.targets, item.cu_seqlens, item.bigrams)
+        length = item.length
+        tensors = (item.inputs[:length], item.targets[:length], item.cu_seqlens[: max_documents(length) + 1],
+                   item.bigrams[:length] if item.bigrams is not None else None)
         if self.device.type == "cuda":
             batch = ForwardBatch(*(t.to(self.device, non_blocking=True) if t is not None else None for t in tensors))
             item.copied = torch.cuda.Event()
@@ -3052,11 +3068,12 @@ class Prefetcher:
             self.source.close()
 
 
-def prefetch(windows, cfg: Config, device: torch.device, packed: int) -> Prefetcher:
+def prefetch(windows, cfg: Config, device: torch.device, packed: int, sizes=None) -> Prefetcher:
     """The one way a run loads its batches (training, validation and the warm-up's stand-ins): token windows in,
-    forwards of `packed` micro-batches of the run's length, bigram rows and BOS token out."""
+    forwards of `packed` micro-batches (or of `sizes`' counts in turn, none over `packed`) of the run's length,
+    bigram rows and BOS token out."""
     return Prefetcher(windows, cfg.micro_batch_tokens, device, bigram_rows=cfg.bigram_rows, packed=packed,
-                      bos=cfg.bos_token, token_classes=bigram_token_classes(cfg))
+                      bos=cfg.bos_token, token_classes=bigram_token_classes(cfg), sizes=sizes)
 
 
 def normalized_token_classes(token_bytes: list[bytes], vocab_size: int) -> np.ndarray:
@@ -3216,9 +3233,6 @@ class Schedule:
         if step >= self.total_steps and self.cfg.final_yarn:
             history.append(self.final_windows[1])
         return history
-
-    def all_windows(self) -> list[tuple[int, int]]:
-        return sorted(set(self.stage_windows) | {self.final_windows})
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -3995,24 +4009,35 @@ def dummy_batches(cfg: Config, seed: int):
         yield window
 
 
-def warm_up(model: GPT, optimizers, cfg: Config, comm: Comm, schedule: Schedule, device: torch.device, packed: int):
-    """Run every graph the timed region will need (forward and backward, each window pair, the
-    optimizer step; validation reuses them) on random data, then restore the initial weights and
-    empty the optimizer state. Nothing here is timed.
+def warm_up_forwards(schedule: Schedule, packing: Packing, world_size: int, cuda_graphs: bool) -> dict:
+    """(attention windows, micro-batches per forward) -> forwards per warm-up step, for every pair the timed region
+    meets: each stage's (the extension's included) at the stage's size, each validation's at the validation's size.
+    Under CUDA graphs a pair runs as many forwards per step as the stages that use it, and at least two: a graph is
+    recorded at its second call (the first runs in a warm-up mode); with one, the timed region would record it."""
+    runs = {}
+    last = len(schedule.batches) - 1
+    for stage, windows in enumerate(schedule.stage_windows):
+        size = packing.stages[min(stage, last)]
+        forwards = schedule.batches[min(stage, last)] // world_size // size if cuda_graphs else 1
+        runs[windows, size] = max(runs.get((windows, size), 1), forwards)
+    for step in range(schedule.total_steps + 1):
+        if schedule.validates(step):
+            runs.setdefault((schedule.windows(schedule.validation_step(step)), packing.validation), 1)
+    return {key: max(forwards, 2) if cuda_graphs else forwards for key, forwards in sorted(runs.items())}
 
-    Under CUDA graphs each window pair runs as many forwards per step as the stages that use it, and at
-    least two: a graph is recorded at its second call (the first runs in a warm-up mode); with one, the
-    timed region would record the stage's graphs."""
+
+def warm_up(model: GPT, optimizers, cfg: Config, comm: Comm, schedule: Schedule, device: torch.device,
+            packing: Packing):
+    """Run every graph the timed region will need (forward and backward of each pair of window sizes and forward
+    size, warm_up_forwards; the optimizer step; validation reuses them) on random data, then restore the initial
+    weights and empty the optimizer state. Nothing here is timed."""
     initial = {name: t.detach().clone() for name, t in model.state_dict().items()}
-    forwards = {windows: 1 for windows in schedule.all_windows()}
-    if model.replays_cuda_graphs:
-        for windows, micro_batches in [*zip(schedule.stage_windows, schedule.batches + schedule.batches[-1:]),
-                                       (schedule.final_windows, schedule.batches[-1])]:
-            forwards[windows] = max(forwards[windows], 2, micro_batches // comm.world_size // packed)
-    batches = prefetch(dummy_batches(cfg, seed=cfg.seed + 1 + comm.rank), cfg, device, packed)
+    runs = warm_up_forwards(schedule, packing, comm.world_size, model.replays_cuda_graphs)
+    sizes = [size for (_, size), forwards in runs.items() for _ in range(forwards)]
+    batches = prefetch(dummy_batches(cfg, seed=cfg.seed + 1 + comm.rank), cfg, device, packing.largest, sizes)
     try:
-        for windows in schedule.all_windows():
-            train_step(model, optimizers, batches, windows, forwards=forwards[windows])
+        for (windows, _), forwards in runs.items():
+            train_step(model, optimizers, batches, windows, forwards=forwards)
     finally:
         batches.close()
     model.load_state_dict(initial)
@@ -4038,11 +4063,20 @@ class Trainer:
     schedule: Schedule
     device: torch.device
     recompiles: RecompileWatch
-    packed: int  # micro-batches per forward
+    packing: Packing
+
+    def per_forward(self, step: int) -> int:
+        """Micro-batches in each forward of the step."""
+        return self.packing.stages[min(self.schedule.stage(step), len(self.packing.stages) - 1)]
 
     def forwards(self, step: int, world_size: int) -> int:
         """Forwards this rank runs in the step."""
-        return self.schedule.micro_batches(step) // world_size // self.packed
+        return self.schedule.micro_batches(step) // world_size // self.per_forward(step)
+
+    def forward_sizes(self, start: int, world_size: int):
+        """Micro-batches of each forward from step `start` to the end of the schedule, in order (the loader's)."""
+        for step in range(start, self.schedule.total_steps):
+            yield from [self.per_forward(step)] * self.forwards(step, world_size)
 
 
 # Auto packs up to 8 micro-batches per forward only on a GPU with at least this much memory (GiB): with the default
@@ -4050,26 +4084,55 @@ class Trainer:
 PACK_8_MIN_GIB = 72
 
 
-def resolve_forward_micro_batches(cfg: Config, world_size: int, device_memory_gib: float | None = None) -> int:
-    """--forward_micro_batches, or for 0 the most micro-batches that every stage's and the validation's
-    micro-batches per rank divide into: up to 8 on a GPU of at least PACK_8_MIN_GIB, up to 4 otherwise (default
-    schedule: 8 on one such GPU, 4 on 1 smaller GPU or 2 processes, 2 on 4, 1 on 8). Each doubling makes the
-    steps faster, and the activations grow by about 7 GiB per micro-batch (docs/performance.md)."""
-    per_rank = {f"stage {i}": n // world_size for i, n in enumerate(cfg.stage_batches)}
-    per_rank["validation"] = val_micro_batches_per_rank(cfg, world_size)
-    if cfg.forward_micro_batches == 0:
-        most = 8 if device_memory_gib is not None and device_memory_gib >= PACK_8_MIN_GIB else 4
-        return next(k for k in (8, 4, 2, 1) if k <= most and all(n % k == 0 for n in per_rank.values()))
-    uneven = [f"{name}: {n}" for name, n in per_rank.items() if n % cfg.forward_micro_batches]
-    if cfg.forward_micro_batches < 0 or uneven:
-        raise UserError(f"--forward_micro_batches={cfg.forward_micro_batches} must divide the micro-batches per rank "
-                        f"at {world_size} process(es) ({', '.join(uneven or ['it must be positive'])}); use 0 (auto)")
-    return cfg.forward_micro_batches
+@dataclass(frozen=True)
+class Packing:
+    """Micro-batches per forward: `stages` for each stage of the schedule (the extension takes the last's) and
+    `validation` for the validation's forwards. Each size is a graph of its own; validation takes a training size."""
+    stages: tuple[int, ...]
+    validation: int
+
+    @property
+    def largest(self) -> int:
+        return max(*self.stages, self.validation)
+
+    @property
+    def smallest(self) -> int:
+        return min(*self.stages, self.validation)
+
+    def describe(self) -> str:
+        if len({*self.stages, self.validation}) == 1:
+            return f"{self.validation} micro-batch(es)"
+        return f"{', '.join(map(str, self.stages))} micro-batches by stage ({self.validation} in validation)"
 
 
-def resolve_compile_mode(cfg: Config, device: torch.device, forward_micro_batches: int) -> str:
+def resolve_packing(cfg: Config, world_size: int, device_memory_gib: float | None = None) -> Packing:
+    """--forward_micro_batches in every stage and in validation (it must divide each one's micro-batches per rank),
+    or for 0 per stage the most that divide the stage's micro-batches per rank: up to 8 on a GPU of at least
+    PACK_8_MIN_GIB, up to 4 otherwise (default schedule: 8 in every stage on one such GPU; 2, 4, 6 on 4; 1, 2, 3 on
+    8). Validation takes the largest stage size that divides its micro-batches per rank, so it runs the training's
+    graphs. A stage in one forward makes the step faster than in several smaller ones: 2.4-4.1% per stage at 6
+    micro-batches per rank on 4xH200, where it also cut the host's cost of a step to a third; the activations grow
+    by about 7 GiB per micro-batch (docs/performance.md)."""
+    per_rank = [n // world_size for n in cfg.stage_batches]
+    validation = val_micro_batches_per_rank(cfg, world_size)
+    fixed = cfg.forward_micro_batches
+    if fixed:
+        uneven = [f"stage {i}: {n}" for i, n in enumerate(per_rank) if n % fixed]
+        uneven += [f"validation: {validation}"] if validation % fixed else []
+        if fixed < 0 or uneven:
+            raise UserError(f"--forward_micro_batches={fixed} must divide the micro-batches per rank at {world_size} "
+                            f"process(es) ({', '.join(uneven or ['it must be positive'])}); use 0 (auto)")
+        return Packing(tuple(fixed for _ in per_rank), fixed)
+    most = 8 if device_memory_gib is not None and device_memory_gib >= PACK_8_MIN_GIB else 4
+    stages = tuple(max(k for k in range(1, most + 1) if n % k == 0) for n in per_rank)
+    shared = [k for k in stages if validation % k == 0]
+    return Packing(stages, max(shared) if shared else max(k for k in range(1, most + 1) if validation % k == 0))
+
+
+def resolve_compile_mode(cfg: Config, device: torch.device, packing: Packing) -> str:
     """--compile_mode=auto: reduce-overhead (CUDA graphs) on a GPU where they make the steps faster, else default.
-    - One micro-batch per forward (8 GPUs' size, or --forward_micro_batches=1): the host's launches set the step. On
+    - One micro-batch per forward in any stage (8 GPUs' first stage, or --forward_micro_batches=1): the host's
+      launches set the step, and graphs are taken for every stage (the mode is the whole model's). On
       4xH200 FA3 under graphs took 36% off the last stage against FA3 without them, and was 3-4% faster than flex
       under graphs; the graphs compute the gradients computed without them, with FA3 on one GPU and two ranks, with
       flex on four ranks (bench/graph_check.py), and two ranks under graphs train as without
@@ -4083,7 +4146,7 @@ def resolve_compile_mode(cfg: Config, device: torch.device, forward_micro_batche
         return cfg.compile_mode
     if device.type != "cuda" or cfg.diloco:
         return "default"
-    return "reduce-overhead" if forward_micro_batches == 1 else "default"
+    return "reduce-overhead" if packing.smallest == 1 else "default"
 
 
 def uses_muon_graphs(cfg: Config, device: torch.device, world_size: int) -> bool:
@@ -4104,26 +4167,26 @@ def check_gpu_features(cfg: Config, device: torch.device, kernels: Kernels) -> N
                         f"9.0 or newer: Hopper); {name} has none: pass --fused_mlp=0")
 
 
-def build_model(cfg: Config, comm: Comm, log: RunLog) -> tuple[GPT, torch.device, int]:
+def build_model(cfg: Config, comm: Comm, log: RunLog) -> tuple[GPT, torch.device, Packing]:
     """The model on this rank's device, the same initial weights on every rank; with the micro-batches per forward."""
     device = torch.device("cuda", comm.local_rank) if cfg.device == "cuda" else torch.device("cpu")
     torch.manual_seed(cfg.seed)
     memory_gib = torch.cuda.get_device_properties(device).total_memory / 2 ** 30 if device.type == "cuda" else None
-    packed = resolve_forward_micro_batches(cfg, comm.world_size, memory_gib)
-    attend = make_attention(cfg, device, packed * cfg.micro_batch_tokens)
+    packing = resolve_packing(cfg, comm.world_size, memory_gib)
+    attend = make_attention(cfg, device, packing.largest * cfg.micro_batch_tokens)
     compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     kernels = choose_kernels(cfg, device)
     check_gpu_features(cfg, device, kernels)
     # Built on its device: the tables' random init on a CPU took about 3 s of every start on an H100 machine.
     with device:
-        model = GPT(cfg, attend, compute_dtype, forward_micro_batches=packed, kernels=kernels).to(device)
+        model = GPT(cfg, attend, compute_dtype, forward_micro_batches=packing.largest, kernels=kernels).to(device)
     if comm.distributed:  # same seed gives the same init, but make certain
         for t in model.state_dict().values():
             dist.broadcast(t, 0)
     num_params = sum(p.numel() for p in model.parameters())
     log(f"model: {num_params:,} parameters, attention backend {attend.name}, compute dtype {compute_dtype}, "
-        f"world size {comm.world_size}, {packed} micro-batch(es) of {cfg.micro_batch_tokens} tokens per forward")
-    return model, device, packed
+        f"world size {comm.world_size}, {packing.describe()} of {cfg.micro_batch_tokens} tokens per forward")
+    return model, device, packing
 
 
 def configure_inductor(cfg: Config, device: torch.device) -> None:
@@ -4515,7 +4578,7 @@ class CompileCache:
 FA3_HOST_INT_SOURCES = r"L\['masks'\]\['P?[SL]'\]\[[123]\],L\['mask'\]\[[123]\]"
 
 
-def compile_model(model: GPT, cfg: Config, comm: Comm, device: torch.device) -> tuple[str, str]:
+def compile_model(model: GPT, cfg: Config, comm: Comm, device: torch.device, packing: Packing) -> tuple[str, str]:
     """Wrap the model's forward (or its blocks) in torch.compile as --compile, --compile_scope and --compile_mode
     say; the graphs compile at the first calls. Returns the scope and mode chosen."""
     scope = cfg.compile_scope
@@ -4523,7 +4586,7 @@ def compile_model(model: GPT, cfg: Config, comm: Comm, device: torch.device) -> 
         # The one whole-model graph makes faster steps than a graph per block (fewer launches from the
         # host, fusion across blocks), for a longer cold compile (docs/performance.md).
         scope = "whole"
-    compile_mode = resolve_compile_mode(cfg, device, model.forward_micro_batches)
+    compile_mode = resolve_compile_mode(cfg, device, packing)
     mode = None if compile_mode == "default" else compile_mode
     model.replays_cuda_graphs = cfg.compile and compile_mode in CUDA_GRAPH_MODES
     if cfg.compile and isinstance(model.attend, FlashAttention3):
@@ -4546,7 +4609,7 @@ def compile_model(model: GPT, cfg: Config, comm: Comm, device: torch.device) -> 
 
 def build_and_warm_up(cfg: Config, comm: Comm, log: RunLog) -> Trainer:
     """Model, optimizers and every compiled graph, with the compile time logged; nothing here is timed."""
-    model, device, packed = build_model(cfg, comm, log)
+    model, device, packing = build_model(cfg, comm, log)
     schedule = Schedule(cfg)
     # Untimed warm-up: compile and tune every kernel, then start over from the same weights.
     start = time.perf_counter()
@@ -4556,13 +4619,14 @@ def build_and_warm_up(cfg: Config, comm: Comm, log: RunLog) -> Trainer:
     cache = CompileCache(cfg.compile_cache, log, comm) if cfg.compile and cfg.compile_cache else None
     if cache is not None:
         cache.load()
-    scope, compile_mode = compile_model(model, cfg, comm, device)
+    scope, compile_mode = compile_model(model, cfg, comm, device, packing)
     caches, jit = CompileCacheWatch(), TritonJitWatch()
     try:
-        warm_up(model, optimizers, cfg, comm, schedule, device, packed)
+        warm_up(model, optimizers, cfg, comm, schedule, device, packing)
     except torch.OutOfMemoryError as e:
-        raise UserError(f"out of GPU memory in the warm-up, with {packed} micro-batch(es) of {cfg.micro_batch_tokens} "
-                        f"tokens per forward ({str(e).splitlines()[0]}): lower --forward_micro_batches or "
+        raise UserError(f"out of GPU memory in the warm-up, with up to {packing.largest} micro-batch(es) of "
+                        f"{cfg.micro_batch_tokens} tokens per forward ({str(e).splitlines()[0]}): lower "
+                        "--forward_micro_batches or "
                         "--micro_batch_tokens") from None
     finally:
         caches.close()
@@ -4580,7 +4644,7 @@ def build_and_warm_up(cfg: Config, comm: Comm, log: RunLog) -> Trainer:
             + f"; phases: {compile_phase_times()}; {jit.summary()}")
     if cache is not None:
         cache.save(jit.names, caches.counts())
-    return Trainer(model, optimizers, schedule, device, recompiles, packed)
+    return Trainer(model, optimizers, schedule, device, recompiles, packing)
 
 
 def train(cfg: Config, comm: Comm, log: RunLog) -> TrainResult:
@@ -4732,7 +4796,8 @@ class TrainingRun:
 
         skip = self.schedule.micro_batches_before(step) // comm.world_size
         windows = drop(skip, train_batches_for_rank(self.train_paths, cfg, comm, note_new_pass))
-        return prefetch(windows, cfg, self.device, self.trainer.packed)
+        return prefetch(windows, cfg, self.device, self.trainer.packing.largest,
+                        self.trainer.forward_sizes(step, comm.world_size))
 
     def synchronize(self):
         if self.device.type == "cuda":
@@ -4803,7 +4868,7 @@ class TrainingRun:
             self.model.set_mtp_weights([1.0])
         self.follow_window_history(seen)
         val_loss = evaluate(self.model, self.cfg, self.comm, self.val_paths, self.schedule.windows(seen), self.device,
-                            self.trainer.packed)
+                            self.trainer.packing.validation)
         self.val_losses.append((step, val_loss))
         recent = self.watch.losses[self.reported:]  # training loss since the previous validation
         self.reported = len(self.watch.losses)
@@ -4881,11 +4946,11 @@ def evaluate_checkpoint(cfg: Config, comm: Comm, log: RunLog) -> float:
     checkpoint = read_checkpoint(cfg.init_from, "init_from")
     check_same_model(checkpoint, cfg, "init_from")
     val_paths = shard_paths(cfg.val_files, "val_files")
-    model, device, packed = build_model(cfg, comm, log)
+    model, device, packing = build_model(cfg, comm, log)
     load_checkpoint_weights(model, checkpoint)
-    compile_model(model, cfg, comm, device)
+    compile_model(model, cfg, comm, device, packing)
     windows = set_up_as_validated(model, checkpoint)
-    val_loss = evaluate(model, cfg, comm, val_paths, windows, device, packed)
+    val_loss = evaluate(model, cfg, comm, val_paths, windows, device, packing.validation)
     log(f"eval_only: {cfg.init_from} at step {checkpoint['step']} val_loss:{val_loss:.4f} "
         f"({cfg.val_tokens} tokens of {cfg.val_files})")
     return val_loss

@@ -318,13 +318,13 @@ def main() -> int:
         if same_data:
             source += ", every rank reading rank 0's micro-batches (BENCH_SAME_DATA)"
         say(f"data: {source}")
-        batches = tg.prefetch(data, cfg, device, trainer.packed)
+        batches = None  # each stage's own loader, at its micro-batches per forward, over the one stream of windows
         peak = peak_flops(device)
         cuda = device.type == "cuda"  # the CPU runs it too, as a smoke test of this script
         synchronize = torch.cuda.synchronize if cuda else (lambda: None)
         if cuda and os.environ.get("BENCH_SYNC_DEBUG") == "1":
             torch.cuda.set_sync_debug_mode("warn")
-        say(f"{trainer.packed} micro-batch(es) of {cfg.micro_batch_tokens} tokens per forward")
+        say(f"{trainer.packing.describe()} of {cfg.micro_batch_tokens} tokens per forward")
         say(f"{'stage':>5} {'micro':>5} {'windows':>11} {'step ms':>8} {'max/med':>7} {'tok/s':>10} {'MFU':>6}  "
             "phase split (ms per step)")
         losses = []  # every step's loss (rank's own micro-batches): the bench times steps, the losses say they learn
@@ -333,6 +333,10 @@ def main() -> int:
                 step = next(s for s in range(cfg.num_iterations) if schedule.stage(s) == stage)  # its first step
                 windows, micro = schedule.windows(step), schedule.micro_batches(step) // comm.world_size
                 forwards = trainer.forwards(step, comm.world_size)
+                if batches is not None:
+                    batches.close()
+                # a generator of its own over `data`, which closing this stage's loader leaves open
+                batches = tg.prefetch((window for window in data), cfg, device, trainer.per_forward(step))
                 # The timed steps run back to back, as in training (the host queues step n + 1 while the GPU
                 # runs step n), and are timed by CUDA events at each step's start: a step's time is the GPU's
                 # from its start to the next one's, idle waiting for the host included. (Until 2026-11-24 each
@@ -424,7 +428,10 @@ def main() -> int:
                             other = json.loads(trace.with_name(f"bench_trace_{rank}.json").read_text())
                             print(f"  rank {rank}: {rank_communication(other, profiled_steps)}", flush=True)
         finally:
-            batches.close()
+            if batches is not None:
+                batches.close()
+            if hasattr(data, "close"):
+                data.close()
             gc.unfreeze()
         return 0
     except tg.UserError as e:

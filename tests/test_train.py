@@ -349,6 +349,24 @@ def test_prefetcher_delivers_every_window_intact(tmp_path):
         assert torch.equal(b.targets, torch.from_numpy(w[1:].astype(np.int64)))
         assert b.cu_seqlens[:5].tolist() == [0, 50, 51, 128, 128]
     batches.close()
+    # forwards of differing counts (a stage each): each holds its windows in order, its own length's document
+    # starts (a short forward after a long one in the same slot shows no stale tokens), and its bigram rows only
+    sizes = [3, 1, 2, 3, 1, 2]
+    batches = tg.Prefetcher(iter(windows), 128, torch.device("cpu"), slots=2, bos=BOS, packed=3, sizes=sizes,
+                            bigram_rows=4096)
+    taken = 0
+    for size in sizes:
+        b = batches.next()
+        ours = windows[taken: taken + size]
+        taken += size
+        assert torch.equal(b.inputs, torch.from_numpy(np.concatenate([w[:-1] for w in ours]).astype(np.int32)))
+        assert torch.equal(b.targets, torch.from_numpy(np.concatenate([w[1:] for w in ours]).astype(np.int64)))
+        assert len(b.cu_seqlens) == tg.max_documents(128 * size) + 1
+        starts = [s + 128 * i for i in range(size) for s in (0, 50, 51)]
+        assert b.cu_seqlens.tolist() == starts + [128 * size] * (len(b.cu_seqlens) - len(starts))
+        assert b.documents == len(starts)
+        assert b.bigram_rows_used.tolist() == np.unique(b.bigrams.numpy()).tolist()
+    batches.close()
 
 
 # ------------------------------------------------------------------------------------------- attention
@@ -441,6 +459,23 @@ def test_flex_masks_keep_their_tensors_across_micro_batches():
         assert [t.data_ptr() for t in flex._mask_tensors(second[kind])] == addresses[kind]
         for ours, reference in zip(flex._mask_tensors(second[kind]), flex._mask_tensors(fresh[kind])):
             assert torch.equal(ours, reference)
+
+
+def test_flex_masks_of_another_length_are_that_lengths_own():
+    """A forward of another length (a stage that packs another number of micro-batches) gets masks of its own
+    length, equal to those of a FlexAttention made for it, and the first length's masks keep their tensors."""
+    flex = tg.FlexAttention(512, torch.device("cpu"))
+    short = random_attention_inputs(T=512, seed=4)[0]
+    first = flex.prepare(short.numel(), cu_seqlens_of(short, BOS), {"S": 100})["S"]
+    addresses = [t.data_ptr() for t in flex._mask_tensors(first)]
+    long = random_attention_inputs(T=1024, seed=5)[0]
+    ours = flex.prepare(long.numel(), cu_seqlens_of(long, BOS), {"S": 200})["S"]
+    fresh = tg.FlexAttention(1024, torch.device("cpu")).prepare(long.numel(), cu_seqlens_of(long, BOS), {"S": 200})["S"]
+    assert ours.seq_lengths == (1024, 1024)
+    for mine, reference in zip(flex._mask_tensors(ours), flex._mask_tensors(fresh)):
+        assert torch.equal(mine, reference)
+    again = flex.prepare(short.numel(), cu_seqlens_of(short, BOS), {"S": 100})["S"]
+    assert [t.data_ptr() for t in flex._mask_tensors(again)] == addresses
 
 
 def test_flex_needs_whole_blocks():
@@ -879,7 +914,14 @@ def test_scheduled_steps_then_extension_steps():
     # validation scores the model with the windows it was trained with up to then; the last with final_windows
     assert [s.windows(s.validation_step(step)) for step in (0, 160, 480, 520)] == [(128, 384), (128, 384),
                                                                                   (640, 1408), (768, 2560)]
-    assert s.all_windows() == [(128, 384), (384, 896), (640, 1408), (768, 1664), (768, 2560)]
+    # the warm-up runs each pair of windows at each forward size the timed region meets: one size on one GPU, and
+    # at 8 ranks 1, 2, 3 micro-batches per forward by stage and 2 in validation, each twice under CUDA graphs
+    assert tg.warm_up_forwards(s, tg.Packing((8, 8, 8), 8), 1, cuda_graphs=False) == {
+        ((128, 384), 8): 1, ((384, 896), 8): 1, ((640, 1408), 8): 1, ((768, 1664), 8): 1, ((768, 2560), 8): 1}
+    assert tg.warm_up_forwards(s, tg.Packing((1, 2, 3), 2), 8, cuda_graphs=True) == {
+        ((128, 384), 1): 2, ((128, 384), 2): 2, ((384, 896), 2): 2, ((640, 1408), 2): 2, ((640, 1408), 3): 2,
+        ((768, 1664), 3): 2, ((768, 2560), 2): 2}
+    assert tg.warm_up_forwards(s, tg.Packing((1, 1, 1), 1), 8, cuda_graphs=True)[(640, 1408), 1] == 3
     with pytest.raises(tg.UserError, match="--extension_steps=-1 must be 0 or more"):
         tg.parse_cli(["--preset=tiny", "--extension_steps=-1"])
 
@@ -968,7 +1010,7 @@ def test_warm_up_restores_the_initial_model(tiny_data):
     model.lm_head.weight.data.normal_()  # non-zero head, so the warm-up's steps change every weight
     before = {k: v.clone() for k, v in model.state_dict().items()}
     optimizers = tg.build_optimizers(model, cfg)
-    tg.warm_up(model, optimizers, cfg, tg.Comm(), tg.Schedule(cfg), torch.device("cpu"), packed=1)
+    tg.warm_up(model, optimizers, cfg, tg.Comm(), tg.Schedule(cfg), torch.device("cpu"), tg.Packing((1, 1, 1), 1))
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert all(p.grad is None for p in model.parameters())
     assert all(not opt.state for opt in optimizers)
@@ -1249,8 +1291,8 @@ def test_every_reduce_scatter_is_on_the_wire_before_the_optimizers_step(tiny_dat
 
 def test_packed_forwards_train_as_separate_ones(tiny_data, tmp_path):
     """Micro-batches packed into one forward (--forward_micro_batches; auto packs up to 4, or 8 on a large GPU,
-    where the counts allow) give the training and validation losses of one forward each, at 1 process and at 2,
-    and the logs say how many were packed. Validation chunks do not start at a BOS: packed, each must still see only its own
+    per stage as the counts allow) give the training and validation losses of one forward each, at 1 process, at 2
+    and at 4 with a different size by stage, and the logs say how many were packed. Validation chunks do not start at a BOS: packed, each must still see only its own
     tokens."""
     cfg = tiny_config(*tiny_data, num_iterations=3, val_loss_every=3, log_dir=str(tmp_path), micro_batch_tokens=128)
     results = {}
@@ -1261,12 +1303,22 @@ def test_packed_forwards_train_as_separate_ones(tiny_data, tmp_path):
         assert f"{packed} micro-batch(es) of 128 tokens per forward" in log
     two = run_on_ranks(_train_and_validate_on_rank, 2, dataclasses.replace(cfg, forward_micro_batches=0, run_id="two"))
     assert "world size 2, 4 micro-batch(es) of 128 tokens per forward" in (tmp_path / "two.txt").read_text()
-    separate = results[1]
-    assert len(separate.train_losses) == 3 and len(separate.val_losses) == 2
-    for train_losses, val_losses in [(r.train_losses, r.val_losses) for r in (results[2], results[4])] + [two[0]]:
-        np.testing.assert_allclose(train_losses, separate.train_losses, rtol=1e-5)
-        assert [step for step, _ in val_losses] == [step for step, _ in separate.val_losses]
-        np.testing.assert_allclose([v for _, v in val_losses], [v for _, v in separate.val_losses], rtol=1e-5)
+    # at 4 ranks auto packs each stage as its micro-batches per rank allow, 2, 2 and 3 (of 2, 2 and 6), and the
+    # validation's 4 at 2, a training size
+    mixed = dataclasses.replace(cfg, batch_schedule="8,8,24")
+    one_each = tg.train(dataclasses.replace(mixed, run_id="one_each"), tg.Comm(), tg.RunLog(mixed, tg.Comm()))
+    four = run_on_ranks(_train_and_validate_on_rank, 4, dataclasses.replace(mixed, forward_micro_batches=0,
+                                                                             run_id="four"))
+    assert ("world size 4, 2, 2, 3 micro-batches by stage (2 in validation) of 128 tokens per forward"
+            in (tmp_path / "four.txt").read_text())
+    runs = [(results[1], [(r.train_losses, r.val_losses) for r in (results[2], results[4])] + [two[0]]),
+            (one_each, [four[0]])]
+    for separate, packed_runs in runs:
+        assert len(separate.train_losses) == 3 and len(separate.val_losses) == 2
+        for train_losses, val_losses in packed_runs:
+            np.testing.assert_allclose(train_losses, separate.train_losses, rtol=1e-5)
+            assert [step for step, _ in val_losses] == [step for step, _ in separate.val_losses]
+            np.testing.assert_allclose([v for _, v in val_losses], [v for _, v in separate.val_losses], rtol=1e-5)
 
 
 @pytest.mark.parametrize("extras", [{}, tg.PLAIN, dict(paired_head_layers="0,1"),
@@ -1309,17 +1361,28 @@ def _train_and_validate_on_rank(rank, world_size, cfg):
     return result.train_losses, result.val_losses
 
 
-def test_forward_micro_batches_must_divide_the_counts(tiny_data):
+def test_forward_micro_batches_must_divide_the_counts_and_auto_packs_each_stage(tiny_data):
     cfg = tiny_config(*tiny_data, forward_micro_batches=3)
     with pytest.raises(tg.UserError, match=r"--forward_micro_batches=3 must divide the micro-batches per rank at 1 "
                                            r"process\(es\) \(stage 0: 8, stage 1: 8, stage 2: 16, validation: 8\)"):
-        tg.resolve_forward_micro_batches(cfg, 1)
+        tg.resolve_packing(cfg, 1)
+    assert tg.resolve_packing(dataclasses.replace(cfg, forward_micro_batches=2), 2) == tg.Packing((2, 2, 2), 2)
     auto = dataclasses.replace(cfg, forward_micro_batches=0)
-    assert tg.resolve_forward_micro_batches(auto, 1) == 4  # no GPU memory known: up to 4
-    assert tg.resolve_forward_micro_batches(auto, 1, device_memory_gib=40.0) == 4
-    assert tg.resolve_forward_micro_batches(auto, 1, device_memory_gib=79.6) == 8  # an 80 GB H100
-    assert tg.resolve_forward_micro_batches(auto, 2, device_memory_gib=79.6) == 4  # stage 0 has 4 per rank
-    assert tg.resolve_forward_micro_batches(dataclasses.replace(auto, batch_schedule="8,8,24"), 8) == 1
+    assert tg.resolve_packing(auto, 1) == tg.Packing((4, 4, 4), 4)  # no GPU memory known: up to 4
+    assert tg.resolve_packing(auto, 1, device_memory_gib=40.0) == tg.Packing((4, 4, 4), 4)
+    assert tg.resolve_packing(auto, 1, device_memory_gib=79.6) == tg.Packing((8, 8, 8), 8)  # an 80 GB H100
+    assert tg.resolve_packing(auto, 2, device_memory_gib=79.6) == tg.Packing((4, 4, 8), 4)  # 4, 4, 8 per rank
+    # the default schedule (8, 16, 24) on 4 and on 8 GPUs: each stage in one forward; validation (bench2's 128
+    # micro-batches) at the largest stage size that divides its share, so it runs a training graph
+    default = dataclasses.replace(auto, batch_schedule="8,16,24", val_tokens=128 * auto.micro_batch_tokens)
+    assert tg.resolve_packing(default, 4, device_memory_gib=79.6) == tg.Packing((2, 4, 6), 4)
+    assert tg.resolve_packing(default, 8, device_memory_gib=79.6) == tg.Packing((1, 2, 3), 2)
+    assert tg.resolve_packing(default, 8, device_memory_gib=79.6).describe() == (
+        "1, 2, 3 micro-batches by stage (2 in validation)")
+    # no stage size divides the validation's 5 per rank: its own, the most that does
+    odd = dataclasses.replace(default, val_tokens=20 * auto.micro_batch_tokens)
+    assert tg.resolve_packing(odd, 4, device_memory_gib=79.6) == tg.Packing((2, 4, 6), 5)
+    assert tg.resolve_packing(odd, 4) == tg.Packing((2, 4, 3), 1)
 
 
 def test_out_of_memory_in_the_warm_up_names_the_flags(tiny_data, tmp_path, monkeypatch, capsys):
@@ -1330,7 +1393,7 @@ def test_out_of_memory_in_the_warm_up_names_the_flags(tiny_data, tmp_path, monke
     assert tg.main(["--device=cpu", *TINY, f"--train_files={train}", f"--val_files={val}",
                     f"--log_dir={tmp_path}", "--forward_micro_batches=0"]) == 1
     assert capsys.readouterr().err.strip() == (
-        "error: out of GPU memory in the warm-up, with 4 micro-batch(es) of 256 tokens per forward (CUDA out of "
+        "error: out of GPU memory in the warm-up, with up to 4 micro-batch(es) of 256 tokens per forward (CUDA out of "
         "memory. Tried to allocate 2.00 GiB): lower --forward_micro_batches or --micro_batch_tokens")
 
 
@@ -1468,17 +1531,19 @@ def test_every_parameter_reaches_the_loss(tiny_data):
 
 
 def test_auto_compile_mode_uses_cuda_graphs_where_they_paid(tiny_data):
-    """CUDA graphs at one micro-batch per forward on a GPU, with any attention; never at bigger forwards, on a CPU or
-    under DiLoCo; an explicit mode as asked."""
+    """CUDA graphs on a GPU where a stage runs one micro-batch per forward (all of the run then), with any attention;
+    never where every forward is bigger, on a CPU or under DiLoCo; an explicit mode as asked."""
     cfg = tiny_config(*tiny_data)
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     assert cfg.compile_mode == "auto"
 
     def mode(packed, config=cfg, device=cuda):
-        return tg.resolve_compile_mode(config, device, packed)
+        return tg.resolve_compile_mode(config, device, tg.Packing((packed,) * 3, packed))
 
     assert mode(1) == "reduce-overhead"
+    assert tg.resolve_compile_mode(cfg, cuda, tg.Packing((1, 2, 3), 2)) == "reduce-overhead"  # 8 GPUs' stages
     assert mode(2) == mode(8) == "default"
+    assert tg.resolve_compile_mode(cfg, cuda, tg.Packing((2, 4, 6), 4)) == "default"  # 4 GPUs' stages
     assert mode(1, device=cpu) == "default"
     assert mode(1, config=dataclasses.replace(cfg, diloco=True)) == "default"
     assert mode(1, config=dataclasses.replace(cfg, attn_backend="fa3")) == "reduce-overhead"
@@ -1499,7 +1564,8 @@ def test_fa3_under_cuda_graphs_is_taken_and_auto_takes_graphs_with_fa3_at_one_mi
     cuda = torch.device("cuda", 0)
 
     def replays(config, device, packed):  # as compile_model marks the model
-        return config.compile and tg.resolve_compile_mode(config, device, packed) in tg.CUDA_GRAPH_MODES
+        packing = tg.Packing((packed,) * 3, packed)
+        return config.compile and tg.resolve_compile_mode(config, device, packing) in tg.CUDA_GRAPH_MODES
 
     assert replays(cfg, cuda, 2)
     auto = dataclasses.replace(cfg, compile_mode="auto")
