@@ -27,7 +27,8 @@
 #    DiLoCo with 2 replicas of one GPU each (8/16/24 each; a lighthouse on this machine, torchft from .whl/) and the
 #    default outer step: final validation loss of each, wall time, syncs, replica digests.
 # "bench" runs step 1 only; "diloco" step 2 only (its DiLoCo runs are skipped when torchft does not import);
-# "record" only the full default run at world size N on bench2 (validation every 250 steps), its log in $OUT.
+# "record" only the full default run at world size N on bench2 (validation every 250 steps; FA3 when .fa3 or .fa3src
+# is carried), its log in $OUT.
 # FLAGS="..." adds train_gpt.py flags to every bench and to the record run (e.g. FLAGS="--preset=record_2026_02").
 # Expects .bench2/*.bin.xz (copies of ../shared/bench2) and, for DiLoCo, .whl/ (torchft and its dependencies for
 # py3.12: pip download torchft==0.2.0 -d .whl --python-version 3.12 --only-binary=:all:
@@ -45,7 +46,8 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 nproc=${NPROC:-$(nvidia-smi -L | grep -c "^GPU")}
 read -ra flags <<< "${FLAGS:-}"
 fa3_build_pid=
-if [[ " ${BENCHES:-} " == *" fa3"* || "${FLAGS:-}" == *"=fa3"* ]]; then
+# the record run loads FA3 whenever it is carried, as --attn_backend=auto takes it where it imports
+if [[ " ${BENCHES:-} " == *" fa3"* || "${FLAGS:-}" == *"=fa3"* || "$what" = record ]]; then
     if [ -d .fa3 ]; then
         source bench/fa3_build.sh site
     elif [ -d .fa3src ]; then  # no build carried: build it now, on half the cores, while the ranks test runs
