@@ -22,7 +22,8 @@ BENCH_SAME_DATA=1 gives every rank rank 0's micro-batches: against the usual run
 Then two torch.profiler windows over the last stage (GPU only, then host and GPU): GPU time by kind of
 kernel, idle gaps split into host-late and not, the host ops the GPU waited on, the longest kernels; on several
 GPUs also one line per rank: its NCCL kernel time by collective and kernel name, and its idle GPU time
-(collectives that take one rank far longer than another are mostly spent waiting for the late ranks).
+(collectives that take one rank far longer than another are mostly spent waiting for the late ranks), and the order
+rank 0 launched its collectives in, with what each carried (collective_order).
 Real text from --train_files when it matches, else random tokens.
 
 MFU counts 6 FLOPs per parameter per token for the matrices the tokens pass through (blocks and the
@@ -218,6 +219,37 @@ def rank_communication(trace: dict, steps: int) -> str:
             f"GPU idle {idle / 1000 / steps:.2f} ms")
 
 
+# torch.distributed's ops as the profiler names them (with record_shapes: their tensors' dims), short names
+C10D_COLLECTIVES = {"c10d::_reduce_scatter_base_": "RS", "c10d::reduce_scatter_tensor_coalesced_": "RS",
+                    "c10d::_allgather_base_": "AG", "c10d::allgather_into_tensor_coalesced_": "AG",
+                    "c10d::alltoall_base_": "A2A", "c10d::allreduce_": "AR", "c10d::broadcast_": "BC"}
+
+
+def collective_order(trace: dict, limit: int = 40) -> str:
+    """The collectives a rank launched in the profiled steps, in launch order (NCCL runs one communicator's in that
+    order): kind, the elements and dims of the larger tensor, its dtype; a Muon group is a 3-D stack of matrices,
+    an Adam bucket or table a flat vector, the bigram table's rows 2-D, the row counts' exchange (gloo) a few
+    elements. A long collective queued before a Muon group's reduce-scatter delays Muon's compute behind it.
+    Needs a trace recorded with record_shapes."""
+    launches = sorted((e for e in trace["traceEvents"] if e.get("name") in C10D_COLLECTIVES and e.get("ph") == "X"),
+                      key=lambda e: e["ts"])
+    parts = []
+    for e in launches[:limit]:
+        args = e.get("args", {})
+        tensors = [(math.prod(dims), dims, dtype) for dims, dtype in zip(args.get("Input Dims", []),
+                                                                          args.get("Input type", []))
+                   if dims and all(isinstance(d, int) for d in dims)]
+        if not tensors:
+            parts.append(C10D_COLLECTIVES[e["name"]])
+            continue
+        count, dims, dtype = max(tensors, key=lambda t: t[0])
+        size = f"{count / 1e6:.1f}M" if count >= 1e5 else f"{count}"
+        shape = f" {'x'.join(map(str, dims))}" if len(dims) > 1 else ""
+        parts.append(f"{C10D_COLLECTIVES[e['name']]} {size}{shape} {dtype}")
+    more = f", and {len(launches) - limit} more" if len(launches) > limit else ""
+    return f"collectives in launch order: {', '.join(parts) or 'none'}{more}"
+
+
 def ranks_alone(rows: list[dict[str, float]]) -> str:
     """Each rank's medians of what it spends on its own, one line: its GPU's forward and backward and its host's cost
     of a step issued to an idle GPU (HostCost), then the slowest rank less the fastest. The ranks meet at the
@@ -405,8 +437,9 @@ def main() -> int:
             from torch.profiler import ProfilerActivity, profile
             # Twice: GPU activity only (little host overhead, so the idle time is close to the real one), then
             # with host ops too, to name the host work the GPU waited on (the profiler slows the host down).
+            # The second records the tensors' shapes too: collective_order names what each collective carries.
             for activities, profiled_steps in (([ProfilerActivity.CUDA], 2), ([ProfilerActivity.CPU, ProfilerActivity.CUDA], 1)):
-                with profile(activities=activities) as prof:
+                with profile(activities=activities, record_shapes=len(activities) > 1) as prof:
                     torch.cuda.synchronize()
                     clock = time.perf_counter()
                     for _ in range(profiled_steps):
@@ -419,8 +452,11 @@ def main() -> int:
                 trace = Path(os.environ.get("BENCH_TRACE_DIR", "/tmp")) / f"bench_trace_{comm.rank}.json"
                 prof.export_chrome_trace(str(trace))
                 if comm.is_main:
-                    for line in trace_summary(json.loads(trace.read_text()), profiled_steps):
+                    ours = json.loads(trace.read_text())
+                    for line in trace_summary(ours, profiled_steps):
                         print("  " + line, flush=True)
+                    if comm.distributed and len(activities) > 1:
+                        print(f"  rank 0's {collective_order(ours)}", flush=True)
                 if comm.distributed:  # each rank's collectives, read from the traces every rank wrote beside rank 0's
                     torch.distributed.barrier()
                     if comm.is_main:

@@ -2,6 +2,7 @@
 fresh runs."""
 import contextlib
 import inspect
+import json
 import os
 import re
 import shutil
@@ -11,8 +12,9 @@ import types
 import zipfile
 
 import pytest
+import torch
 
-from helpers import REPO, TINY
+from helpers import REPO, TINY, run_on_ranks
 
 VAL = re.compile(r"^step:1/1 val_loss:(\S+)", re.M)
 CHECKSUM = re.compile(r"^final weights: float64 sum (\S+), sum of squares (\S+)$", re.M)
@@ -636,6 +638,37 @@ def test_bench_step_names_the_rank_that_holds_the_others_back():
     line = bench_step.ranks_alone([dict(gpu=50.4, host=46.0), dict(gpu=51.0, host=62.5), dict(gpu=50.1, host=47.25)])
     assert "rank 0 50.4 / 46.0, rank 1 51.0 / 62.5, rank 2 50.1 / 47.2;" in line
     assert line.endswith("slowest less fastest 0.9 / 16.5")
+
+
+def _profiled_collectives_on_rank(rank, world_size):
+    """A profile (host, with record_shapes, as the bench's second) of the collectives a step of the optimizers
+    launches: a Muon group's reduce-scatter (a 3-D stack), a bucket's, an all-to-all of rows and an all-gather."""
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        dist.reduce_scatter_tensor(torch.empty(2, 3, 4), torch.ones(4, 3, 4))
+        dist.reduce_scatter_tensor(torch.empty(6), torch.ones(12))
+        dist.all_to_all_single(torch.empty(4, 5), torch.ones(4, 5))
+        dist.all_gather_into_tensor(torch.empty(12), torch.ones(6))
+    path = f"{os.environ.get('TMPDIR', '/tmp')}/collective_order_{os.getpid()}.json"
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        trace = json.load(f)
+    os.remove(path)
+    return trace
+
+
+def test_bench_step_lists_the_collectives_in_launch_order():
+    """bench/bench_step.py prints the order rank 0 launched its collectives in, with what each carried (a Muon
+    group's 3-D stack, a flat bucket), from a real profile of gloo collectives at two ranks."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bench_step", REPO / "bench/bench_step.py")
+    bench_step = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_step)
+    trace = run_on_ranks(_profiled_collectives_on_rank, 2)[0]
+    assert bench_step.collective_order(trace) == (
+        "collectives in launch order: RS 48 4x3x4 float, RS 12 float, A2A 20 4x5 float, AG 12 float")
+    assert bench_step.collective_order(trace, limit=1) == "collectives in launch order: RS 48 4x3x4 float, and 3 more"
 
 
 def test_attention_balance_counts_window_pairs_and_the_busiest_rank():
