@@ -4017,7 +4017,7 @@ def warm_up_forwards(schedule: Schedule, packing: Packing, world_size: int, cuda
     runs = {}
     last = len(schedule.batches) - 1
     for stage, windows in enumerate(schedule.stage_windows):
-        size = packing.stages[min(stage, last)]
+        size = packing.for_stage(stage)
         forwards = schedule.batches[min(stage, last)] // world_size // size if cuda_graphs else 1
         runs[windows, size] = max(runs.get((windows, size), 1), forwards)
     for step in range(schedule.total_steps + 1):
@@ -4067,7 +4067,7 @@ class Trainer:
 
     def per_forward(self, step: int) -> int:
         """Micro-batches in each forward of the step."""
-        return self.packing.stages[min(self.schedule.stage(step), len(self.packing.stages) - 1)]
+        return self.packing.for_stage(self.schedule.stage(step))
 
     def forwards(self, step: int, world_size: int) -> int:
         """Forwards this rank runs in the step."""
@@ -4099,6 +4099,10 @@ class Packing:
     def smallest(self) -> int:
         return min(*self.stages, self.validation)
 
+    def for_stage(self, stage: int) -> int:
+        """The size of a stage's forwards; the extension (Schedule.stage's stage after the last) takes the last's."""
+        return self.stages[min(stage, len(self.stages) - 1)]
+
     def describe(self) -> str:
         if len({*self.stages, self.validation}) == 1:
             return f"{self.validation} micro-batch(es)"
@@ -4124,9 +4128,12 @@ def resolve_packing(cfg: Config, world_size: int, device_memory_gib: float | Non
                             f"process(es) ({', '.join(uneven or ['it must be positive'])}); use 0 (auto)")
         return Packing(tuple(fixed for _ in per_rank), fixed)
     most = 8 if device_memory_gib is not None and device_memory_gib >= PACK_8_MIN_GIB else 4
-    stages = tuple(max(k for k in range(1, most + 1) if n % k == 0) for n in per_rank)
+
+    def most_that_divide(n: int) -> int:
+        return max(k for k in range(1, most + 1) if n % k == 0)
+    stages = tuple(most_that_divide(n) for n in per_rank)
     shared = [k for k in stages if validation % k == 0]
-    return Packing(stages, max(shared) if shared else max(k for k in range(1, most + 1) if validation % k == 0))
+    return Packing(stages, max(shared) if shared else most_that_divide(validation))
 
 
 def resolve_compile_mode(cfg: Config, device: torch.device, packing: Packing) -> str:
