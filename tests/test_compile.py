@@ -14,7 +14,7 @@ import zipfile
 import pytest
 import torch
 
-from helpers import REPO, TINY, run_on_ranks
+from helpers import REPO, TINY, load_script, run_on_ranks
 
 VAL = re.compile(r"^step:1/1 val_loss:(\S+)", re.M)
 CHECKSUM = re.compile(r"^final weights: float64 sum (\S+), sum of squares (\S+)$", re.M)
@@ -605,12 +605,7 @@ def test_autotune_probe_names_each_lookup_and_why_a_miss_missed(monkeypatch, tmp
 def test_graph_check_finds_no_difference_between_repeats_and_one_between_seeds(tiny_data, tmp_path):
     """bench/graph_check.py (gradients of the same steps under two compile settings, on a GPU): two dumps of one
     setting agree in every loss and gradient on the CPU; a dump from other initial weights differs in each."""
-    import importlib.util
-
-    import torch
-    spec = importlib.util.spec_from_file_location("graph_check", REPO / "bench/graph_check.py")
-    graph_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(graph_check)
+    graph_check = load_script("bench/graph_check.py")
     train, val = tiny_data
     flags = ["--device=cpu", *TINY, f"--train_files={train}", f"--val_files={val}", f"--log_dir={tmp_path}"]
     dumps = {}
@@ -631,10 +626,7 @@ def test_bench_step_names_the_rank_that_holds_the_others_back():
     """bench/bench_step.py on several GPUs prints what each rank spends on its own (its GPU's forward and backward,
     its host's cost with an idle GPU) and the slowest less the fastest of each: where one rank runs late, the others'
     wait is in the optimizers' phases of rank 0's split, not here."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("bench_step", REPO / "bench/bench_step.py")
-    bench_step = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench_step)
+    bench_step = load_script("bench/bench_step.py")
     line = bench_step.ranks_alone([dict(gpu=50.4, host=46.0), dict(gpu=51.0, host=62.5), dict(gpu=50.1, host=47.25)])
     assert "rank 0 50.4 / 46.0, rank 1 51.0 / 62.5, rank 2 50.1 / 47.2;" in line
     assert line.endswith("slowest less fastest 0.9 / 16.5")
@@ -661,10 +653,7 @@ def _profiled_collectives_on_rank(rank, world_size):
 def test_bench_step_lists_the_collectives_in_launch_order():
     """bench/bench_step.py prints the order rank 0 launched its collectives in, with what each carried (a Muon
     group's 3-D stack, a flat bucket), from a real profile of gloo collectives at two ranks."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("bench_step", REPO / "bench/bench_step.py")
-    bench_step = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench_step)
+    bench_step = load_script("bench/bench_step.py")
     trace = run_on_ranks(_profiled_collectives_on_rank, 2)[0]
     assert bench_step.collective_order(trace) == (
         "collectives in launch order: RS 48 4x3x4 float, RS 12 float, A2A 20 4x5 float, AG 12 float")
@@ -674,12 +663,8 @@ def test_bench_step_lists_the_collectives_in_launch_order():
 def test_attention_balance_counts_window_pairs_and_the_busiest_rank():
     """bench/attention_balance.py: a document's query-key pairs under a causal sliding window, a micro-batch's
     documents from its BOS tokens, and the busiest rank's excess when micro-batch i goes to rank i mod W."""
-    import importlib.util
-
     import numpy as np
-    spec = importlib.util.spec_from_file_location("attention_balance", REPO / "bench/attention_balance.py")
-    balance = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(balance)
+    balance = load_script("bench/attention_balance.py")
     assert balance.attention_pairs(np.array([3, 5]), 2) == (1 + 2 + 2) + (1 + 2 + 2 + 2 + 2)
     assert balance.attention_pairs(np.array([4]), 8) == 10
     assert balance.document_lengths(np.array([7, 1, 2, 7, 3, 7]), bos=7).tolist() == [3, 2, 1]
