@@ -4,9 +4,11 @@
     torchrun --nproc_per_node=8 bench/bench_step.py ...
 
 After the trainer's own warm-up it runs, for every stage of the schedule (its micro-batch count and
-attention windows), a few untimed steps and then N timed ones, and prints per stage: median step ms,
-tokens/s, MFU, the slowest step against the median, the per-phase split from CUDA events (forward,
-backward, each optimizer; comm waits sit inside the optimizers), the host's time to issue a step and each
+attention windows), a few untimed steps and then N timed ones, each step with the settings training gives it (Adam
+updates on every --adam_period'th step), and prints per stage: the mean step ms (of both kinds of step), tokens/s,
+MFU, the slowest step against its kind's median, the per-phase split from CUDA events (forward,
+backward, each optimizer; comm waits sit inside the optimizers), the same for the steps where Adam updates and for
+the others, the host's time to issue a step and each
 phase (where it nears the GPU's, the GPU waits on the host), then the host's own cost of each phase, issued to an
 idle GPU over three more steps (HostCost: without the waits for a full launch queue that the first split holds),
 on several GPUs each rank's own forward and backward and host cost (a rank that holds the others back shows there),
@@ -23,7 +25,8 @@ Then two torch.profiler windows over the last stage (GPU only, then host and GPU
 kernel, idle gaps split into host-late and not, the host ops the GPU waited on, the longest kernels; on several
 GPUs also one line per rank: its NCCL kernel time by collective and kernel name, and its idle GPU time
 (collectives that take one rank far longer than another are mostly spent waiting for the late ranks), and the order
-rank 0 launched its collectives in, with what each carried (collective_order).
+rank 0 launched its collectives in, with what each carried and when its kernel ran (collective_order). Last, the
+optimizers' steps alone, every rank starting together (optimizers_alone): the floor of their phases.
 Real text from --train_files when it matches, else random tokens.
 
 MFU counts 6 FLOPs per parameter per token for the matrices the tokens pass through (blocks and the
@@ -35,6 +38,7 @@ import dataclasses
 import functools
 import gc
 import glob
+import itertools
 import json
 import math
 import os
@@ -225,27 +229,43 @@ C10D_COLLECTIVES = {"c10d::_reduce_scatter_base_": "RS", "c10d::reduce_scatter_t
                     "c10d::alltoall_base_": "A2A", "c10d::allreduce_": "AR", "c10d::broadcast_": "BC"}
 
 
-def collective_order(trace: dict, limit: int = 40) -> str:
+def collective_order(trace: dict, limit: int = 60) -> str:
     """The collectives a rank launched in the profiled steps, in launch order (NCCL runs one communicator's in that
     order): kind, the elements and dims of the larger tensor, its dtype; a Muon group is a 3-D stack of matrices,
     an Adam bucket or table a flat vector, the bigram table's rows 2-D, the row counts' exchange (gloo) a few
     elements. A long collective queued before a Muon group's reduce-scatter delays Muon's compute behind it.
-    Needs a trace recorded with record_shapes."""
-    launches = sorted((e for e in trace["traceEvents"] if e.get("name") in C10D_COLLECTIVES and e.get("ph") == "X"),
+    With GPU activity in the trace, each collective's NCCL kernel follows: when it started on the GPU, from the first
+    one's start, and how long it ran (its wait for the other ranks included). Needs a trace recorded with
+    record_shapes."""
+    events = trace["traceEvents"]
+    launches = sorted((e for e in events if e.get("name") in C10D_COLLECTIVES and e.get("ph") == "X"),
                       key=lambda e: e["ts"])
+    nccl = {e["args"]["correlation"]: e for e in gpu_activity(trace)
+            if "nccl" in e["name"].lower() and "correlation" in e.get("args", {})}
+    calls_by_thread: dict = {}  # the host's launches of those kernels, by thread
+    for e in events:
+        if e.get("cat") == "cuda_runtime" and e.get("args", {}).get("correlation") in nccl:
+            calls_by_thread.setdefault(e.get("tid"), []).append(e)
+    first_start = None
     parts = []
     for e in launches[:limit]:
+        kernel = next((nccl[call["args"]["correlation"]] for call in calls_by_thread.get(e.get("tid"), [])
+                       if e["ts"] <= call["ts"] <= e["ts"] + e["dur"]), None)
+        timing = ""
+        if kernel is not None:
+            first_start = kernel["ts"] if first_start is None else first_start
+            timing = f" @{(kernel['ts'] - first_start) / 1000:.1f} for {kernel['dur'] / 1000:.2f} ms"
         args = e.get("args", {})
         tensors = [(math.prod(dims), dims, dtype) for dims, dtype in zip(args.get("Input Dims", []),
                                                                           args.get("Input type", []))
                    if dims and all(isinstance(d, int) for d in dims)]
         if not tensors:
-            parts.append(C10D_COLLECTIVES[e["name"]])
+            parts.append(C10D_COLLECTIVES[e["name"]] + timing)
             continue
         count, dims, dtype = max(tensors, key=lambda t: t[0])
         size = f"{count / 1e6:.1f}M" if count >= 1e5 else f"{count}"
         shape = f" {'x'.join(map(str, dims))}" if len(dims) > 1 else ""
-        parts.append(f"{C10D_COLLECTIVES[e['name']]} {size}{shape} {dtype}")
+        parts.append(f"{C10D_COLLECTIVES[e['name']]} {size}{shape} {dtype}{timing}")
     more = f", and {len(launches) - limit} more" if len(launches) > limit else ""
     return f"collectives in launch order: {', '.join(parts) or 'none'}{more}"
 
@@ -261,6 +281,63 @@ def ranks_alone(rows: list[dict[str, float]]) -> str:
     ranks = ", ".join(f"rank {rank} {g:.1f} / {h:.1f}" for rank, (g, h) in enumerate(zip(gpu, host)))
     return (f"{'':>31}alone, forward+backward on the GPU / host with an idle GPU (ms): {ranks}; slowest less fastest "
             f"{max(gpu) - min(gpu):.1f} / {max(host) - min(host):.1f}")
+
+
+def slowest_of_kind(times: list[float], adam_steps: list[bool]) -> float:
+    """The slowest step over the median of its own kind (Adam updating or not): the kinds differ by the tables'
+    communication, so a step is judged against its kind."""
+    medians = {kind: statistics.median(t for t, k in zip(times, adam_steps) if k == kind) for kind in set(adam_steps)}
+    return max(t / medians[kind] for t, kind in zip(times, adam_steps))
+
+
+def steps_by_kind(times: list[float], splits: list[dict[str, float]], adam_steps: list[bool]) -> str:
+    """One line: the median step and phase split of the steps where Adam updated and of the others (where it only
+    adds up its gradients, and only Muon's collectives run)."""
+    parts = []
+    for kind, name in ((True, "Adam steps"), (False, "the others")):
+        chosen = [i for i, k in enumerate(adam_steps) if k == kind]
+        if not chosen:
+            continue
+        phases = " ".join(f"{k} {statistics.median(splits[i][k] for i in chosen):.1f}" for k in splits[chosen[0]])
+        parts.append(f"{name} {statistics.median(times[i] for i in chosen):.1f} ms" + (f" ({phases})" if phases else ""))
+    return "; ".join(parts)
+
+
+def optimizers_alone(model, optimizers, batch, next_step_settings, repeats: int = 6) -> str:
+    """The optimizers' steps with no forward or backward before them and every rank starting together (a barrier),
+    for the steps where Adam updates and the others: the floor of the optimizers' phases when no rank comes late and
+    nothing else runs. The gradients are the same random tensors at every step, the bigram rows those of `batch` (so
+    its exchange is as sparse as in training). It changes the weights: run it last."""
+    grads = {p: torch.randn_like(p) * 1e-3 for p in model.parameters()}
+    rows = {model.bigram_embed.weight: [batch.bigram_rows_used]} if batch.bigram_rows_used is not None else {}
+    times: dict[bool, list[dict[str, float]]] = {True: [], False: []}
+    for attempt in range(2 * repeats + 2):  # the first two (one of each kind) untimed
+        adam = next_step_settings()
+        for opt in optimizers:
+            if hasattr(opt, "before_last_backward"):
+                opt.before_last_backward(rows)
+        for p, grad in grads.items():
+            p.grad = grad
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+        torch.cuda.synchronize()
+        marks = EventMarks()
+        marks.start()
+        for opt in optimizers:
+            opt.step()
+            marks(type(opt).__name__)
+        torch.cuda.synchronize()
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)
+        if attempt >= 2:
+            times[adam].append(marks.split_ms())
+    parts = []
+    for kind, name in ((True, "Adam steps"), (False, "the others")):
+        if times[kind]:
+            split = {k: statistics.median(t[k] for t in times[kind]) for k in times[kind][0]}
+            total = statistics.median(sum(t.values()) for t in times[kind])
+            parts.append(f"{name} {total:.1f} ms (" + " ".join(f"{k} {v:.1f}" for k, v in split.items()) + ")")
+    return f"optimizers alone, every rank starting together (medians of {repeats}): " + "; ".join(parts)
 
 
 class EventMarks:
@@ -374,11 +451,25 @@ def main() -> int:
                 # from its start to the next one's, idle waiting for the host included. (Until 2026-11-24 each
                 # step was timed alone between two synchronizes, which also counted the GPU waiting for the
                 # host's first launches: on 1xH100 the last stage 629.8 / 631.8 against 625.3 / 629.1 ms.)
+                # Each step's settings as in training, from the stage's first step on: Adam updates on every
+                # --adam_period'th step only and adds up its gradients on the others, so the two kinds alternate
+                # at the default period of 2. (Until 2026-11-27 the bench left that out, and Adam updated at every
+                # step: every timed step was of the slower kind.)
+                cadence = itertools.count(step)
+
+                def next_step_settings() -> bool:
+                    """Set the optimizers for the stage's next step; whether Adam updates at it."""
+                    at = next(cadence)
+                    tg.set_hyperparameters(optimizers, schedule, at)
+                    return schedule.adam_updates(at)
+
                 for _ in range(3):
+                    next_step_settings()
                     losses.append(tg.train_step(model, optimizers, batches, windows, forwards))
                 synchronize()
-                step_marks, wall_times = [], []
+                step_marks, wall_times, adam_steps = [], [], []
                 for _ in range(steps):
+                    adam_steps.append(next_step_settings())
                     clock = time.perf_counter()
                     step_marks.append(EventMarks() if cuda else None)
                     if cuda:
@@ -395,23 +486,27 @@ def main() -> int:
                     times = [a.elapsed_time(b) for a, b in zip(starts, starts[1:])]
                     splits = [m.split_ms() for m in step_marks]
                 else:
-                    times, splits = wall_times, [{}]
-                median = statistics.median(times)
-                tokens_per_s = micro * comm.world_size * cfg.micro_batch_tokens / (median / 1000)
+                    times, splits = wall_times, [{} for _ in wall_times]
+                # The mean: a run's time is the sum of its steps, and the two kinds alternate (a median of both
+                # would land on either kind, or between them)
+                mean = statistics.fmean(times)
+                tokens_per_s = micro * comm.world_size * cfg.micro_batch_tokens / (mean / 1000)
                 mfu = tokens_per_s * flops_per_token(model, cfg, windows) / (peak * comm.world_size) if peak else None
-                phases = {k: statistics.median(split[k] for split in splits) for k in splits[0]}
-                say(f"{stage:>5} {micro:>5} {str(windows):>11} {median:8.1f} {max(times) / median:7.2f} "
+                phases = {k: statistics.fmean(split[k] for split in splits) for k in splits[0]}
+                say(f"{stage:>5} {micro:>5} {str(windows):>11} {mean:8.1f} {slowest_of_kind(times, adam_steps):7.2f} "
                     f"{tokens_per_s:10,.0f} {'' if mfu is None else f'{100 * mfu:5.1f}%'}  "
                     + " ".join(f"{k} {v:.1f}" for k, v in phases.items()))
+                say(f"{'':>31}" + steps_by_kind(times, splits, adam_steps))
                 if cuda:  # the host's time to issue a step, beside the GPU's to run it
                     say(f"{'':>31}host {statistics.median(wall_times):8.1f} ms per step to issue: "
                         + " ".join(f"{k} {v:.1f}" for k, v in host_phases.items()))
                     costs = []  # then the host's own cost of each phase, issued to an idle GPU (HostCost)
-                    for _ in range(3):
+                    for _ in range(4):  # two of each kind
+                        next_step_settings()
                         costs.append(HostCost())
                         costs[-1].start()
                         losses.append(tg.train_step(model, optimizers, batches, windows, forwards, mark=costs[-1]))
-                    cost = {k: statistics.median(c.totals[k] for c in costs) for k in costs[0].totals}
+                    cost = {k: statistics.fmean(c.totals[k] for c in costs) for k in costs[0].totals}
                     say(f"{'':>31}host {sum(cost.values()):8.1f} ms per step with an idle GPU: "
                         + " ".join(f"{k} {v:.1f}" for k, v in cost.items()))
                     if comm.distributed:  # a rank whose GPU or host runs late holds every other one back
@@ -438,11 +533,13 @@ def main() -> int:
             # Twice: GPU activity only (little host overhead, so the idle time is close to the real one), then
             # with host ops too, to name the host work the GPU waited on (the profiler slows the host down).
             # The second records the tensors' shapes too: collective_order names what each collective carries.
-            for activities, profiled_steps in (([ProfilerActivity.CUDA], 2), ([ProfilerActivity.CPU, ProfilerActivity.CUDA], 1)):
+            # Two steps each, one of each kind.
+            for activities, profiled_steps in (([ProfilerActivity.CUDA], 2), ([ProfilerActivity.CPU, ProfilerActivity.CUDA], 2)):
                 with profile(activities=activities, record_shapes=len(activities) > 1) as prof:
                     torch.cuda.synchronize()
                     clock = time.perf_counter()
                     for _ in range(profiled_steps):
+                        next_step_settings()
                         tg.train_step(model, optimizers, batches, windows, forwards)
                     torch.cuda.synchronize()
                     wall_ms = 1000 * (time.perf_counter() - clock)
@@ -463,6 +560,7 @@ def main() -> int:
                         for rank in range(comm.world_size):
                             other = json.loads(trace.with_name(f"bench_trace_{rank}.json").read_text())
                             print(f"  rank {rank}: {rank_communication(other, profiled_steps)}", flush=True)
+            say(optimizers_alone(model, optimizers, batches.next(), next_step_settings))
         finally:
             if batches is not None:
                 batches.close()

@@ -632,6 +632,37 @@ def test_bench_step_names_the_rank_that_holds_the_others_back():
     assert line.endswith("slowest less fastest 0.9 / 16.5")
 
 
+def test_bench_step_reports_adam_steps_and_the_others_apart():
+    """bench/bench_step.py times steps with training's Adam cadence: the two kinds of step alternate, so each is
+    reported on its own (median step and phases) and the slowest step is judged against its own kind."""
+    bench_step = load_script("bench/bench_step.py")
+    times = [70.0, 50.0, 72.0, 51.0, 71.0, 60.0]
+    adam = [True, False, True, False, True, False]
+    splits = [dict(forward=20.0, Muon=t - 40.0) for t in times]
+    assert bench_step.steps_by_kind(times, splits, adam) == (
+        "Adam steps 71.0 ms (forward 20.0 Muon 31.0); the others 51.0 ms (forward 20.0 Muon 11.0)")
+    assert bench_step.slowest_of_kind(times, adam) == 60.0 / 51.0  # 72 is 1.014x the Adam steps' 71
+    assert bench_step.steps_by_kind([5.0], [{}], [False]) == "the others 5.0 ms"
+
+
+def test_bench_step_times_each_collective_from_its_kernel():
+    """collective_order follows each collective with its NCCL kernel's start (from the first one's) and duration,
+    matched through the host's launch inside the collective's op on the same thread."""
+    bench_step = load_script("bench/bench_step.py")
+    op = lambda name, ts, dims: dict(name=name, ph="X", ts=ts, dur=10, tid=1, args={"Input Dims": [dims],
+                                                                                    "Input type": ["float"]})
+    call = lambda ts, corr, tid=1: dict(name="cudaLaunchKernel", ph="X", cat="cuda_runtime", ts=ts, dur=1, tid=tid,
+                                        args=dict(correlation=corr))
+    kernel = lambda name, ts, dur, corr: dict(name=name, ph="X", cat="kernel", ts=ts, dur=dur, args=dict(correlation=corr))
+    trace = {"traceEvents": [
+        op("c10d::_reduce_scatter_base_", 100, [8]), call(105, 1), kernel("ncclDevKernel_ReduceScatter", 500, 1500, 1),
+        op("c10d::_allgather_base_", 200, [4]), call(205, 2), kernel("ncclDevKernel_AllGather", 2400, 250, 2),
+        call(206, 3, tid=2), kernel("ncclDevKernel_AllGather", 9000, 250, 3),  # another thread's: not this op's
+        kernel("triton_poi_fused_add", 300, 50, 4)]}
+    assert bench_step.collective_order(trace) == (
+        "collectives in launch order: RS 8 float @0.0 for 1.50 ms, AG 4 float @1.9 for 0.25 ms")
+
+
 def _profiled_collectives_on_rank(rank, world_size):
     """A profile (host, with record_shapes, as the bench's second) of the collectives a step of the optimizers
     launches: a Muon group's reduce-scatter (a 3-D stack), a bucket's, an all-to-all of rows and an all-gather."""
