@@ -244,7 +244,9 @@ def collective_order(trace: dict, limit: int = 60) -> str:
             if "nccl" in e["name"].lower() and "correlation" in e.get("args", {})}
     calls_by_thread: dict = {}  # the host's launches of those kernels, by thread
     for e in events:
-        if e.get("cat") == "cuda_runtime" and e.get("args", {}).get("correlation") in nccl:
+        # a host call that shares a kernel's correlation id launched it: through the runtime API, or the driver's
+        # (cuLaunchKernelEx, NCCL's), which the profiler files under another category
+        if e.get("cat") != "kernel" and e.get("args", {}).get("correlation") in nccl:
             calls_by_thread.setdefault(e.get("tid"), []).append(e)
     first_start = None
     parts = []

@@ -85,7 +85,7 @@ bench() {  # bench NAME NPROC [flags...]
         --bench_steps=8 --train_files='/tmp/bench2/docs_train_*.bin' "${flags[@]}" "$@" \
         > "$OUT/$name.txt" 2>&1
     echo "== $name (exit $?)"
-    grep -E "^compile_time|^ +[0-9]+ +[0-9]+ +\(|^ +(host|alone|Adam steps) |^graphs|^profile|^  rank [0-9]+: NCCL|launch order|optimizers alone|synchroniz" "$OUT/$name.txt" | grep -v "prototype"
+    grep -E "^compile_time|^ +[0-9]+ +[0-9]+ +\(|^ +(host |alone,|Adam steps )|^graphs|^profile|^  rank [0-9]+: NCCL|launch order|optimizers alone|synchroniz" "$OUT/$name.txt" | grep -v "prototype"
 }
 if [ "$what" = all ] || [ "$what" = bench ]; then
     for b in ${BENCHES:-sparse dense world1}; do

@@ -651,7 +651,7 @@ def test_bench_step_times_each_collective_from_its_kernel():
     bench_step = load_script("bench/bench_step.py")
     op = lambda name, ts, dims: dict(name=name, ph="X", ts=ts, dur=10, tid=1, args={"Input Dims": [dims],
                                                                                     "Input type": ["float"]})
-    call = lambda ts, corr, tid=1: dict(name="cudaLaunchKernel", ph="X", cat="cuda_runtime", ts=ts, dur=1, tid=tid,
+    call = lambda ts, corr, tid=1: dict(name="cuLaunchKernelEx", ph="X", cat="cuda_driver", ts=ts, dur=1, tid=tid,
                                         args=dict(correlation=corr))
     kernel = lambda name, ts, dur, corr: dict(name=name, ph="X", cat="kernel", ts=ts, dur=dur, args=dict(correlation=corr))
     trace = {"traceEvents": [
