@@ -2001,7 +2001,8 @@ class DistAdam(torch.optim.Optimizer):
       2. in launch order, for each bucket (or the merged ones): wait for its reduce-scatter, update the owned
          slice (adam_update_, compiled on CUDA; the merged ones together in multi-tensor ops, adam_update_multi_),
          launch all_gather_into_tensor of the updated slice into the parameter;
-      3. wait for every all-gather (and unpack packed buckets into their parameters).
+      3. wait for every all-gather (and unpack packed buckets into their parameters). launch_step does 1 and 2
+         and returns 3, which the training loop runs after the other optimizer's launch.
     A parameter under gather_dtypes (--bf16_table_gathers: the value and bigram tables, which the forward reads
     only as rows cast to the compute dtype) is all-gathered in that dtype, half the bytes of fp32: each rank keeps
     its own slice in full precision and the others' slices as the owners' values rounded, which cast to the
@@ -2128,8 +2129,15 @@ class DistAdam(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self):
+        self.launch_step()()
+
+    @torch.no_grad()
+    def launch_step(self):
+        """Steps 1 and 2 of the schedule: every update computed and its all-gather launched. Returns the function
+        that does step 3 (waits for the all-gathers and writes the parameters), so that the training loop can
+        finish another optimizer's step while these all-gathers are on the wire (train_step)."""
         if self.accumulating:
-            return
+            return lambda: None
         for unit in self.units:
             if unit.pending is None:
                 self._launch_reduce(unit)
@@ -2160,26 +2168,30 @@ class DistAdam(torch.optim.Optimizer):
                 gathers.append((bucket, flat, self._all_gather(bucket, flat, owned, bucket.gather_dtype)))
             elif not bucket.in_place:
                 gathers.append((bucket, flat, None))
-        params, values = [], []  # gathered values for the parameters not updated in place: one copy launch for all
-        for bucket, flat, finish in gathers:
-            if finish is not None:
-                finish()
-            if isinstance(bucket, _MergedBuckets):
-                for member, member_flat in zip(bucket.members, bucket.unpack(flat)):
-                    params += member.params
-                    values += self._param_views(member, member_flat)
-            elif not bucket.in_place:
-                params += bucket.params
-                values += self._param_views(bucket, flat)
-        if params:
-            torch._foreach_copy_(params, values)
-        if tied:
-            self.tied[0].copy_(self.tied[1])
         for unit in self.units:
             unit.pending = None
         self.launched = []
         self.row_exchanges = {}
         self.grad_hooks.disarm()
+
+        @torch.no_grad()
+        def finish():
+            params, values = [], []  # gathered values for the parameters not updated in place: one copy for all
+            for bucket, flat, wait in gathers:
+                if wait is not None:
+                    wait()
+                if isinstance(bucket, _MergedBuckets):
+                    for member, member_flat in zip(bucket.members, bucket.unpack(flat)):
+                        params += member.params
+                        values += self._param_views(member, member_flat)
+                elif not bucket.in_place:
+                    params += bucket.params
+                    values += self._param_views(bucket, flat)
+            if params:
+                torch._foreach_copy_(params, values)
+            if tied:
+                self.tied[0].copy_(self.tied[1])
+        return finish
 
     def _all_gather(self, bucket, flat: Tensor, owned: Tensor, dtype: torch.dtype | None = None):
         """Launch the all-gather of this rank's updated slice (owned; a view of flat for a bucket, the packed block
@@ -2485,7 +2497,8 @@ class Muon(torch.optim.Optimizer):
       2. for each group in order: wait, apply momentum to the owned matrices (momentum buffers exist only
          for those), orthogonalise them (QKVO matrices per projection), launch all_gather_into_tensor of
          the updates;
-      3. wait for the gathers and apply every update to every replica.
+      3. wait for the gathers and apply every update to every replica. launch_step does 1 and 2 and returns 3,
+         which the training loop runs after DistAdam's updates are launched.
     Default model (10 QKVO + 22 MLP matrices, all 3072 x 768): two groups of 16 matrices at every world
     size; per rank and group 2 matrices at W=8, 4 at W=4, 8 at W=2; padding 0 at 1, 2, 4 and 8 ranks. `layers`
     (each parameter's layer) puts the last layers' matrices in the first group: under --compile_scope=split it
@@ -2607,6 +2620,14 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self):
+        self.launch_step()()
+
+    @torch.no_grad()
+    def launch_step(self):
+        """Steps 1 and 2 of the schedule: every group's updates computed and their all-gathers launched. Returns the
+        function that does step 3 (waits for the all-gathers and applies the updates). On a step where Adam updates,
+        these all-gathers queue on the NCCL stream behind Adam's reduce-scatters; finishing after Adam's updates are
+        launched (train_step), the compute stream runs those updates meanwhile instead of waiting."""
         for group in self.groups:
             if group.pending is None:  # not launched from the backward
                 self._launch_reduce(group)
@@ -2628,11 +2649,15 @@ class Muon(torch.optim.Optimizer):
             else:
                 gathers.append((index, group, updates, None))
             group.pending = None
-        for index, group, updates, work in gathers:
-            if work is not None:
-                work.wait()
-            self._run(("apply", index), lambda group=group, updates=updates: self._apply(
-                group.params, updates[:len(group.params)]))
+
+        @torch.no_grad()
+        def finish():
+            for index, group, updates, work in gathers:
+                if work is not None:
+                    work.wait()
+                self._run(("apply", index), lambda group=group, updates=updates: self._apply(
+                    group.params, updates[:len(group.params)]))
+        return finish
 
     def _run(self, key, compute):
         """compute() (which returns, or writes into, the group's fixed buffers); under cuda_graphs, captured as a CUDA
@@ -3823,7 +3848,7 @@ def load_checkpoint_weights(model: GPT, checkpoint: dict) -> None:
 # Training loop
 
 
-def build_optimizers(model: GPT, cfg: Config) -> list[torch.optim.Optimizer]:
+def build_optimizers(model: GPT, cfg: Config) -> Optimizers:
     """Adam for embeddings, head and scalars; Muon for the hidden matrices (speedrun 2024-10)."""
     matrices = model.matrix_params()
     dim, qk = cfg.model_dim, cfg.muon_qk_blocks
@@ -3899,13 +3924,13 @@ def build_optimizers(model: GPT, cfg: Config) -> list[torch.optim.Optimizer]:
                     tied=(model.embed.weight, model.lm_head.weight) if cfg.tie_embed else None,
                     grad_dtype=grad_dtype,
                     gather_dtypes={table: model.compute_dtype for table in tables} if cfg.bf16_table_gathers else None)
-    # Muon steps first. The collectives of both share one NCCL stream, and every wait on them is a wait of
+    # Muon launches first. The collectives of both share one NCCL stream, and every wait on them is a wait of
     # the compute stream: Adam's step ends waiting for its all-gathers (its tables, the largest transfer
-    # of the step), so a Muon stepping after it would start its Newton-Schulz only then. Stepping first,
+    # of the step), so a Muon launching after it would start its Newton-Schulz only then. Launching first,
     # Muon's reduce-scatters (launched early in the backward hooks' order, behind only the head's) are
     # done soon and its Newton-Schulz runs while Adam's reduce-scatters are still on the wire. The two
     # update disjoint parameters, so the order does not change the math.
-    optimizers = [muon, adam]
+    optimizers = Optimizers([muon, adam])
     covered = [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
     missing = [name for name, p in model.named_parameters() if not any(p is q for q in covered)]
     if missing or len(covered) != len({id(p) for p in covered}):
@@ -3938,7 +3963,48 @@ def forward_loss(model: GPT, batch: ForwardBatch, windows: tuple[int, int]) -> T
     return model(batch.inputs, batch.targets, masks, batch.bigrams)
 
 
-def train_step(model: GPT, optimizers, batches: Prefetcher, windows: tuple[int, int], forwards: int,
+class Optimizers(list):
+    """The run's optimizers (Muon, DistAdam), stepped together. step() launches each one's updates in order
+    (launch_step: its reduce-scatters' waits, its updates, its all-gathers launched), then finishes each in the same
+    order (waits for its all-gathers, writes its parameters). On a step where Adam updates, Muon's all-gathers queue
+    on the one NCCL stream behind Adam's reduce-scatters; finishing Muon only after Adam's updates are launched lets
+    the compute stream run those updates meanwhile, and Muon's writes run while Adam's all-gathers are on the wire.
+    The two update disjoint parameters, so the math is that of stepping one after the other. Hooks registered here
+    (torchft's DiLoCo) run before the first launch and after the last finish, once a step."""
+
+    def __init__(self, optimizers):
+        super().__init__(optimizers)
+        self.pre_hooks: dict = collections.OrderedDict()  # a handle keeps a weak reference: a plain dict takes none
+        self.post_hooks: dict = collections.OrderedDict()
+
+    def register_step_pre_hook(self, hook) -> torch.utils.hooks.RemovableHandle:
+        handle = torch.utils.hooks.RemovableHandle(self.pre_hooks)
+        self.pre_hooks[handle.id] = hook
+        return handle
+
+    def register_step_post_hook(self, hook) -> torch.utils.hooks.RemovableHandle:
+        handle = torch.utils.hooks.RemovableHandle(self.post_hooks)
+        self.post_hooks[handle.id] = hook
+        return handle
+
+    def step(self, mark=None):
+        """mark(phase), when given, is called after each optimizer's launch and after its finish (the benchmark's
+        timer; a phase's time is the sum of both)."""
+        mark = mark or (lambda phase: None)
+        for hook in list(self.pre_hooks.values()):
+            hook(self, (), {})
+        finishes = []
+        for opt in self:
+            finishes.append(opt.launch_step())
+            mark(type(opt).__name__)
+        for opt, finish in zip(self, finishes):
+            finish()
+            mark(type(opt).__name__)
+        for hook in list(self.post_hooks.values()):
+            hook(self, (), {})
+
+
+def train_step(model: GPT, optimizers: Optimizers, batches: Prefetcher, windows: tuple[int, int], forwards: int,
                mark=None) -> Tensor:
     """Forward/backward over this rank's micro-batches, `forwards` batches of them, then the optimizers.
     Returns the mean loss.
@@ -3968,9 +4034,8 @@ def train_step(model: GPT, optimizers, batches: Prefetcher, windows: tuple[int, 
         mark("backward")
         # a copy: under --compile_mode=reduce-overhead the next replay of the CUDA graph reuses loss's memory
         total = loss.detach().clone() if total is None else total + loss.detach()
+    optimizers.step(mark)
     for opt in optimizers:
-        opt.step()
-        mark(type(opt).__name__)
         opt.zero_grad(set_to_none=True)  # each optimizer its own parameters: Adam's may be adding up
     return total / forwards
 
@@ -5105,20 +5170,6 @@ def detached_copy(tree, device: torch.device | str | None = None):
     return tree
 
 
-class _InnerOptimizers:
-    """Our two optimizers as the one "inner optimizer" torchft's DiLoCo hooks into: its pre-step hook
-    goes on the first, its post-step hook on the last, so each fires once per training step."""
-
-    def __init__(self, optimizers):
-        self.optimizers = optimizers
-
-    def register_step_pre_hook(self, hook):
-        return self.optimizers[0].register_step_pre_hook(hook)
-
-    def register_step_post_hook(self, hook):
-        return self.optimizers[-1].register_step_post_hook(hook)
-
-
 class StreamingDiLoCo:
     """Streaming DiLoCo (Douillard et al., 2025) across replica groups, on torchft's Manager and DiLoCo.
 
@@ -5141,7 +5192,7 @@ class StreamingDiLoCo:
     environment (TORCHFT_LIGHTHOUSE, torchrun's store).
     """
 
-    def __init__(self, cfg: Config, model: GPT, optimizers: list, device: torch.device, log, manager=None):
+    def __init__(self, cfg: Config, model: GPT, optimizers: Optimizers, device: torch.device, log, manager=None):
         torchft = import_torchft()
         self.model, self.optimizers, self.log = model, optimizers, log
         self.step = 0  # the loop's position, part of the checkpoint a healing peer receives
@@ -5155,7 +5206,7 @@ class StreamingDiLoCo:
         for index, opt in enumerate(self.outer):
             opt.register_step_post_hook(functools.partial(self._outer_step_hook, index))
         self.diloco = torchft.local_sgd.DiLoCo(
-            self.manager, self.fragments, _InnerOptimizers(optimizers), self.outer, sync_every=cfg.sync_every,
+            self.manager, self.fragments, optimizers, self.outer, sync_every=cfg.sync_every,
             backup_device=device, fragment_sync_delay=cfg.fragment_sync_delay,
             fragment_update_alpha=cfg.fragment_update_alpha)
         self.syncs = self.committed = 0
@@ -5218,10 +5269,9 @@ class StreamingDiLoCo:
 
     def __enter__(self):
         # Ours run just before and just after torchft's hook (hooks run in the order they were added).
-        last = self.optimizers[-1]
-        self.handles.append(last.register_step_post_hook(self._before_sync_hook))
+        self.handles.append(self.optimizers.register_step_post_hook(self._before_sync_hook))
         self.diloco.__enter__()
-        self.handles.append(last.register_step_post_hook(self._after_sync_hook))
+        self.handles.append(self.optimizers.register_step_post_hook(self._after_sync_hook))
         self.entered = time.perf_counter()
         return self
 

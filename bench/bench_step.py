@@ -325,9 +325,7 @@ def optimizers_alone(model, optimizers, batch, next_step_settings, repeats: int 
         torch.cuda.synchronize()
         marks = EventMarks()
         marks.start()
-        for opt in optimizers:
-            opt.step()
-            marks(type(opt).__name__)
+        optimizers.step(marks)
         torch.cuda.synchronize()
         for opt in optimizers:
             opt.zero_grad(set_to_none=True)

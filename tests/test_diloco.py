@@ -52,7 +52,7 @@ def test_outer_step_matches_hand_computation(lr, momentum):
         optimizers = tg.build_optimizers(model, cfg)
         old = {name: p.detach().clone() for name, p in model.named_parameters()}
         local = []  # parameters right after each inner step, before DiLoCo's hook (registered earlier)
-        optimizers[-1].register_step_post_hook(
+        optimizers.register_step_post_hook(
             lambda *_: local.append({name: p.detach().clone() for name, p in model.named_parameters()}))
         logged = []
         run = tg.StreamingDiLoCo(cfg, model, optimizers, torch.device("cpu"), logged.append, manager=manager)
@@ -114,7 +114,7 @@ def train_replicas_in_threads(cfg, data_seeds, steps, init_sync, on_local=None, 
                                   timeout=timedelta(seconds=timeout), init_sync=init_sync)
         if on_local is not None:  # registered before DiLoCo's hook, so it runs first
             step_of = [0]
-            optimizers[-1].register_step_post_hook(lambda *_: on_local(
+            optimizers.register_step_post_hook(lambda *_: on_local(
                 index, step_of[0], {name: p.detach().clone() for name, p in model.named_parameters()}))
         run = tg.StreamingDiLoCo(cfg, model, optimizers, torch.device("cpu"), lambda line: None, manager=manager)
 

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 import train_gpt as tg
-from helpers import (BOS, REPO, TINY, TOKENS, VOCAB, cu_seqlens_of, learnable_documents, run_on_ranks,
-                     train_scheduled_steps, write_shard)
+from helpers import (BOS, REPO, TINY, TOKENS, VOCAB, cu_seqlens_of, learnable_documents, random_tiny_model,
+                     run_on_ranks, train_scheduled_steps, write_shard)
 
 BATCHES = dict(bos=BOS, vocab_size=VOCAB)  # bos_aligned_batches' arguments for these shards
 
@@ -1277,14 +1277,15 @@ def test_world_sizes_1_2_4_and_8_give_the_same_losses_and_states(tiny_data, tmp_
 
 
 def _launched_before_step_on_rank(rank, world_size, cfg):
-    """For every optimizer step() of a run: had all of that optimizer's reduce-scatters been launched?"""
+    """For every optimizer step of a run (launch_step, which Optimizers.step calls): had all of that optimizer's
+    reduce-scatters been launched?"""
     launched = []
     for cls, units in ((tg.DistAdam, "units"), (tg.Muon, "groups")):
-        def checked(self, _step=cls.step, _units=units):
+        def checked(self, _launch=cls.launch_step, _units=units):
             if not getattr(self, "accumulating", False):  # an accumulating Adam step sends nothing
                 launched.append((type(self).__name__, all(unit.pending is not None for unit in getattr(self, _units))))
-            return _step(self)
-        cls.step = checked
+            return _launch(self)
+        cls.launch_step = checked
     _train_on_rank(rank, world_size, cfg)
     return launched
 
@@ -1749,3 +1750,31 @@ def test_tuned_kernel_entries_are_the_binaries_that_coordinate_descent_chose():
     assert {triton_hash_to_path_key(h * 16) for h in ("aa11", "dd44")} <= entries
     assert not {triton_hash_to_path_key(h * 16) for h in ("bb22", "cc33", "ee55")} & entries
     del tuned, tuned_static, untuned, not_an_autotuner
+
+
+def test_optimizers_stepped_together_give_one_after_the_other_and_run_their_hooks_once():
+    """Optimizers.step launches Muon's and Adam's updates and then finishes each (so Adam's updates need not wait for
+    Muon's all-gathers): the weights are those of Muon's step() and then Adam's, exactly. Its pre-step hook runs
+    before any weight moves and its post-step hook after all have (torchft's DiLoCo reads the weights there)."""
+    import copy
+    cfg, _ = tg.parse_cli(["--device=cpu", *TINY])
+    models = [random_tiny_model(cfg) for _ in range(2)]
+    torch.manual_seed(1)
+    grads = {name: torch.randn_like(p) * 1e-2 for name, p in models[0].named_parameters()}
+    for model in models:
+        for name, p in model.named_parameters():
+            p.grad = grads[name].clone()
+    together, apart = (tg.build_optimizers(model, cfg) for model in models)
+    initial = copy.deepcopy(models[0].state_dict())
+    seen = []
+    together.register_step_pre_hook(lambda *_: seen.append(("pre", all(
+        torch.equal(p, initial[name]) for name, p in models[0].state_dict().items()))))
+    together.register_step_post_hook(lambda *_: seen.append(("post", sum(
+        not torch.equal(p, initial[name]) for name, p in models[0].state_dict().items()))))
+    together.step()
+    for opt in apart:
+        opt.step()
+    moved = sum(not torch.equal(p, initial[name]) for name, p in models[1].state_dict().items())
+    assert seen == [("pre", True), ("post", moved)] and moved > 10
+    for (name, a), b in zip(models[0].state_dict().items(), models[1].state_dict().values()):
+        assert torch.equal(a, b), name
