@@ -4013,7 +4013,8 @@ def train_step(model: GPT, optimizers: Optimizers, batches: Prefetcher, windows:
     by the local forward count and then averaging over ranks (inside the optimizers) gives the mean over
     all micro-batches of the step, so 1, 2, 4 or 8 processes, packing any number of micro-batches per
     forward, compute the same update. `mark(phase)`, when given, is called as each phase (forward,
-    backward, each optimizer by class name) ends: the benchmark's CUDA-event timer.
+    backward, each optimizer's launch and its finish by class name: Optimizers.step) ends: the benchmark's
+    CUDA-event timer.
     """
     mark = mark or (lambda phase: None)
     model.prepare_grads()
