@@ -20,7 +20,8 @@
 #    choice on 4xH200, docs/performance.md), "same_data" (world size N with every rank reading rank 0's micro-batches:
 #    what the ranks' different documents cost in waits; bench_step.py prints each rank's own forward + backward and
 #    host cost beside).
-#    The benches read the bench stream (real document lengths and bigram rows);
+#    The benches read the bench stream (real document lengths and bigram rows); beside each, nvidia-smi samples every
+#    GPU's utilisation, SM clock, power and temperature ($OUT/NAME.smi.csv), whose means while busy are printed;
 # 2. DiLoCo against data parallelism at equal tokens on bench2, on data that does not repeat (micro-batches of
 #    4,096 tokens; up to STEPS=300 read under the stream's 51.3M tokens): data parallelism on 2 GPUs with a replica's
 #    batch doubled (16/32/48 micro-batches) and Adam on every step, as DiLoCo's inner Adam steps, then streaming
@@ -78,14 +79,28 @@ if [ "$what" = record ]; then  # the default configuration's whole schedule
     exit 0
 fi
 
+gpu_clocks() {  # gpu_clocks FILE: each GPU's mean SM clock, power and temperature over its busy samples
+    awk -F', *' '$2 >= 95 {n[$1]++; c[$1] += $3; p[$1] += $4; t[$1] += $5}
+        END {for (i in n) printf "GPU %s while busy (%d samples at >= 95%% utilisation): SM clock %.0f MHz, %.0f W, %.0f C\n",
+                                 i, n[i], c[i] / n[i], p[i] / n[i], t[i] / n[i]}' "$1" | sort
+}
+
 bench() {  # bench NAME NPROC [flags...]
     local name=$1 nproc=$2; shift 2
     fa3_ready
+    # Every GPU's utilisation, SM clock, power and temperature five times a second: a rank whose GPU runs its share
+    # slower (ranks_alone) may be one held to a lower clock by its power cap or its heat.
+    nvidia-smi --query-gpu=index,utilization.gpu,clocks.sm,power.draw,temperature.gpu --format=csv,noheader,nounits \
+        -lms 200 > "$OUT/$name.smi.csv" 2>/dev/null &
+    local sampler=$!
     BENCH_SYNC_DEBUG=1 timeout "${BENCH_LIMIT_S:-240}" torchrun --nproc_per_node="$nproc" bench/bench_step.py \
         --bench_steps=8 --train_files='/tmp/bench2/docs_train_*.bin' "${flags[@]}" "$@" \
         > "$OUT/$name.txt" 2>&1
-    echo "== $name (exit $?)"
+    local status=$?
+    kill "$sampler" 2>/dev/null; wait "$sampler" 2>/dev/null
+    echo "== $name (exit $status)"
     grep -E "^compile_time|^ +[0-9]+ +[0-9]+ +\(|^ +(host |alone,|Adam steps )|^graphs|^profile|^  rank [0-9]+: NCCL|launch order|optimizers alone|synchroniz" "$OUT/$name.txt" | grep -v "prototype"
+    gpu_clocks "$OUT/$name.smi.csv"
 }
 if [ "$what" = all ] || [ "$what" = bench ]; then
     for b in ${BENCHES:-sparse dense world1}; do
