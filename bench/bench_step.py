@@ -10,7 +10,8 @@ MFU, the slowest step against its kind's median, the per-phase split from CUDA e
 backward, each optimizer; comm waits sit inside the optimizers), the same for the steps where Adam updates and for
 the others, the host's time to issue a step and each
 phase (where it nears the GPU's, the GPU waits on the host), then the host's own cost of each phase, issued to an
-idle GPU over four more steps, two of each kind (HostCost: without the waits for a full launch queue that the first split holds),
+idle GPU over four more steps, two of each kind (HostCost: without the waits for a full launch queue that the first
+split holds),
 on several GPUs each rank's own forward and backward and host cost (a rank that holds the others back shows there),
 and graphs compiled in the timed region.
 BENCH_SYNC_DEBUG=1 turns on torch's sync debug mode there: a warning at every host sync.
