@@ -302,7 +302,8 @@ def steps_by_kind(times: list[float], splits: list[dict[str, float]], adam_steps
         if not chosen:
             continue
         phases = " ".join(f"{k} {statistics.median(splits[i][k] for i in chosen):.1f}" for k in splits[chosen[0]])
-        parts.append(f"{name} {statistics.median(times[i] for i in chosen):.1f} ms" + (f" ({phases})" if phases else ""))
+        median = statistics.median(times[i] for i in chosen)
+        parts.append(f"{name} {median:.1f} ms" + (f" ({phases})" if phases else ""))
     return "; ".join(parts)
 
 
@@ -535,7 +536,8 @@ def main() -> int:
             # with host ops too, to name the host work the GPU waited on (the profiler slows the host down).
             # The second records the tensors' shapes too: collective_order names what each collective carries.
             # Two steps each, one of each kind.
-            for activities, profiled_steps in (([ProfilerActivity.CUDA], 2), ([ProfilerActivity.CPU, ProfilerActivity.CUDA], 2)):
+            for activities, profiled_steps in (([ProfilerActivity.CUDA], 2),
+                                               ([ProfilerActivity.CPU, ProfilerActivity.CUDA], 2)):
                 with profile(activities=activities, record_shapes=len(activities) > 1) as prof:
                     torch.cuda.synchronize()
                     clock = time.perf_counter()
