@@ -314,7 +314,7 @@ def optimizers_alone(model, optimizers, batch, next_step_settings, repeats: int 
     its exchange is as sparse as in training). It changes the weights: run it last."""
     grads = {p: torch.randn_like(p) * 1e-3 for p in model.parameters()}
     rows = {model.bigram_embed.weight: [batch.bigram_rows_used]} if batch.bigram_rows_used is not None else {}
-    times: dict[bool, list[dict[str, float]]] = {True: [], False: []}
+    splits, adam_steps = [], []
     for attempt in range(2 * repeats + 2):  # the first two (one of each kind) untimed
         adam = next_step_settings()
         for opt in optimizers:
@@ -332,14 +332,10 @@ def optimizers_alone(model, optimizers, batch, next_step_settings, repeats: int 
         for opt in optimizers:
             opt.zero_grad(set_to_none=True)
         if attempt >= 2:
-            times[adam].append(marks.split_ms())
-    parts = []
-    for kind, name in ((True, "Adam steps"), (False, "the others")):
-        if times[kind]:
-            split = {k: statistics.median(t[k] for t in times[kind]) for k in times[kind][0]}
-            total = statistics.median(sum(t.values()) for t in times[kind])
-            parts.append(f"{name} {total:.1f} ms (" + " ".join(f"{k} {v:.1f}" for k, v in split.items()) + ")")
-    return f"optimizers alone, every rank starting together (medians of {repeats}): " + "; ".join(parts)
+            splits.append(marks.split_ms())
+            adam_steps.append(adam)
+    return (f"optimizers alone, every rank starting together (medians of {repeats}): "
+            + steps_by_kind([sum(split.values()) for split in splits], splits, adam_steps))
 
 
 class EventMarks:
@@ -455,8 +451,7 @@ def main() -> int:
                 # host's first launches: on 1xH100 the last stage 629.8 / 631.8 against 625.3 / 629.1 ms.)
                 # Each step's settings as in training, from the stage's first step on: Adam updates on every
                 # --adam_period'th step only and adds up its gradients on the others, so the two kinds alternate
-                # at the default period of 2. (Until 2026-11-27 the bench left that out, and Adam updated at every
-                # step: every timed step was of the slower kind.)
+                # at the default period of 2.
                 cadence = itertools.count(step)
 
                 def next_step_settings() -> bool:
