@@ -3978,13 +3978,15 @@ class Optimizers(list):
         self.post_hooks: dict = collections.OrderedDict()
 
     def register_step_pre_hook(self, hook) -> torch.utils.hooks.RemovableHandle:
-        handle = torch.utils.hooks.RemovableHandle(self.pre_hooks)
-        self.pre_hooks[handle.id] = hook
-        return handle
+        return self._register(self.pre_hooks, hook)
 
     def register_step_post_hook(self, hook) -> torch.utils.hooks.RemovableHandle:
-        handle = torch.utils.hooks.RemovableHandle(self.post_hooks)
-        self.post_hooks[handle.id] = hook
+        return self._register(self.post_hooks, hook)
+
+    @staticmethod
+    def _register(hooks: dict, hook) -> torch.utils.hooks.RemovableHandle:
+        handle = torch.utils.hooks.RemovableHandle(hooks)
+        hooks[handle.id] = hook
         return handle
 
     def step(self, mark=None):
