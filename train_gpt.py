@@ -4701,8 +4701,7 @@ def build_and_warm_up(cfg: Config, comm: Comm, log: RunLog) -> Trainer:
     except torch.OutOfMemoryError as e:
         raise UserError(f"out of GPU memory in the warm-up, with up to {packing.largest} micro-batch(es) of "
                         f"{cfg.micro_batch_tokens} tokens per forward ({str(e).splitlines()[0]}): lower "
-                        "--forward_micro_batches or "
-                        "--micro_batch_tokens") from None
+                        "--forward_micro_batches or --micro_batch_tokens") from None
     finally:
         caches.close()
         jit.close()
