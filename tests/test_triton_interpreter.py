@@ -244,3 +244,38 @@ def test_fused_mlp_kernel_matches_float64_in_the_interpreter():
     _FusedReLU2MLP, output and the three gradients against the plain MLP in float64."""
     errors = run_in_interpreter(MLP_CHECK).split()
     assert len(errors) == 2 and max(float(e) for e in errors) < 1e-5, errors
+
+
+MUON_APPLY_CHECK = textwrap.dedent("""
+    import torch, train_gpt as tg
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(96, 40, generator=g).requires_grad_(), torch.randn(5000, 3, generator=g).requires_grad_()]
+    # a partial block; 15000 elements, several blocks of 4096
+    updates = [(torch.randn(w.shape, generator=g) * 0.5).to(torch.bfloat16) for w in weights]
+    opt = tg.Muon([dict(params=[weights[0]], weight_decay=0.5), dict(params=[weights[1]], weight_decay=0.0)], lr=0.02,
+                  momentum=0.9)
+    opt.fill_scalars()
+    for i, (w, u) in enumerate(zip(weights, updates)):
+        w = w.detach()
+        ops, fused = w.clone(), w.clone()
+        opt.group_index_of[ops] = i
+        opt._apply([ops], u[None])  # the multi-tensor ops
+        tg.muon_apply_(fused, u, opt.scalars[i, 3:], bool(opt.param_groups[i]["weight_decay"]))
+        neg_lr, neg_decay = opt.scalars[i, 3:].double()
+        w64, u64 = w.double(), u.double()
+        ref = w64 + torch.where(u64 * w64 >= 0, w64, 0.0) * neg_decay + u64 * neg_lr
+        print(torch.equal(ops, fused), ((fused.double() - ref).abs().max() / ref.abs().max()).item(),
+              (fused != w).float().mean().item())
+""")
+
+
+def test_muon_apply_kernel_keeps_the_multi_tensor_ops_bits_in_the_interpreter():
+    """muon_apply_ (Muon's update and cautious decay in one pass) against Muon's multi-tensor ops and float64, with
+    and without decay, over a partial block and several blocks."""
+    lines = run_in_interpreter(MUON_APPLY_CHECK).split("\n")[:2]
+    for line in lines:
+        equal, error, changed = line.split()
+        assert equal == "True", line
+        assert float(error) < 1e-6, line
+        assert float(changed) > 0.9, line  # the step moved the weights
+    assert len(lines) == 2
