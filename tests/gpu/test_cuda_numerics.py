@@ -314,6 +314,17 @@ def test_normuon_matches_float64():
         assert relative_error(got.cpu(), want) < 1e-2
 
 
+def muon_on_test_matrices(g: torch.Generator, graphs: bool):
+    """Seven 1024 x 256 matrices on the GPU, three of them attention-like in two runs of row blocks (Q/K-like blocks
+    of 128 rows, V/O-like of 256), and a Muon over them with decay, NorMuon, slow momentum and the Triton kernels."""
+    attn = [torch.randn(1024, 256, generator=g).cuda().requires_grad_() for _ in range(3)]
+    mlp = [torch.randn(1024, 256, generator=g).cuda().requires_grad_() for _ in range(4)]
+    opt = tg.Muon([dict(params=attn, split=((128, 4), (256, 2))), dict(params=mlp, lr_mul=2.0)], lr=0.02,
+                  momentum=0.9, weight_decay=0.5, beta2=0.95, shape_lr=True, use_triton=True, slow_momentum=0.98,
+                  cuda_graphs=graphs)
+    return attn, mlp, opt
+
+
 def test_muon_parts_as_cuda_graphs_give_the_steps_run_kernel_by_kernel():
     """--muon_graphs: Muon's compute between its collectives and its weight update, captured as CUDA graphs at the
     second step and replayed from then on, on the Triton Newton-Schulz, with the lr, momentum and slow share
@@ -321,11 +332,7 @@ def test_muon_parts_as_cuda_graphs_give_the_steps_run_kernel_by_kernel():
     weights as the same steps launched kernel by kernel."""
     def train(graphs):
         g = torch.Generator().manual_seed(0)
-        attn = [torch.randn(1024, 256, generator=g).cuda().requires_grad_() for _ in range(3)]
-        mlp = [torch.randn(1024, 256, generator=g).cuda().requires_grad_() for _ in range(4)]
-        opt = tg.Muon([dict(params=attn, split=((128, 4), (256, 2))), dict(params=mlp, lr_mul=2.0)], lr=0.02,
-                      momentum=0.9, weight_decay=0.5, beta2=0.95, shape_lr=True, use_triton=True, slow_momentum=0.98,
-                      cuda_graphs=graphs)
+        attn, mlp, opt = muon_on_test_matrices(g, graphs)
         for step in range(6):
             for group in opt.param_groups:
                 group["lr"] = 0.02 * (1 - 0.1 * step)
@@ -667,11 +674,7 @@ def test_muon_fused_apply_and_kinds_side_by_side_keep_the_bits(graphs):
     weights to the bit after six steps with decay, NorMuon and two runs of row blocks, kernel by kernel and as graphs."""
     def train(fast):
         g = torch.Generator().manual_seed(0)
-        attn = [torch.randn(1024, 256, generator=g).cuda().requires_grad_() for _ in range(3)]
-        mlp = [torch.randn(1024, 256, generator=g).cuda().requires_grad_() for _ in range(4)]
-        opt = tg.Muon([dict(params=attn, split=((128, 4), (256, 2))), dict(params=mlp, lr_mul=2.0)], lr=0.02,
-                      momentum=0.9, weight_decay=0.5, beta2=0.95, shape_lr=True, use_triton=True, slow_momentum=0.98,
-                      cuda_graphs=graphs)
+        attn, mlp, opt = muon_on_test_matrices(g, graphs)
         assert opt.fused_apply and opt.parallel_kinds  # the defaults with the Triton kernels
         opt.fused_apply = opt.parallel_kinds = fast
         for step in range(6):
