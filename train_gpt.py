@@ -5550,6 +5550,9 @@ def muon_apply_(weight: Tensor, update: Tensor, scalars: Tensor, decay: bool) ->
     """Muon._apply's multi-tensor ops for one fp32 matrix in one pass (reads the weight and the bf16 update once,
     writes the weight once, where the ops read and wrote it nine times): cautious decay, then the step. Without fused
     multiply-adds, so each product rounds to fp32 as the multi-tensor ops round it: bit-equal to them."""
+    if not (weight.is_contiguous() and update.is_contiguous()) or update.shape != weight.shape:
+        raise ValueError(f"muon_apply_ needs a contiguous weight and update of one shape, got {tuple(weight.shape)} "
+                         f"and {tuple(update.shape)}")
     n = weight.numel()
     _muon_apply_kernel[(triton.cdiv(n, MUON_APPLY_BLOCK),)](weight, update, scalars, n, DECAY=decay,
                                                            BLOCK=MUON_APPLY_BLOCK, enable_fp_fusion=False)
