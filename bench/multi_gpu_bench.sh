@@ -17,7 +17,8 @@
 #    attention, and FLAGS naming fa3 installs it from .fa3 too; under graphs FA3 is captured with the step: fa3_varlen),
 #    "muon_eager" (world size N with --muon_graphs=0: Muon kernel by kernel, not as the CUDA graphs auto takes there),
 #    "nccl_simple" (world size N with NCCL_PROTO=Simple, NCCL's bandwidth protocol alone: no faster than NCCL's own
-#    choice on 4xH200, docs/performance.md), "same_data" (world size N with every rank reading rank 0's micro-batches:
+#    choice on 4xH200, docs/performance.md), "nccl_channels" (world size N with NCCL_MIN_NCHANNELS=NCCL_CHANNELS, 32
+#    unless set: more of NCCL's parallel rings, for the Adam steps, whose optimizer phase waits on the wire), "same_data" (world size N with every rank reading rank 0's micro-batches:
 #    what the ranks' different documents cost in waits; bench_step.py prints each rank's own forward + backward and
 #    host cost beside).
 #    The benches read the bench stream (real document lengths and bigram rows); beside each, nvidia-smi samples every
@@ -122,6 +123,7 @@ if [ "$what" = all ] || [ "$what" = bench ]; then
         fwd1_graphs) bench bench_fwd1_graphs "$nproc" --forward_micro_batches=1 --compile_mode=reduce-overhead ;;
         muon_eager) bench bench_muon_eager "$nproc" --muon_graphs=0 ;;  # Muon without its CUDA graphs
         nccl_simple) NCCL_PROTO=Simple bench bench_nccl_simple "$nproc" ;;  # NCCL's bandwidth protocol only
+        nccl_channels) NCCL_MIN_NCHANNELS=${NCCL_CHANNELS:-32} bench bench_nccl_channels "$nproc" ;;  # more rings
         same_data) BENCH_SAME_DATA=1 bench bench_same_data "$nproc" ;;  # every rank reads rank 0's micro-batches
         esac
     done
