@@ -2359,15 +2359,20 @@ POLAR_EXPRESS_COEFFS = (
 )
 
 
+def orthogonalized_dtype(grads: Tensor) -> torch.dtype:
+    """What orthogonalize computes and returns in: bf16 on the GPU (the iteration is robust to it), fp32 elsewhere
+    so CPU tests are exact."""
+    return torch.bfloat16 if grads.is_cuda else torch.float32
+
+
 def orthogonalize(grads: Tensor, use_triton: bool) -> Tensor:
     """Approximately replace each matrix of a [..., rows, cols] batch by U V^T of its SVD.
 
-    bf16 on the GPU (the iteration is robust to it), fp32 elsewhere so CPU tests are exact. With use_triton
-    (Kernels.newton_schulz; CUDA), X X^T and b A + c A A (A symmetric) use the symmetric kernel, which skips the
-    products above the diagonal (the speedrun's 2025-07 Triton Muon record); otherwise plain torch.
+    In orthogonalized_dtype. With use_triton (Kernels.newton_schulz; CUDA), X X^T and b A + c A A (A symmetric) use
+    the symmetric kernel, which skips the products above the diagonal (the speedrun's 2025-07 Triton Muon record);
+    otherwise plain torch.
     """
-    dtype = torch.bfloat16 if grads.is_cuda else torch.float32
-    X = grads.to(dtype)
+    X = grads.to(orthogonalized_dtype(grads))
     transposed = X.size(-2) > X.size(-1)
     if transposed:  # iterate on the smaller Gram matrix
         X = X.mT
@@ -2572,8 +2577,8 @@ class Muon(torch.optim.Optimizer):
             for run, (height, count) in enumerate(row_blocks(p, settings)):
                 by_run.setdefault((first_row, height, count, run), []).append(i)
                 first_row += height * count
-        dtype = torch.bfloat16 if grads.is_cuda else torch.float32  # orthogonalize's
-        updates = group.buffer("outbox", lambda: grads.new_empty(grads.shape, dtype=dtype), self.cuda_graphs).zero_()
+        updates = group.buffer("outbox", lambda: grads.new_empty(grads.shape, dtype=orthogonalized_dtype(grads)),
+                               self.cuda_graphs).zero_()
         streams = self.kind_streams(len(by_run))
         for stream, ((first_row, height, count, run), members) in zip(streams, by_run.items()):
             with torch.cuda.stream(stream):  # None: the current stream
