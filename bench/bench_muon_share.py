@@ -73,10 +73,12 @@ def check_streams_equal(muon, params, world_size: int, grads) -> str:
                 updates = run()
             torch.cuda.synchronize()
             results.append((updates.clone(), copy_state(muon.state)))
-        (u0, s0), (u1, s1) = results
-        same_state = all(torch.equal(s0[p][k], s1[p][k]) for p in s0 for k in s0[p]) and s0.keys() == s1.keys()
+        (in_turn, in_turn_state), (side_by_side, side_by_side_state) = results
+        same_state = in_turn_state.keys() == side_by_side_state.keys() and all(
+            torch.equal(in_turn_state[p][k], side_by_side_state[p][k]) for p in in_turn_state for k in in_turn_state[p])
         lines.append(f"{'graphs' if as_graphs else 'eager '}, world size {world_size}: updates bit-equal "
-                     f"{torch.equal(u0, u1)}, state bit-equal {same_state}, updates' norm {u0.float().norm():.4f}")
+                     f"{torch.equal(in_turn, side_by_side)}, state bit-equal {same_state}, updates' norm "
+                     f"{in_turn.float().norm():.4f}")
     muon.state, muon.parallel_kinds = saved, False
     return "\n".join(lines)
 
@@ -118,7 +120,9 @@ def main():
     muon.use_triton, muon.parallel_kinds = triton_on, False
 
     print("applying a group's updates (16 matrices, as every rank does), as a graph: multi-tensor ops / fused")
-    scalars = torch.tensor([[0.0, 0.0, 0.0, -0.03, -2e-4]], device=device)  # neg_lr, neg_decay as fill_scalars
+    neg_lr, neg_decay = -0.03, -2e-4  # every param group's, in fill_scalars' columns while this part runs
+    scheduled = muon.scalars
+    muon.scalars = torch.tensor([[0.0, 0.0, 0.0, neg_lr, neg_decay]] * len(muon.param_groups), device=device)
     for index, params in enumerate(groups):
         updates = (torch.randn(len(params), *params[0].shape, device=device) * 0.02).to(torch.bfloat16)
         before = [p.detach().clone() for p in params]
@@ -127,25 +131,24 @@ def main():
             for p, b in zip(params, before):
                 p.data.copy_(b)
             muon.fused_apply = fused
-            saved_scalars, muon.scalars = muon.scalars, scalars.expand(len(muon.param_groups), 5).contiguous()
             muon._apply(params, updates)
             torch.cuda.synchronize()
             results.append([p.detach().clone() for p in params])
             times = median_ms(as_graph(lambda: muon._apply(params, updates))[0].replay, repeats=50, warmup=5)
-            muon.scalars = saved_scalars
             print(f"  group {index} {'fused' if fused else 'multi-tensor ops'}: {times:.3f} ms")
         reference = []
         for p, b, u in zip(params, before, updates):
             w, u = b.double(), u.double()
             decay = muon.param_groups[muon.group_index_of[p]]["weight_decay"] != 0
-            w = w + torch.where(u * w >= 0, w, 0.0) * -2e-4 * decay
-            reference.append(w + u * -0.03)
+            w = w + torch.where(u * w >= 0, w, 0.0) * neg_decay * decay
+            reference.append(w + u * neg_lr)
         worst = max(((r.double() - ref).abs().max() / ref.abs().max()).item() for r, ref in zip(results[1], reference))
-        print(f"  group {index}: fused bit-equal to the multi-tensor ops "
-              f"{all(torch.equal(a, b) for a, b in zip(*results))}; largest error against float64 {worst:.2e} of the largest weight")
+        same = all(torch.equal(a, b) for a, b in zip(*results))
+        print(f"  group {index}: fused bit-equal to the multi-tensor ops {same}; largest error against float64 "
+              f"{worst:.2e} of the largest weight")
         for p, b in zip(params, before):
             p.data.copy_(b)
-    muon.fused_apply = muon.use_triton
+    muon.fused_apply, muon.scalars = muon.use_triton, scheduled
 
     print("rank 0's Newton-Schulz alone per kind, as a graph (ms): Triton / torch")
     for world_size in (1, 2, 4, 8):
