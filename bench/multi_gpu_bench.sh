@@ -18,9 +18,9 @@
 #    "muon_eager" (world size N with --muon_graphs=0: Muon kernel by kernel, not as the CUDA graphs auto takes there),
 #    "nccl_simple" (world size N with NCCL_PROTO=Simple, NCCL's bandwidth protocol alone: no faster than NCCL's own
 #    choice on 4xH200, docs/performance.md), "nccl_channels" (world size N with NCCL_MIN_NCHANNELS=NCCL_CHANNELS, 32
-#    unless set: more of NCCL's parallel rings, for the Adam steps, whose optimizer phase waits on the wire), "same_data" (world size N with every rank reading rank 0's micro-batches:
-#    what the ranks' different documents cost in waits; bench_step.py prints each rank's own forward + backward and
-#    host cost beside).
+#    unless set: more of NCCL's parallel rings, for the Adam steps, whose optimizer phase waits on the wire),
+#    "same_data" (world size N with every rank reading rank 0's micro-batches: what the ranks' different documents
+#    cost in waits; bench_step.py prints each rank's own forward + backward and host cost beside).
 #    The benches read the bench stream (real document lengths and bigram rows); beside each, nvidia-smi samples every
 #    GPU's utilisation, SM clock, power and temperature ($OUT/NAME.smi.csv), whose means while busy are printed;
 # 2. DiLoCo against data parallelism at equal tokens on bench2, on data that does not repeat (micro-batches of
