@@ -4131,17 +4131,24 @@ def warm_up_forwards(schedule: Schedule, packing: Packing, world_size: int, cuda
 
 
 def warm_up(model: GPT, optimizers, cfg: Config, comm: Comm, schedule: Schedule, device: torch.device,
-            packing: Packing):
+            packing: Packing, log=None):
     """Run every graph the timed region will need (forward and backward of each pair of window sizes and forward
     size, warm_up_forwards; the optimizer step; validation reuses them) on random data, then restore the initial
-    weights and empty the optimizer state. Nothing here is timed."""
+    weights and empty the optimizer state. Nothing here is timed. log, when given, gets a line per pair as it
+    finishes: a compile that tunes its kernels runs for minutes, and the lines show it advancing."""
     initial = {name: t.detach().clone() for name, t in model.state_dict().items()}
     runs = warm_up_forwards(schedule, packing, comm.world_size, model.replays_cuda_graphs)
     sizes = [size for (_, size), forwards in runs.items() for _ in range(forwards)]
     batches = prefetch(dummy_batches(cfg, seed=cfg.seed + 1 + comm.rank), cfg, device, packing.largest, sizes)
+    start = time.perf_counter()
     try:
-        for (windows, _), forwards in runs.items():
+        for number, ((windows, size), forwards) in enumerate(runs.items(), 1):
             train_step(model, optimizers, batches, windows, forwards=forwards)
+            if log is not None:
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                log(f"warm-up {number}/{len(runs)}: windows {windows[0]}/{windows[1]}, {size} micro-batch(es) per "
+                    f"forward, {forwards} forward(s), done at {time.perf_counter() - start:.1f}s")
     finally:
         batches.close()
     model.load_state_dict(initial)
@@ -4300,8 +4307,9 @@ def build_model(cfg: Config, comm: Comm, log: RunLog) -> tuple[GPT, torch.device
     return model, device, packing
 
 
-def configure_inductor(cfg: Config, device: torch.device) -> None:
-    """Inductor's options for our graphs, set before they compile (torch keeps them process-wide)."""
+def configure_inductor(cfg: Config, device: torch.device) -> bool:
+    """Inductor's options for our graphs, set before they compile (torch keeps them process-wide). Returns whether
+    it tunes the kernels."""
     import torch._functorch.config as functorch
     import torch._inductor.config as inductor
     tune = cfg.tune_kernels == "1" or (cfg.tune_kernels == "auto" and bool(cfg.compile_cache))
@@ -4317,6 +4325,7 @@ def configure_inductor(cfg: Config, device: torch.device) -> None:
     # start, warm caches and --compile_cache notwithstanding. Dynamo traces each Function's forward and backward into
     # the graph, so the cache key covers them.
     functorch.autograd_cache_allow_custom_autograd_functions = True
+    return inductor.coordinate_descent_tuning
 
 
 def triton_cache_dir() -> Path:
@@ -4725,15 +4734,16 @@ def build_and_warm_up(cfg: Config, comm: Comm, log: RunLog) -> Trainer:
     # Untimed warm-up: compile and tune every kernel, then start over from the same weights.
     start = time.perf_counter()
     optimizers = build_optimizers(model, cfg)
-    if cfg.compile:
-        configure_inductor(cfg, device)
+    tunes = cfg.compile and configure_inductor(cfg, device)
     cache = CompileCache(cfg.compile_cache, log, comm) if cfg.compile and cfg.compile_cache else None
     if cache is not None:
         cache.load()
     scope, compile_mode = compile_model(model, cfg, comm, device, packing)
     caches, jit = CompileCacheWatch(), TritonJitWatch()
     try:
-        warm_up(model, optimizers, cfg, comm, schedule, device, packing)
+        if tunes:
+            log("warm-up: inductor tunes every kernel it holds no tuning for (--tune_kernels): minutes from empty caches")
+        warm_up(model, optimizers, cfg, comm, schedule, device, packing, log)
     except torch.OutOfMemoryError as e:
         raise UserError(f"out of GPU memory in the warm-up, with up to {packing.largest} micro-batch(es) of "
                         f"{cfg.micro_batch_tokens} tokens per forward ({str(e).splitlines()[0]}): lower "

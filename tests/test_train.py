@@ -1010,7 +1010,13 @@ def test_warm_up_restores_the_initial_model(tiny_data):
     model.lm_head.weight.data.normal_()  # non-zero head, so the warm-up's steps change every weight
     before = {k: v.clone() for k, v in model.state_dict().items()}
     optimizers = tg.build_optimizers(model, cfg)
-    tg.warm_up(model, optimizers, cfg, tg.Comm(), tg.Schedule(cfg), torch.device("cpu"), tg.Packing((1, 1, 1), 1))
+    lines = []
+    schedule, packing = tg.Schedule(cfg), tg.Packing((1, 1, 1), 1)
+    tg.warm_up(model, optimizers, cfg, tg.Comm(), schedule, torch.device("cpu"), packing, lines.append)
+    # a progress line per (windows, forward size) pair, in the order they ran
+    runs = tg.warm_up_forwards(schedule, packing, 1, cuda_graphs=False)
+    assert [re.match(r"warm-up (\d+)/(\d+): windows (\d+)/(\d+), 1 micro-batch\(es\) per forward", line).groups()
+            for line in lines] == [(str(n), str(len(runs)), str(a), str(b)) for n, ((a, b), _) in enumerate(runs, 1)]
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert all(p.grad is None for p in model.parameters())
     assert all(not opt.state for opt in optimizers)
