@@ -29,8 +29,8 @@
 #    DiLoCo with 2 replicas of one GPU each (8/16/24 each; a lighthouse on this machine, torchft from .whl/) and the
 #    default outer step: final validation loss of each, wall time, syncs, replica digests.
 # "bench" runs step 1 only; "diloco" step 2 only (its DiLoCo runs are skipped when torchft does not import);
-# "record" only the full default run at world size N on bench2 (validation every 250 steps; FA3 when .fa3 or .fa3src
-# is carried), its log in $OUT.
+# "record" only the full default run at world size N on bench2 (validation every 250 steps; kernels untuned unless
+# FLAGS names --tune_kernels; FA3 when .fa3 or .fa3src is carried), its log in $OUT.
 # FLAGS="..." adds train_gpt.py flags to every bench and to the record run (e.g. FLAGS="--preset=record_2026_02").
 # Expects .bench2/*.bin.xz (copies of ../shared/bench2) and, for DiLoCo, .whl/ (torchft and its dependencies for
 # py3.12: pip download torchft==0.2.0 -d .whl --python-version 3.12 --only-binary=:all:
@@ -68,13 +68,16 @@ fa3_ready() {  # before a run that may use FA3: the background build finished an
 if [ "$what" = record ]; then  # the default configuration's whole schedule
     fa3_ready
     start=$SECONDS
-    # with a compile cache file, so that --tune_kernels=auto tunes the kernels, as a record attempt would
+    # With a compile cache file, as a record attempt would have. Its kernels stay untuned unless FLAGS names
+    # --tune_kernels: with --tune_kernels=auto's tuning the warm-up alone ran past 580 s at 4 GPUs (4xH200,
+    # 2026-11-27), more than one device call allows.
+    [[ "${FLAGS:-}" == *--tune_kernels* ]] || flags+=(--tune_kernels=0)
     timeout 580 torchrun --nproc_per_node="$nproc" train_gpt.py --train_files='/tmp/bench2/docs_train_*.bin' \
         --val_files=/tmp/bench2/docs_val_000000.bin --val_tokens=2097152 --train_repeat=1 --val_loss_every=250 \
         --compile_cache=/tmp/record_compile_cache.bin \
         --run_id="default_x$nproc" "${flags[@]}" > "$OUT/default_x$nproc.stdout" 2>&1
     echo "== default run, $nproc GPUs: exit $? after $((SECONDS - start))s"
-    grep -E "^compile_time|val_loss|^(rank [0-9]+: )?(step times|slow step|peak memory)|train_time|graphs" \
+    grep -E "^(warm-up|compile_time)|val_loss|^(rank [0-9]+: )?(step times|slow step|peak memory)|train_time|graphs" \
         "$OUT/default_x$nproc.stdout" | cut -c1-220
     cp "logs/default_x$nproc.txt" "$OUT/" 2>/dev/null
     exit 0
