@@ -69,8 +69,8 @@ if [ "$what" = record ]; then  # the default configuration's whole schedule
     fa3_ready
     start=$SECONDS
     # With a compile cache file, as a record attempt would have. Its kernels stay untuned unless FLAGS names
-    # --tune_kernels: with --tune_kernels=auto's tuning the warm-up alone ran past 580 s at 4 GPUs (4xH200,
-    # 2026-11-27), more than one device call allows.
+    # --tune_kernels: with --tune_kernels=auto's tuning the warm-up alone ran past the 580 s limit below at 4 GPUs
+    # (4xH200, 2026-11-27).
     [[ "${FLAGS:-}" == *--tune_kernels* ]] || flags+=(--tune_kernels=0)
     timeout 580 torchrun --nproc_per_node="$nproc" train_gpt.py --train_files='/tmp/bench2/docs_train_*.bin' \
         --val_files=/tmp/bench2/docs_val_000000.bin --val_tokens=2097152 --train_repeat=1 --val_loss_every=250 \
