@@ -22,6 +22,8 @@ BENCH_ADAM_MERGE=N sets DistAdam.MERGE (buckets under N values share their colle
 collective per bucket), for an A/B of that merging in one call.
 BENCH_SAME_DATA=1 gives every rank rank 0's micro-batches: against the usual run, what the ranks' different documents
 (their attention work) cost in waits at the collectives.
+BENCH_PROFILE_STAGES="0 1" also profiles two steps at the end of each of those stages (GPU only, the summary below):
+what a stage's step spends its GPU time on, where the last stage is not the one in question.
 Then two torch.profiler windows over the last stage (GPU only, then host and GPU): GPU time by kind of
 kernel, idle gaps split into host-late and not, the host ops the GPU waited on, the longest kernels; on several
 GPUs also one line per rank: its NCCL kernel time by collective and kernel name, and its idle GPU time
@@ -389,6 +391,30 @@ class HostCost:
         self.since = time.perf_counter()
 
 
+def profile_stages(value: str, stages: int) -> set[int]:
+    """BENCH_PROFILE_STAGES: the stages, as a space- or comma-separated list, that end with a GPU-only profile."""
+    try:
+        chosen = {int(item) for item in value.replace(",", " ").split()}
+    except ValueError:
+        chosen = {-1}
+    if not chosen <= set(range(stages)):
+        raise tg.UserError(f"BENCH_PROFILE_STAGES={value!r}: give stage numbers from 0 to {stages - 1}, e.g. '0 1'")
+    return chosen
+
+
+def gpu_profile(run_step, steps: int, trace: Path) -> list[str]:
+    """Run steps training steps under torch.profiler (GPU activity only), write the trace to trace (every rank its
+    own: the steps' collectives need every rank) and return trace_summary's lines."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        torch.cuda.synchronize()
+        for _ in range(steps):
+            run_step()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(str(trace))
+    return trace_summary(json.loads(trace.read_text()), steps)
+
+
 def main() -> int:
     argv = [a for a in sys.argv[1:] if not a.startswith("--bench_steps=")]
     steps = next((int(a.split("=", 1)[1]) for a in sys.argv[1:] if a.startswith("--bench_steps=")), 10)
@@ -406,6 +432,7 @@ def main() -> int:
             print(text, flush=True)
 
     try:
+        profiled = profile_stages(os.environ.get("BENCH_PROFILE_STAGES", ""), len(cfg.stage_batches()))
         trainer = tg.build_and_warm_up(cfg, comm, say)
         model, optimizers, schedule, device = trainer.model, trainer.optimizers, trainer.schedule, trainer.device
         gc.collect()
@@ -435,6 +462,7 @@ def main() -> int:
         say(f"{'stage':>5} {'micro':>5} {'windows':>11} {'step ms':>8} {'max/med':>7} {'tok/s':>10} {'MFU':>6}  "
             "phase split (ms per step)")
         losses = []  # every step's loss (rank's own micro-batches): the bench times steps, the losses say they learn
+        trace_dir = Path(os.environ.get("BENCH_TRACE_DIR", "/tmp"))
         try:
             for stage in range(len(schedule.batches)):
                 step = next(s for s in range(cfg.num_iterations) if schedule.stage(s) == stage)  # its first step
@@ -511,6 +539,15 @@ def main() -> int:
                         torch.distributed.all_gather_object(rows, dict(
                             gpu=phases.get("forward", 0.0) + phases.get("backward", 0.0), host=sum(cost.values())))
                         say(ranks_alone(rows))
+                    if stage in profiled and stage < len(schedule.batches) - 1:  # the last one's profiles come below
+
+                        def profiled_step():
+                            next_step_settings()
+                            tg.train_step(model, optimizers, batches, windows, forwards)
+                        lines = gpu_profile(profiled_step, 2, trace_dir / f"bench_trace_stage{stage}_{comm.rank}.json")
+                        say(f"{'':>31}profile (GPU only), 2 steps of this stage:")
+                        for line in lines:
+                            say(f"{'':>33}{line}")
             reasons = trainer.recompiles.new_reasons()
             say(f"graphs compiled in the timed region: {len(reasons)}"
                 + (f"; peak memory {torch.cuda.max_memory_allocated() // 2**20} MiB" if cuda else ""))
@@ -544,7 +581,7 @@ def main() -> int:
                 what = "GPU only" if len(activities) == 1 else "host and GPU"
                 say(f"profile ({what}), {profiled_steps} steps of the last stage, wall {wall_ms / profiled_steps:.0f} ms "
                     "per step with the profiler on:")
-                trace = Path(os.environ.get("BENCH_TRACE_DIR", "/tmp")) / f"bench_trace_{comm.rank}.json"
+                trace = trace_dir / f"bench_trace_{comm.rank}.json"
                 prof.export_chrome_trace(str(trace))
                 if comm.is_main:
                     ours = json.loads(trace.read_text())

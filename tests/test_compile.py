@@ -632,6 +632,17 @@ def test_bench_step_names_the_rank_that_holds_the_others_back():
     assert line.endswith("slowest less fastest 0.9 / 16.5")
 
 
+def test_bench_step_profiles_the_stages_named_and_refuses_others():
+    """BENCH_PROFILE_STAGES names the stages that end with a GPU-only profile: a list of stage numbers, checked before
+    the minutes of compiling, with one line naming the variable when it is not one."""
+    bench_step = load_script("bench/bench_step.py")
+    assert bench_step.profile_stages("", 3) == set()
+    assert bench_step.profile_stages("0 1", 3) == bench_step.profile_stages("1,0", 3) == {0, 1}
+    for bad in ("3", "-1", "first"):
+        with pytest.raises(bench_step.tg.UserError, match=r"^BENCH_PROFILE_STAGES='.*': give stage numbers from 0 to 2"):
+            bench_step.profile_stages(bad, 3)
+
+
 def test_bench_step_reports_adam_steps_and_the_others_apart():
     """bench/bench_step.py times steps with training's Adam cadence: the two kinds of step alternate, so each is
     reported on its own (median step and phases) and the slowest step is judged against its own kind."""
