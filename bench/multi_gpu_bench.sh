@@ -21,8 +21,10 @@
 #    unless set: more of NCCL's parallel rings, for the Adam steps, whose optimizer phase waits on the wire),
 #    "same_data" (world size N with every rank reading rank 0's micro-batches: what the ranks' different documents
 #    cost in waits; bench_step.py prints each rank's own forward + backward and host cost beside), "numa" (as "fa3",
-#    each rank's process bound by torchrun to the CPUs of its GPU's NUMA node, NUMA_MODE=node unless set: whether
-#    the ranks' uneven host costs come from sharing CPUs; the GPUs' NUMA affinity and each rank's CPU count first).
+#    each rank's process bound by torchrun --numa-binding=NUMA_MODE, exclusive unless set: each rank its own share of
+#    the cores of its GPU's NUMA node, where "node" binds it to the whole node, which is every CPU on a one-node
+#    host; whether the ranks' uneven host costs come from sharing CPUs; the GPUs' NUMA affinity and each rank's CPUs
+#    first).
 #    The benches read the bench stream (real document lengths and bigram rows); beside each, nvidia-smi samples every
 #    GPU's utilisation, SM clock, power and temperature ($OUT/NAME.smi.csv), whose means while busy are printed;
 # 2. DiLoCo against data parallelism at equal tokens on bench2, on data that does not repeat (micro-batches of
@@ -132,7 +134,7 @@ if [ "$what" = all ] || [ "$what" = bench ]; then
         nccl_simple) NCCL_PROTO=Simple bench bench_nccl_simple "$nproc" ;;  # NCCL's bandwidth protocol only
         nccl_channels) NCCL_MIN_NCHANNELS=${NCCL_CHANNELS:-32} bench bench_nccl_channels "$nproc" ;;  # more rings
         same_data) BENCH_SAME_DATA=1 bench bench_same_data "$nproc" ;;  # every rank reads rank 0's micro-batches
-        numa) binding="--numa-binding=${NUMA_MODE:-node}"
+        numa) binding="--numa-binding=${NUMA_MODE:-exclusive}"
               nvidia-smi topo -m | grep -E "^GPU[0-9]|Affinity" | cut -c1-160
               torchrun $binding --nproc_per_node="$nproc" --master_port=29660 bench/cpus_of_rank.py 2>&1 | sort
               TORCHRUN_ARGS=$binding bench bench_numa "$nproc" --attn_backend=fa3 --tune_kernels=0 ;;
