@@ -25,7 +25,8 @@ BENCH_SAME_DATA=1 gives every rank rank 0's micro-batches: against the usual run
 BENCH_PROFILE_STAGES="0 1" also profiles two steps at the end of each of those stages (GPU only, the summary below):
 what a stage's step spends its GPU time on, where the last stage is not the one in question.
 Then two torch.profiler windows over the last stage (GPU only, then host and GPU): GPU time by kind of
-kernel, idle gaps split into host-late and not, the host ops the GPU waited on, the longest kernels; on several
+kernel, idle gaps split into host-late and not, the host ops the GPU waited on, the longest kernels, and (with host
+ops) each launching thread's time in ops and the ops with the most host self time (host_time); on several
 GPUs also one line per rank: its NCCL kernel time by collective and kernel name, and its idle GPU time
 (collectives that take one rank far longer than another are mostly spent waiting for the late ranks), and the order
 rank 0 launched its collectives in, with what each carried and when its kernel ran (collective_order). Last, the
@@ -199,6 +200,42 @@ def trace_summary(trace: dict, steps: int) -> list[str]:
     lines.append("kernels of kind 'other' and memcpy/memset (ms per step):")
     for us, name in sorted(small, reverse=True)[:12]:
         lines.append(f"  {per_step(us):8.2f}  {name[:100]}" + (f"  <- {main_context(name)[0]}" if name in launched_from else ""))
+    return lines
+
+
+def host_time(trace: dict, steps: int, top: int = 15) -> list[str]:
+    """Where the host's time goes, from a trace with host ops: for each thread that launched GPU work (the training
+    loop's, and the autograd engine's, which runs a CUDA backward), its time inside ops against the span from its
+    first op to its last; then the ops with the most self time (an op's time less its child ops', so the Python an op
+    runs around its children, e.g. inductor's wrapper launching a compiled graph's kernels, counts as the op's).
+    Host time outside any op (the training loop's own Python) shows as the thread's time not in ops."""
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    launching = {e.get("tid") for e in events if e.get("cat") == "cuda_runtime"}
+    ops_by_thread: dict = {}
+    for e in events:
+        if e.get("cat") in ("cpu_op", "user_annotation") and e.get("tid") in launching:
+            ops_by_thread.setdefault(e.get("tid"), []).append(e)
+    per_step = lambda us: us / 1000 / steps
+    lines, self_time = [], {}
+    for tid, ops in sorted(ops_by_thread.items(), key=lambda item: -len(item[1])):
+        ops.sort(key=lambda e: (e["ts"], -e["dur"]))
+        stack, in_ops = [], 0.0  # stack: [op, its children's time]
+        for e in ops + [None]:
+            while stack and (e is None or stack[-1][0]["ts"] + stack[-1][0]["dur"] < e["ts"] + e["dur"]):
+                op, children = stack.pop()
+                self_time[op["name"]] = self_time.get(op["name"], 0.0) + max(op["dur"] - children, 0.0)
+                if stack:
+                    stack[-1][1] += op["dur"]
+                else:
+                    in_ops += op["dur"]
+            if e is not None:
+                stack.append([e, 0.0])
+        span = max(e["ts"] + e["dur"] for e in ops) - ops[0]["ts"]
+        lines.append(f"host thread {tid}: {per_step(in_ops):.1f} ms per step inside ops, {per_step(span):.1f} ms from its "
+                     f"first op to its last ({len(ops) // steps} ops per step)")
+    lines.append("host ops with the most self time (ms per step):")
+    for name, us in sorted(self_time.items(), key=lambda item: (-item[1], item[0]))[:top]:
+        lines.append(f"  {per_step(us):8.2f}  {name[:100]}")
     return lines
 
 
@@ -587,6 +624,9 @@ def main() -> int:
                     ours = json.loads(trace.read_text())
                     for line in trace_summary(ours, profiled_steps):
                         print("  " + line, flush=True)
+                    if len(activities) > 1:
+                        for line in host_time(ours, profiled_steps):
+                            print("  " + line, flush=True)
                     if comm.distributed and len(activities) > 1:
                         print(f"  rank 0's {collective_order(ours)}", flush=True)
                 if comm.distributed:  # each rank's collectives, read from the traces every rank wrote beside rank 0's

@@ -643,6 +643,29 @@ def test_bench_step_profiles_the_stages_named_and_refuses_others():
             bench_step.profile_stages(bad, 3)
 
 
+def test_bench_step_splits_the_hosts_time_by_thread_and_op():
+    """host_time reads a profiler trace's host ops: each launching thread's time inside ops against its span, and
+    each op's self time (its time less its children's), summed over the ops of one name; threads that launch nothing
+    on the GPU are left out."""
+    bench_step = load_script("bench/bench_step.py")
+
+    def op(name, start, end, tid=1):
+        return dict(ph="X", cat="cpu_op", name=name, ts=start * 1000, dur=(end - start) * 1000, tid=tid)
+    trace = {"traceEvents": [
+        op("A", 0, 100), op("B", 10, 30), op("C", 40, 90), op("D", 50, 60), op("B", 120, 130),
+        dict(ph="X", cat="cuda_runtime", name="cudaLaunchKernel", ts=55_000, dur=1, tid=1, args={}),
+        op("F", 0, 50, tid=2), dict(ph="X", cat="cuda_runtime", name="cudaLaunchKernel", ts=5_000, dur=1, tid=2),
+        op("G", 0, 1000, tid=3)]}
+    lines = bench_step.host_time(trace, steps=2)
+    assert lines[0] == "host thread 1: 55.0 ms per step inside ops, 65.0 ms from its first op to its last (2 ops per step)"
+    assert lines[1] == "host thread 2: 25.0 ms per step inside ops, 25.0 ms from its first op to its last (0 ops per step)"
+    assert lines[2] == "host ops with the most self time (ms per step):"
+    # A 100 - 20 - 50, B 20 + 10, C 50 - 10, D 10, F 50; halved for two steps
+    assert [line.split() for line in lines[3:]] == [
+        ["25.00", "F"], ["20.00", "C"], ["15.00", "A"], ["15.00", "B"], ["5.00", "D"]]
+    assert not any("G" in line for line in lines)
+
+
 def test_bench_step_reports_adam_steps_and_the_others_apart():
     """bench/bench_step.py times steps with training's Adam cadence: the two kinds of step alternate, so each is
     reported on its own (median step and phases) and the slowest step is judged against its own kind."""
