@@ -469,7 +469,7 @@ def main() -> int:
             print(text, flush=True)
 
     try:
-        profiled = profile_stages(os.environ.get("BENCH_PROFILE_STAGES", ""), len(cfg.stage_batches()))
+        profiled = profile_stages(os.environ.get("BENCH_PROFILE_STAGES", ""), len(cfg.stage_batches))
         trainer = tg.build_and_warm_up(cfg, comm, say)
         model, optimizers, schedule, device = trainer.model, trainer.optimizers, trainer.schedule, trainer.device
         gc.collect()

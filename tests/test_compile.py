@@ -641,6 +641,11 @@ def test_bench_step_profiles_the_stages_named_and_refuses_others():
     for bad in ("3", "-1", "first"):
         with pytest.raises(bench_step.tg.UserError, match=r"^BENCH_PROFILE_STAGES='.*': give stage numbers from 0 to 2"):
             bench_step.profile_stages(bad, 3)
+    # the script itself: one line, no traceback, before any model is built
+    run = subprocess.run([sys.executable, str(REPO / "bench" / "bench_step.py"), "--device=cpu", *TINY],
+                         env=dict(os.environ, BENCH_PROFILE_STAGES="5"), capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1 and run.stdout == ""
+    assert run.stderr == "error: BENCH_PROFILE_STAGES='5': give stage numbers from 0 to 2, e.g. '0 1'\n"
 
 
 def test_bench_step_splits_the_hosts_time_by_thread_and_op():
