@@ -53,6 +53,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train_gpt as tg  # noqa: E402
@@ -231,8 +232,8 @@ def host_time(trace: dict, steps: int, top: int = 15) -> list[str]:
             if e is not None:
                 stack.append([e, 0.0])
         span = max(e["ts"] + e["dur"] for e in ops) - ops[0]["ts"]
-        lines.append(f"host thread {tid}: {per_step(in_ops):.1f} ms per step inside ops, {per_step(span):.1f} ms from its "
-                     f"first op to its last ({len(ops) // steps} ops per step)")
+        lines.append(f"host thread {tid}: {per_step(in_ops):.1f} ms per step inside ops, {per_step(span):.1f} ms from "
+                     f"its first op to its last ({len(ops) // steps} ops per step)")
     lines.append("host ops with the most self time (ms per step):")
     for name, us in sorted(self_time.items(), key=lambda item: (-item[1], item[0]))[:top]:
         lines.append(f"  {per_step(us):8.2f}  {name[:100]}")
@@ -439,17 +440,18 @@ def profile_stages(value: str, stages: int) -> set[int]:
     return chosen
 
 
-def gpu_profile(run_step, steps: int, trace: Path) -> list[str]:
-    """Run steps training steps under torch.profiler (GPU activity only), write the trace to trace (every rank its
-    own: the steps' collectives need every rank) and return trace_summary's lines."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+def profile_steps(run_step, steps: int, trace: Path, activities: list, record_shapes: bool = False) -> float:
+    """Run steps training steps under torch.profiler with these activities and write its chrome trace to trace
+    (every rank its own: the steps' collectives need every rank); returns the wall time per step, in ms."""
+    with profile(activities=activities, record_shapes=record_shapes) as prof:
         torch.cuda.synchronize()
+        clock = time.perf_counter()
         for _ in range(steps):
             run_step()
         torch.cuda.synchronize()
+        wall_ms = 1000 * (time.perf_counter() - clock)
     prof.export_chrome_trace(str(trace))
-    return trace_summary(json.loads(trace.read_text()), steps)
+    return wall_ms / steps
 
 
 def main() -> int:
@@ -525,6 +527,11 @@ def main() -> int:
                     tg.set_hyperparameters(optimizers, schedule, at)
                     return schedule.adam_updates(at)
 
+                def run_step():
+                    """The stage's next step, set as in training, untimed."""
+                    next_step_settings()
+                    tg.train_step(model, optimizers, batches, windows, forwards)
+
                 for _ in range(3):
                     next_step_settings()
                     losses.append(tg.train_step(model, optimizers, batches, windows, forwards))
@@ -577,14 +584,12 @@ def main() -> int:
                             gpu=phases.get("forward", 0.0) + phases.get("backward", 0.0), host=sum(cost.values())))
                         say(ranks_alone(rows))
                     if stage in profiled and stage < len(schedule.batches) - 1:  # the last one's profiles come below
-
-                        def profiled_step():
-                            next_step_settings()
-                            tg.train_step(model, optimizers, batches, windows, forwards)
-                        lines = gpu_profile(profiled_step, 2, trace_dir / f"bench_trace_stage{stage}_{comm.rank}.json")
+                        trace = trace_dir / f"bench_trace_stage{stage}_{comm.rank}.json"
+                        profile_steps(run_step, 2, trace, [ProfilerActivity.CUDA])
                         say(f"{'':>31}profile (GPU only), 2 steps of this stage:")
-                        for line in lines:
-                            say(f"{'':>33}{line}")
+                        if comm.is_main:
+                            for line in trace_summary(json.loads(trace.read_text()), 2):
+                                say(f"{'':>33}{line}")
             reasons = trainer.recompiles.new_reasons()
             say(f"graphs compiled in the timed region: {len(reasons)}"
                 + (f"; peak memory {torch.cuda.max_memory_allocated() // 2**20} MiB" if cuda else ""))
@@ -600,34 +605,23 @@ def main() -> int:
             if not cuda:
                 return 0
 
-            from torch.profiler import ProfilerActivity, profile
             # Twice: GPU activity only (little host overhead, so the idle time is close to the real one), then
             # with host ops too, to name the host work the GPU waited on (the profiler slows the host down).
             # The second records the tensors' shapes too: collective_order names what each collective carries.
             # Two steps each, one of each kind.
             for activities, profiled_steps in (([ProfilerActivity.CUDA], 2),
                                                ([ProfilerActivity.CPU, ProfilerActivity.CUDA], 2)):
-                with profile(activities=activities, record_shapes=len(activities) > 1) as prof:
-                    torch.cuda.synchronize()
-                    clock = time.perf_counter()
-                    for _ in range(profiled_steps):
-                        next_step_settings()
-                        tg.train_step(model, optimizers, batches, windows, forwards)
-                    torch.cuda.synchronize()
-                    wall_ms = 1000 * (time.perf_counter() - clock)
-                what = "GPU only" if len(activities) == 1 else "host and GPU"
-                say(f"profile ({what}), {profiled_steps} steps of the last stage, wall {wall_ms / profiled_steps:.0f} ms "
-                    "per step with the profiler on:")
+                with_host = len(activities) > 1
                 trace = trace_dir / f"bench_trace_{comm.rank}.json"
-                prof.export_chrome_trace(str(trace))
+                wall_ms = profile_steps(run_step, profiled_steps, trace, activities, record_shapes=with_host)
+                say(f"profile ({'host and GPU' if with_host else 'GPU only'}), {profiled_steps} steps of the last "
+                    f"stage, wall {wall_ms:.0f} ms per step with the profiler on:")
                 if comm.is_main:
                     ours = json.loads(trace.read_text())
-                    for line in trace_summary(ours, profiled_steps):
+                    lines = trace_summary(ours, profiled_steps) + (host_time(ours, profiled_steps) if with_host else [])
+                    for line in lines:
                         print("  " + line, flush=True)
-                    if len(activities) > 1:
-                        for line in host_time(ours, profiled_steps):
-                            print("  " + line, flush=True)
-                    if comm.distributed and len(activities) > 1:
+                    if comm.distributed and with_host:
                         print(f"  rank 0's {collective_order(ours)}", flush=True)
                 if comm.distributed:  # each rank's collectives, read from the traces every rank wrote beside rank 0's
                     torch.distributed.barrier()
