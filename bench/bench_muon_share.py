@@ -121,7 +121,7 @@ def main():
 
     print("applying a group's updates (16 matrices, as every rank does), as a graph: multi-tensor ops / fused")
     neg_lr, neg_decay = -0.03, -2e-4  # every param group's, in fill_scalars' columns while this part runs
-    scheduled = muon.scalars
+    scheduled, fused_apply = muon.scalars, muon.fused_apply
     muon.scalars = torch.tensor([[0.0, 0.0, 0.0, neg_lr, neg_decay]] * len(muon.param_groups), device=device)
     for index, params in enumerate(groups):
         updates = (torch.randn(len(params), *params[0].shape, device=device) * 0.02).to(torch.bfloat16)
@@ -148,7 +148,7 @@ def main():
               f"{worst:.2e} of the largest weight")
         for p, b in zip(params, before):
             p.data.copy_(b)
-    muon.fused_apply, muon.scalars = muon.use_triton, scheduled
+    muon.fused_apply, muon.scalars = fused_apply, scheduled
 
     print("rank 0's Newton-Schulz alone per kind, as a graph (ms): Triton / torch")
     for world_size in (1, 2, 4, 8):
