@@ -22,6 +22,8 @@ BENCH_ADAM_MERGE=N sets DistAdam.MERGE (buckets under N values share their colle
 collective per bucket), for an A/B of that merging in one call.
 BENCH_SAME_DATA=1 gives every rank rank 0's micro-batches: against the usual run, what the ranks' different documents
 (their attention work) cost in waits at the collectives.
+BENCH_INDUCTOR='{"combo_kernels": true}' sets those keys of torch._inductor.config before the compile (dotted keys,
+e.g. "triton.cudagraphs", name a sub-config's): an A/B of inductor's settings in the whole model.
 BENCH_PROFILE_STAGES="0 1" also profiles two steps at the end of each of those stages (GPU only, the summary below):
 what a stage's step spends its GPU time on, where the last stage is not the one in question.
 Then two torch.profiler windows over the last stage (GPU only, then host and GPU): GPU time by kind of
@@ -440,6 +442,23 @@ def profile_stages(value: str, stages: int) -> set[int]:
     return chosen
 
 
+def inductor_settings(text: str) -> None:
+    """BENCH_INDUCTOR: a JSON object of torch._inductor.config keys and the values to set them to."""
+    if not text:
+        return
+    import torch._inductor.config as inductor_config
+    try:
+        settings = json.loads(text)
+        assert isinstance(settings, dict)
+    except (ValueError, AssertionError):
+        raise tg.UserError(f"BENCH_INDUCTOR={text!r}: give a JSON object, e.g. '{{\"combo_kernels\": true}}'") from None
+    for key, value in settings.items():
+        try:
+            setattr(inductor_config, key, value)
+        except AttributeError:
+            raise tg.UserError(f"BENCH_INDUCTOR: torch._inductor.config has no setting {key!r}") from None
+
+
 def profile_steps(run_step, steps: int, trace: Path, activities: list, record_shapes: bool = False) -> float:
     """Run steps training steps under torch.profiler with these activities and write its chrome trace to trace
     (every rank its own: the steps' collectives need every rank); returns the wall time per step, in ms."""
@@ -472,6 +491,7 @@ def main() -> int:
 
     try:
         profiled = profile_stages(os.environ.get("BENCH_PROFILE_STAGES", ""), len(cfg.stage_batches))
+        inductor_settings(os.environ.get("BENCH_INDUCTOR", ""))
         trainer = tg.build_and_warm_up(cfg, comm, say)
         model, optimizers, schedule, device = trainer.model, trainer.optimizers, trainer.schedule, trainer.device
         gc.collect()

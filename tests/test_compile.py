@@ -648,6 +648,28 @@ def test_bench_step_profiles_the_stages_named_and_refuses_others():
     assert run.stderr == "error: BENCH_PROFILE_STAGES='5': give stage numbers from 0 to 2, e.g. '0 1'\n"
 
 
+def test_bench_step_sets_the_inductor_settings_named_and_refuses_others():
+    """BENCH_INDUCTOR sets keys of torch._inductor.config, dotted ones of its sub-configs; text that is not a JSON
+    object, or a key inductor lacks, is one line naming the variable."""
+    import torch._inductor.config as inductor_config
+    bench_step = load_script("bench/bench_step.py")
+    with inductor_config.patch({"combo_kernels": False, "triton.cudagraphs": False}):
+        bench_step.inductor_settings('{"combo_kernels": true, "triton.cudagraphs": true}')
+        assert inductor_config.combo_kernels is True and inductor_config.triton.cudagraphs is True
+    bench_step.inductor_settings("")  # unset: nothing changes
+    with pytest.raises(bench_step.tg.UserError, match=r"^BENCH_INDUCTOR='\[1\]': give a JSON object"):
+        bench_step.inductor_settings("[1]")
+    with pytest.raises(bench_step.tg.UserError, match=r"^BENCH_INDUCTOR: torch._inductor.config has no setting 'combo'"):
+        bench_step.inductor_settings('{"combo": true}')
+
+
+def test_bench_host_cost_needs_a_gpu_and_says_so_in_one_line():
+    run = subprocess.run([sys.executable, str(REPO / "bench" / "bench_host_cost.py")], capture_output=True, text=True,
+                         timeout=120, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    assert run.returncode == 1 and run.stdout == ""
+    assert run.stderr == "error: bench_host_cost.py needs a CUDA GPU and Triton\n"
+
+
 def test_bench_step_splits_the_hosts_time_by_thread_and_op():
     """host_time reads a profiler trace's host ops: each launching thread's time inside ops against its span, and
     each op's self time (its time less its children's), summed over the ops of one name; threads that launch nothing
