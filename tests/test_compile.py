@@ -656,7 +656,9 @@ def test_bench_step_sets_the_inductor_settings_named_and_refuses_others():
     with inductor_config.patch({"combo_kernels": False, "triton.cudagraphs": False}):
         bench_step.inductor_settings('{"combo_kernels": true, "triton.cudagraphs": true}')
         assert inductor_config.combo_kernels is True and inductor_config.triton.cudagraphs is True
+    before = inductor_config.get_config_copy()
     bench_step.inductor_settings("")  # unset: nothing changes
+    assert inductor_config.get_config_copy() == before
     with pytest.raises(bench_step.tg.UserError, match=r"^BENCH_INDUCTOR='\[1\]': give a JSON object"):
         bench_step.inductor_settings("[1]")
     with pytest.raises(bench_step.tg.UserError, match=r"^BENCH_INDUCTOR: torch._inductor.config has no setting 'combo'"):
