@@ -40,6 +40,9 @@
 # Expects .bench2/*.bin.xz (copies of ../shared/bench2) and, for DiLoCo, .whl/ (torchft and its dependencies for
 # py3.12: pip download torchft==0.2.0 -d .whl --python-version 3.12 --only-binary=:all:
 #         --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64).
+# PACK_CACHE=1 packs the inductor cache under $OUT/cache/ as the script ends: carried back as .cache/, it spares the
+# next machine most of a cold compile (250-290 s at 4 GPUs, 2026-11-28). The carried paths share 64 MiB: the benches
+# need one train shard of .bench2 and its validation shard, the record run all of them.
 set -uo pipefail
 steps=$1; what=${2:-all}
 OUT=${OUT:-/tmp/device_out}; mkdir -p "$OUT"
@@ -48,6 +51,7 @@ export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/ind
 python3 bench/unpack_bench.py
 source bench/inductor_cache.sh
 restore_inductor_cache  # .cache/inductor.tar.xz.part* when carried: kernels compiled by an earlier call
+[ "${PACK_CACHE:-0}" = 1 ] && trap pack_inductor_cache EXIT
 [ -d .whl ] && python3 -m pip install -q --no-index --find-links .whl torchft 2>&1 | tail -2
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 nproc=${NPROC:-$(nvidia-smi -L | grep -c "^GPU")}
