@@ -8,7 +8,9 @@ bucketing (DistAdam's _AdamBucket rules and its merged small buckets, plan_muon_
 all-gather of an N-byte buffer sends (W-1)/W * N bytes from each rank (ring); an all-to-all sends what each rank
 holds for the other owners. With shards, the bigram rows each rank touches per Adam update (its micro-batches of
 adam_period steps, unioned, as DistAdam does) are replayed from the trainer's loader and hash, as
-bench_bigram_bytes.py does; without them the bigram exchange is left out. Times are bytes per rank / busbw, an
+bench_bigram_bytes.py does, and with them the rows of the value and bigram tables its forwards read before the next
+update: what fetching only those rows from their owners would receive, against the dense all-gathers of those
+tables; without shards both are left out. Times are bytes per rank / busbw, an
 assumed NCCL bus bandwidth (default: 360 and 450 GB/s), with no latency term. train_gpt.py flags (e.g.
 --adam_period=1 --tie_embed=0) change the config the model is built from. The step-time model divides ONE_GPU_MS by
 8 and adds the per-step average communication.
@@ -53,8 +55,10 @@ def adam_buckets(adam, world, apart=()):
     return buckets
 
 
-def bigram_rows_per_update(cfg, pattern, updates, worlds):
-    """{(world, stage): mean rows a rank touches per Adam update, mean rows it sends to other owners}."""
+def bigram_rows_per_update(cfg, pattern, updates, worlds, vocab_rows):
+    """{(world, stage): mean rows a rank touches per Adam update, mean rows it sends to other owners, mean tokens
+    (rows of the vocabulary tables) its forwards read of other owners' shards}. The bigram rows a rank's forwards
+    read between two Adam updates are the ones they touch; vocab_rows is the vocabulary tables' (padded) row count."""
     paths = tg.shard_paths(pattern, "train_files")
     period = tg.resolved_adam_period(cfg)
     rows_per_rank_block = {w: cfg.bigram_rows // w for w in worlds}
@@ -63,22 +67,25 @@ def bigram_rows_per_update(cfg, pattern, updates, worlds):
         batches = tg.bos_aligned_batches(paths, cfg.micro_batch_tokens + 1, cfg.max_doc_len, repeat=True,
                                           bos=cfg.bos_token, vocab_size=cfg.vocab_size)
         per_update = micro * period  # the global micro-batches of one Adam update, in order
-        stats = {w: ([], []) for w in worlds}
+        stats = {w: ([], [], []) for w in worlds}
         for _ in range(updates):
-            rows = []
+            rows, tokens_read = [], []
             for _ in range(per_update):
                 tokens, spans = next(batches)
                 window = np.concatenate([tokens[a:b] for a, b in spans])
                 rows.append(np.unique(tg.bigram_hash(window[:-1], cfg.bigram_rows, cfg.bos_token)))
+                tokens_read.append(np.unique(window[:-1]).astype(np.int64))
             for w in worlds:
                 for rank in range(w):  # rank r reads every w-th micro-batch of the global sequence
                     touched = tg.union_of_rows(rows[rank::w], cfg.bigram_rows)
                     owner = touched // rows_per_rank_block[w]
                     stats[w][0].append(len(touched))
                     stats[w][1].append(int((owner != rank).sum()))
+                    read = tg.union_of_rows(tokens_read[rank::w], vocab_rows)
+                    stats[w][2].append(int((read // (vocab_rows // w) != rank).sum()))
         batches.close()
         for w in worlds:
-            out[w, stage] = (float(np.mean(stats[w][0])), float(np.mean(stats[w][1])))
+            out[w, stage] = tuple(float(np.mean(values)) for values in stats[w])
     return out
 
 
@@ -100,9 +107,12 @@ def main():
     tie = (f"embedding tied to the head until step {schedule.untie_step} (stage {schedule.stage(schedule.untie_step)})"
            if cfg.tie_embed else "embedding untied")
     print(f"{sum(p.numel() for p in model.parameters()):,} parameters; Adam every {period} steps; {tie}")
-    rows = bigram_rows_per_update(cfg, args[0], int(args[1]) if len(args) > 1 else 20, WORLDS) if args else None
+    vocab_rows = model.embed.weight.size(0)
+    rows = (bigram_rows_per_update(cfg, args[0], int(args[1]) if len(args) > 1 else 20, WORLDS, vocab_rows)
+            if args else None)
     names = {id(p): n for n, p in model.named_parameters()}
     matrices = [p for g in muon.param_groups for p in g["params"]]
+    value_tables = [table.weight for table in model.value_embeds]
     grad_bytes, grad_name = (2, "bf16") if cfg.bf16_grad_comms else (4, "fp32")  # what a gradient value travels as
     per_step = {}  # (world, stage) -> MB per rank per step, averaged over Adam's period
     for w in WORLDS:
@@ -141,12 +151,23 @@ def main():
             ag = ag_tied if tied else ag_untied
             a2a = 0.0
             if rows is not None and w > 1 and bigram is not None:
-                touched, sent = rows[w, stage]
+                touched, sent, tokens_read = rows[w, stage]
                 a2a = sent * (bigram.size(1) * grad_bytes + 8)  # an int64 index and a row each
                 dense_rs = f * bigram.numel() * grad_bytes
                 print(f"  stage {stage}: bigram rows per rank and Adam update: {touched:,.0f} touched, {sent:,.0f} "
                       f"owned by others; all-to-all {a2a / MB:.1f} (dense reduce-scatter {dense_rs / MB:.1f}, "
                       f"{dense_rs / a2a:.1f}x more)")
+                # What the tables' all-gathers would receive if each rank fetched from their owners only the rows its
+                # forwards read until the next update (an int64 index and a row each; the value tables and the
+                # untied embedding share the token indices): the dense all-gathers receive as much as they send.
+                vocab_tables = value_tables + ([model.embed.weight] if follower is None or not tied else [])
+                table_bytes = {id(t): (adam.gather_dtypes.get(t, t.dtype)).itemsize for t in vocab_tables + [bigram]}
+                dense_ag = f * sum(t.numel() * table_bytes[id(t)] for t in vocab_tables + [bigram])
+                fetch = (tokens_read * (8 + sum(t.size(1) * table_bytes[id(t)] for t in vocab_tables))
+                         + sent * (8 + bigram.size(1) * table_bytes[id(bigram)]))
+                print(f"  stage {stage}: rows read until the next update, of other owners: {tokens_read:,.0f} of the "
+                      f"vocabulary, {sent:,.0f} bigram rows; the value{'' if tied else ', embedding'} and bigram "
+                      f"tables' all-gathers {dense_ag / MB:.1f}, a fetch of those rows {fetch / MB:.1f}")
             update = adam_rs + a2a + ag
             step = muon_rs + muon_ag + update / period
             per_step[w, stage] = step / MB
