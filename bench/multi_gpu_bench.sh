@@ -41,7 +41,7 @@
 # py3.12: pip download torchft==0.2.0 -d .whl --python-version 3.12 --only-binary=:all:
 #         --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64).
 # PACK_CACHE=1 packs the inductor cache under $OUT/cache/ as the script ends: carried back as .cache/, it spares the
-# next machine most of a cold compile (250-290 s at 4 GPUs, 2026-11-28). The carried paths share 64 MiB: the benches
+# next machine most of a cold compile (240-290 s at 4 GPUs, 2026-11-28). The carried paths share 64 MiB: the benches
 # need one train shard of .bench2 and its validation shard, the record run all of them.
 set -uo pipefail
 steps=$1; what=${2:-all}
