@@ -113,6 +113,10 @@ def main():
     names = {id(p): n for n, p in model.named_parameters()}
     matrices = [p for g in muon.param_groups for p in g["params"]]
     value_tables = [table.weight for table in model.value_embeds]
+
+    def gather_bytes(p) -> int:
+        """Bytes a value of parameter p travels as in its all-gather: its own dtype, or --bf16_table_gathers' bf16."""
+        return adam.gather_dtypes.get(p, p.dtype).itemsize
     grad_bytes, grad_name = (2, "bf16") if cfg.bf16_grad_comms else (4, "fp32")  # what a gradient value travels as
     per_step = {}  # (world, stage) -> MB per rank per step, averaged over Adam's period
     for w in WORLDS:
@@ -133,15 +137,15 @@ def main():
         for p, numel, padded in adam_buckets(adam, w, apart):
             name = p if isinstance(p, str) else names[id(p)]
             # fp32 parameters, or what the trainer all-gathers them in (--bf16_table_gathers: bf16 tables)
-            gather_bytes = 4 if isinstance(p, str) else adam.gather_dtypes.get(p, p.dtype).itemsize
-            dense = f * padded * gather_bytes
+            item_bytes = 4 if isinstance(p, str) else gather_bytes(p)
+            dense = f * padded * item_bytes
             sparse = p is bigram and w > 1
             adam_rs += 0.0 if sparse else f * padded * grad_bytes
             ag_untied += dense
             ag_tied += 0.0 if p is follower else dense
             print(f"  Adam bucket {name}: {numel:,} values (padded {padded:,}), every {period} steps: reduce-scatter "
                   f"{grad_name} {'sparse, below' if sparse else f'{f * padded * grad_bytes / MB:.1f}'}, all-gather "
-                  f"{'bf16' if gather_bytes == 2 else 'fp32'} {dense / MB:.1f}"
+                  f"{'bf16' if item_bytes == 2 else 'fp32'} {dense / MB:.1f}"
                   + (" (none while tied)" if p is follower else ""))
         print(f"  Muon per step: {muon_rs / MB:.1f} + {muon_ag / MB:.1f} = {(muon_rs + muon_ag) / MB:.1f}")
         print(f"  Adam per update, dense: reduce-scatter {adam_rs / MB:.1f}, all-gather {ag_tied / MB:.1f} tied, "
@@ -151,7 +155,7 @@ def main():
             ag = ag_tied if tied else ag_untied
             a2a = 0.0
             if rows is not None and w > 1 and bigram is not None:
-                touched, sent, tokens_read = rows[w, stage]
+                touched, sent, others_tokens = rows[w, stage]
                 a2a = sent * (bigram.size(1) * grad_bytes + 8)  # an int64 index and a row each
                 dense_rs = f * bigram.numel() * grad_bytes
                 print(f"  stage {stage}: bigram rows per rank and Adam update: {touched:,.0f} touched, {sent:,.0f} "
@@ -161,11 +165,10 @@ def main():
                 # forwards read until the next update (an int64 index and a row each; the value tables and the
                 # untied embedding share the token indices): the dense all-gathers receive as much as they send.
                 vocab_tables = value_tables + ([model.embed.weight] if follower is None or not tied else [])
-                table_bytes = {id(t): (adam.gather_dtypes.get(t, t.dtype)).itemsize for t in vocab_tables + [bigram]}
-                dense_ag = f * sum(t.numel() * table_bytes[id(t)] for t in vocab_tables + [bigram])
-                fetch = (tokens_read * (8 + sum(t.size(1) * table_bytes[id(t)] for t in vocab_tables))
-                         + sent * (8 + bigram.size(1) * table_bytes[id(bigram)]))
-                print(f"  stage {stage}: rows read until the next update, of other owners: {tokens_read:,.0f} of the "
+                dense_ag = f * sum(t.numel() * gather_bytes(t) for t in vocab_tables + [bigram])
+                fetch = (others_tokens * (8 + sum(t.size(1) * gather_bytes(t) for t in vocab_tables))
+                         + sent * (8 + bigram.size(1) * gather_bytes(bigram)))
+                print(f"  stage {stage}: rows read until the next update, of other owners: {others_tokens:,.0f} of the "
                       f"vocabulary, {sent:,.0f} bigram rows; the value{'' if tied else ', embedding'} and bigram "
                       f"tables' all-gathers {dense_ag / MB:.1f}, a fetch of those rows {fetch / MB:.1f}")
             update = adam_rs + a2a + ag

@@ -36,7 +36,8 @@
 # "record" only the full default run at world size N on bench2 (validation every 250 steps; kernels untuned unless
 # FLAGS names --tune_kernels; FA3 when .fa3 or .fa3src is carried), its log in $OUT.
 # FLAGS="..." adds train_gpt.py flags to every bench and to the record run (e.g. FLAGS="--preset=record_2026_02").
-# bench_step.py's own variables pass through to every bench, e.g. BENCH_PROFILE_STAGES="0 1" (a GPU profile of those stages too).
+# bench_step.py's own variables pass through to every bench, e.g. BENCH_PROFILE_STAGES="0 1" (a GPU profile of those
+# stages too).
 # Expects .bench2/*.bin.xz (copies of ../shared/bench2) and, for DiLoCo, .whl/ (torchft and its dependencies for
 # py3.12: pip download torchft==0.2.0 -d .whl --python-version 3.12 --only-binary=:all:
 #         --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64).
