@@ -4,6 +4,7 @@ import contextlib
 import inspect
 import json
 import os
+import random
 import re
 import shutil
 import subprocess
@@ -766,3 +767,34 @@ def test_attention_balance_counts_window_pairs_and_the_busiest_rank():
     work = np.array([[1.0, 1.0, 3.0, 1.0], [2.0, 2.0, 2.0, 2.0]])  # 2 steps of 4 micro-batches
     np.testing.assert_allclose(balance.busiest_rank_excess(work, 2), [4 / 3 - 1, 0.0])  # ranks: (1 + 3, 1 + 1)
     np.testing.assert_allclose(balance.busiest_rank_excess(work, 4), [3 / 1.5 - 1, 0.0])
+
+
+def test_the_inductor_cache_packs_a_near_copy_into_little_and_unpacks_whole(tmp_path):
+    """bench/inductor_cache.sh: at several GPUs inductor writes each graph's entry once per rank, each a near-copy of
+    the others (36 MB apiece at 4 GPUs). Packed, a second copy of 9 MiB must cost almost nothing (xz's default 8 MiB
+    window would not reach back to the first), and the parts must unpack to the same files."""
+    # 1 MiB of bytes that do not compress (as compiled kernels nearly do not), then 8 MiB that do: whatever the order
+    # of the files, a copy's first MiB lies 9 MiB after the other's
+    head = random.Random(0).randbytes(1 << 20)
+    entry = head + bytes(8 << 20)
+    cache = tmp_path / "written"
+    files = {"a/entry": entry, "b/entry": entry[:-1] + b"!", "c/small.json": b"{}"}
+    for path, data in files.items():
+        (cache / path).parent.mkdir(parents=True, exist_ok=True)
+        (cache / path).write_bytes(data)
+    out, repo = tmp_path / "out", tmp_path / "next_call"
+    env = dict(os.environ, OUT=str(out), TORCHINDUCTOR_CACHE_DIR=str(cache))
+    subprocess.run(["bash", "-c", f"source {REPO / 'bench/inductor_cache.sh'} && pack_inductor_cache"], env=env,
+                   check=True, capture_output=True)
+    parts = sorted((out / "cache").glob("inductor.tar.xz.part*"))
+    packed = sum(part.stat().st_size for part in parts)
+    assert parts and packed < 1.2 * len(head), packed
+    (repo / ".cache").mkdir(parents=True)
+    for part in parts:
+        shutil.copy(part, repo / ".cache" / part.name)
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "restored")
+    subprocess.run(["bash", "-c", f"source {REPO / 'bench/inductor_cache.sh'} && restore_inductor_cache"], env=env,
+                   cwd=repo, check=True, capture_output=True)
+    restored = {str(p.relative_to(tmp_path / "restored")): p.read_bytes()
+                for p in (tmp_path / "restored").rglob("*") if p.is_file()}
+    assert restored == files
