@@ -55,7 +55,7 @@ def adam_buckets(adam, world, apart=()):
     return buckets
 
 
-def bigram_rows_per_update(cfg, pattern, updates, worlds, vocab_rows):
+def rows_per_update(cfg, pattern, updates, worlds, vocab_rows):
     """{(world, stage): mean rows a rank touches per Adam update, mean rows it sends to other owners, mean tokens
     (rows of the vocabulary tables) its forwards read of other owners' shards}. The bigram rows a rank's forwards
     read between two Adam updates are the ones they touch; vocab_rows is the vocabulary tables' (padded) row count."""
@@ -108,8 +108,7 @@ def main():
            if cfg.tie_embed else "embedding untied")
     print(f"{sum(p.numel() for p in model.parameters()):,} parameters; Adam every {period} steps; {tie}")
     vocab_rows = model.embed.weight.size(0)
-    rows = (bigram_rows_per_update(cfg, args[0], int(args[1]) if len(args) > 1 else 20, WORLDS, vocab_rows)
-            if args else None)
+    rows = rows_per_update(cfg, args[0], int(args[1]) if len(args) > 1 else 20, WORLDS, vocab_rows) if args else None
     names = {id(p): n for n, p in model.named_parameters()}
     matrices = [p for g in muon.param_groups for p in g["params"]]
     value_tables = [table.weight for table in model.value_embeds]

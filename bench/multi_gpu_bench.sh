@@ -43,9 +43,8 @@
 #         --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64).
 # PACK_CACHE=1 packs the inductor cache under $OUT/cache/ as the script ends: carried back as .cache/, it spares the
 # next machine most of a cold compile (240-330 s at 4 GPUs, 2026-11-28). The carried paths share 64 MiB: the benches
-# need one train shard of .bench2 and its validation shard, the record run all of them. A 4-GPU cache of three
-# configurations came to 87 MB in name order; in order of size (bench/inductor_cache.sh) its first 775 MB took 16 MB.
-# A cache written on H100s found no graph on an H200 machine (docs/performance.md).
+# need one train shard of .bench2 and its validation shard, the record run all of them; bench/inductor_cache.sh packs
+# a 4-GPU cache small enough. A cache written on H100s found no graph on an H200 machine (docs/performance.md).
 set -uo pipefail
 steps=$1; what=${2:-all}
 OUT=${OUT:-/tmp/device_out}; mkdir -p "$OUT"

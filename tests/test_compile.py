@@ -11,6 +11,7 @@ import subprocess
 import sys
 import types
 import zipfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -783,18 +784,19 @@ def test_the_inductor_cache_packs_a_near_copy_into_little_and_unpacks_whole(tmp_
         (cache / path).parent.mkdir(parents=True, exist_ok=True)
         (cache / path).write_bytes(data)
     out, repo = tmp_path / "out", tmp_path / "next_call"
-    env = dict(os.environ, OUT=str(out), TORCHINDUCTOR_CACHE_DIR=str(cache))
-    subprocess.run(["bash", "-c", f"source {REPO / 'bench/inductor_cache.sh'} && pack_inductor_cache"], env=env,
-                   check=True, capture_output=True)
+
+    def cache_script(function: str, cache_dir: Path, cwd: Path):
+        subprocess.run(["bash", "-c", f"source {REPO / 'bench/inductor_cache.sh'} && {function}"], cwd=cwd, check=True,
+                       env=dict(os.environ, OUT=str(out), TORCHINDUCTOR_CACHE_DIR=str(cache_dir)), capture_output=True)
+
+    cache_script("pack_inductor_cache", cache, tmp_path)
     parts = sorted((out / "cache").glob("inductor.tar.xz.part*"))
     packed = sum(part.stat().st_size for part in parts)
     assert parts and packed < 1.2 * len(head), packed
     (repo / ".cache").mkdir(parents=True)
     for part in parts:
         shutil.copy(part, repo / ".cache" / part.name)
-    env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "restored")
-    subprocess.run(["bash", "-c", f"source {REPO / 'bench/inductor_cache.sh'} && restore_inductor_cache"], env=env,
-                   cwd=repo, check=True, capture_output=True)
+    cache_script("restore_inductor_cache", tmp_path / "restored", repo)  # from the carried .cache/ parts
     restored = {str(p.relative_to(tmp_path / "restored")): p.read_bytes()
                 for p in (tmp_path / "restored").rglob("*") if p.is_file()}
     assert restored == files
