@@ -30,7 +30,9 @@ Then two torch.profiler windows over the last stage (GPU only, then host and GPU
 kernel, idle gaps split into host-late and not, the host ops the GPU waited on, the longest kernels, and (with host
 ops) each launching thread's time in ops and the ops with the most host self time (host_time); on several
 GPUs also one line per rank: its NCCL kernel time by collective and kernel name, and its idle GPU time
-(collectives that take one rank far longer than another are mostly spent waiting for the late ranks), and the order
+(collectives that take one rank far longer than another are mostly spent waiting for the late ranks) and, from the
+GPU-only profile, its Adam step's tail from its first collective to its last (optimizer_tail: whether the wire or the
+rank's own compute sets it, and which rank starts it late), and the order
 rank 0 launched its collectives in, with what each carried and when its kernel ran (collective_order). Last, the
 optimizers' steps alone, every rank starting together (optimizers_alone): the floor of their phases.
 Real text from --train_files when it matches, else random tokens.
@@ -264,6 +266,46 @@ def rank_communication(trace: dict, steps: int) -> str:
                       for key, (us, count) in sorted(by_collective.items(), key=lambda item: -item[1][0]))
     return (f"NCCL {sum(us for us, _ in by_collective.values()) / 1000 / steps:.2f} ms per step ({parts or 'none'}); "
             f"GPU idle {idle / 1000 / steps:.2f} ms")
+
+
+def kernel_name(name: str) -> str:
+    """A kernel's name without its return type, namespaces and template or call arguments."""
+    name = re.sub(r"^void ", "", name).split("(")[0].split("<")[0]
+    return name.rsplit("::", 1)[-1]
+
+
+def optimizer_tail(trace: dict, gap_ms: float = 3.0) -> tuple[str, float]:
+    """The tail of the profiled step whose collectives are the most (Adam's update), from its first NCCL kernel's
+    start to its last one's end: its length, the NCCL kernels' time in it (their waits for the other ranks included)
+    and the other kernels' on every stream, with the three kernels that took most of it. A tail as long as its NCCL
+    time is bound by the wire (or by the late ranks), one as long as its other kernels by this rank's own compute,
+    which the collectives then wait for. Returns the line and the tail's start (the trace's clock, microseconds: the
+    ranks of one host share it, so the starts say which rank came late)."""
+    gpu = gpu_activity(trace)
+    runs, run = [], []
+    for e in (e for e in gpu if "nccl" in e["name"].lower()):  # collectives less than gap_ms apart: one step's
+        if run and e["ts"] - (run[-1]["ts"] + run[-1]["dur"]) > gap_ms * 1000:
+            runs.append(run)
+            run = []
+        run.append(e)
+    runs.append(run)
+    tail = max(runs, key=len)
+    if not tail:
+        return "no collectives", 0.0
+    start, end = tail[0]["ts"], max(e["ts"] + e["dur"] for e in tail)
+    others: dict = {}  # kernel name -> its time in the tail
+    streams: dict = {}  # stream -> the other kernels' time on it
+    for e in gpu:
+        if start <= e["ts"] < end and "nccl" not in e["name"].lower():
+            name, us = kernel_name(e["name"]), min(e["dur"], end - e["ts"])
+            others[name] = others.get(name, 0.0) + us
+            stream = e.get("args", {}).get("stream")
+            streams[stream] = streams.get(stream, 0.0) + us
+    top = ", ".join(f"{name} {us / 1000:.2f}" for name, us in sorted(others.items(), key=lambda item: -item[1])[:3])
+    line = (f"{len(tail)} collectives over {(end - start) / 1000:.2f} ms, NCCL kernels {sum(e['dur'] for e in tail) / 1000:.2f}"
+            f" ms, other kernels {sum(others.values()) / 1000:.2f} ms, {max(streams.values(), default=0.0) / 1000:.2f} of "
+            f"them on the busiest stream ({top or 'none'})")
+    return line, start
 
 
 # torch.distributed's ops as the profiler names them (with record_shapes: their tensors' dims), short names
@@ -647,9 +689,15 @@ def main() -> int:
                 if comm.distributed:  # each rank's collectives, read from the traces every rank wrote beside rank 0's
                     torch.distributed.barrier()
                     if comm.is_main:
+                        first = None
                         for rank in range(comm.world_size):
                             other = json.loads(trace.with_name(f"bench_trace_{rank}.json").read_text())
                             print(f"  rank {rank}: {rank_communication(other, profiled_steps)}", flush=True)
+                            if not with_host:  # the profiler's own host work would stretch the tail
+                                tail, start = optimizer_tail(other)
+                                first = start if first is None else first
+                                print(f"  rank {rank}'s Adam step from its first collective, starting "
+                                      f"{(start - first) / 1000:+.2f} ms after rank 0's: {tail}", flush=True)
             say(optimizers_alone(model, optimizers, batches.next(), next_step_settings))
         finally:
             if batches is not None:

@@ -115,7 +115,7 @@ bench() {  # bench NAME NPROC [flags...]
     local status=$?
     kill "$sampler" 2>/dev/null; wait "$sampler" 2>/dev/null
     echo "== $name (exit $status)"
-    grep -E "^compile_time|^ +[0-9]+ +[0-9]+ +\(|^ +(host |alone,|Adam steps )|^graphs|^profile|^  rank [0-9]+: NCCL|launch order|optimizers alone|synchroniz" "$OUT/$name.txt" | grep -v "prototype"
+    grep -E "^compile_time|^ +[0-9]+ +[0-9]+ +\(|^ +(host |alone,|Adam steps )|^graphs|^profile|^  rank [0-9]+: NCCL|^  rank [0-9]+'s Adam step|launch order|optimizers alone|synchroniz" "$OUT/$name.txt" | grep -v "prototype"
     gpu_clocks "$OUT/$name.smi.csv"
 }
 if [ "$what" = all ] || [ "$what" = bench ]; then

@@ -634,6 +634,29 @@ def test_bench_step_names_the_rank_that_holds_the_others_back():
     assert line.endswith("slowest less fastest 0.9 / 16.5")
 
 
+def test_bench_step_sums_the_adam_steps_tail_by_stream():
+    """optimizer_tail reads the step with the most collectives (a run of NCCL kernels under 3 ms apart) from its first
+    collective's start to its last one's end: the NCCL kernels' time, every other kernel's inside that span (cut at
+    its end) and the busiest stream's share, and the kernels that took most of it, named without their arguments."""
+    bench_step = load_script("bench/bench_step.py")
+
+    def kernel(name, ts, dur, stream):
+        return dict(ph="X", cat="kernel", name=name, ts=ts, dur=dur, args=dict(stream=stream))
+    events = [kernel("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL(ncclDevKernelArgsStorage)", 0.0, 500.0, 20),  # Muon
+              kernel("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL(ncclDevKernelArgsStorage)", 10_000.0, 1000.0, 20),
+              kernel("void at::native::elementwise_kernel<128, 4>(int, float)", 10_500.0, 2000.0, 7),
+              kernel("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage)", 12_000.0, 500.0, 20),
+              kernel("triton_poi_fused_lerp_0", 11_000.0, 600.0, 30),
+              kernel("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage)", 14_000.0, 1000.0, 20),
+              kernel("void at::native::elementwise_kernel<128, 4>(int, float)", 14_800.0, 700.0, 7),  # cut at 15 ms
+              kernel("gemm_kernel", 16_000.0, 900.0, 7)]  # after the tail
+    line, start = bench_step.optimizer_tail(dict(traceEvents=events))
+    assert start == 10_000.0
+    assert line == ("3 collectives over 5.00 ms, NCCL kernels 2.50 ms, other kernels 2.80 ms, 2.20 of them on the "
+                    "busiest stream (elementwise_kernel 2.20, triton_poi_fused_lerp_0 0.60)")
+    assert bench_step.optimizer_tail(dict(traceEvents=events[2:3])) == ("no collectives", 0.0)
+
+
 def test_bench_step_profiles_the_stages_named_and_refuses_others():
     """BENCH_PROFILE_STAGES names the stages that end with a GPU-only profile: a list of stage numbers, checked before
     the minutes of compiling, with one line naming the variable when it is not one."""
