@@ -302,9 +302,9 @@ def optimizer_tail(trace: dict, gap_ms: float = 3.0) -> tuple[str, float]:
             stream = e.get("args", {}).get("stream")
             streams[stream] = streams.get(stream, 0.0) + us
     top = ", ".join(f"{name} {us / 1000:.2f}" for name, us in sorted(others.items(), key=lambda item: -item[1])[:3])
-    line = (f"{len(tail)} collectives over {(end - start) / 1000:.2f} ms, NCCL kernels {sum(e['dur'] for e in tail) / 1000:.2f}"
-            f" ms, other kernels {sum(others.values()) / 1000:.2f} ms, {max(streams.values(), default=0.0) / 1000:.2f} of "
-            f"them on the busiest stream ({top or 'none'})")
+    nccl_ms, busiest_ms = sum(e["dur"] for e in tail) / 1000, max(streams.values(), default=0.0) / 1000
+    line = (f"{len(tail)} collectives over {(end - start) / 1000:.2f} ms, NCCL kernels {nccl_ms:.2f} ms, other kernels "
+            f"{sum(others.values()) / 1000:.2f} ms, {busiest_ms:.2f} of them on the busiest stream ({top or 'none'})")
     return line, start
 
 
