@@ -73,8 +73,8 @@ def rows_per_update(cfg, pattern, updates, worlds, vocab_rows):
             for _ in range(per_update):
                 tokens, spans = next(batches)
                 window = np.concatenate([tokens[a:b] for a, b in spans])
-                rows.append(np.unique(tg.bigram_hash(window[:-1], cfg.bigram_rows, cfg.bos_token)))
-                tokens_read.append(np.unique(window[:-1]).astype(np.int64))
+                rows.append(tg.bigram_hash(window[:-1], cfg.bigram_rows, cfg.bos_token))  # union_of_rows dedups
+                tokens_read.append(window[:-1])
             for w in worlds:
                 for rank in range(w):  # rank r reads every w-th micro-batch of the global sequence
                     touched = tg.union_of_rows(rows[rank::w], cfg.bigram_rows)
