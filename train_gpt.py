@@ -328,6 +328,9 @@ class Config:
     row_embedding_grads: bool = _speed(
         True, "embedding tables add only the rows a forward touched into their .grad; 0: dense")
     sparse_bigram_comms: bool = _speed(True, "the bigram table's gradient rows travel sparsely between ranks")
+    # The value tables are read only at the step's tokens, so only those rows of their gradients are nonzero: sent
+    # to their owners as the bigram table's are, about a fifth of a dense reduce-scatter's bytes at 4 ranks.
+    sparse_value_comms: bool = _speed(False, "the value tables' gradient rows travel sparsely between ranks")
     # auto: per stage, the most (up to 8 on a GPU of at least PACK_8_MIN_GIB, else 4) that divides the stage's
     # micro-batches per rank (resolve_packing). Each micro-batch starts a document and its positions, so a packed
     # forward computes the same losses. Fewer, larger kernels make each step faster, for about 7 GiB more memory
@@ -1599,6 +1602,17 @@ class GPT(nn.Module):
         tables = [self.embed.weight] + [ve.weight for ve in self.value_embeds]
         return tables + ([self.bigram_embed.weight] if self.bigram_embed is not None else [])
 
+    def rows_read(self, batch: "ForwardBatch") -> dict:
+        """{table: the rows a forward of `batch` reads (sorted, unique, on the host)} for the tables whose rows the
+        loader lists: the bigram table's, and the value tables' when it lists the tokens read (token_rows_used).
+        The token embedding is left out: the longest matches read it at rows found on the GPU."""
+        rows = {}
+        if batch.bigram_rows_used is not None and self.bigram_embed is not None:
+            rows[self.bigram_embed.weight] = batch.bigram_rows_used
+        if batch.token_rows_used is not None:
+            rows.update((table.weight, batch.token_rows_used) for table in self.value_embeds)
+        return rows
+
     def prepare_grads(self):
         """Before a step's first backward. With row_embedding_grads each table gets a zeroed dense .grad for
         its row gradients to be added into. Under CUDA graphs every parameter does: a first gradient kept as
@@ -1941,8 +1955,9 @@ def union_of_rows(row_lists: list[np.ndarray], num_rows: int) -> np.ndarray:
 
 
 class _RowExchange:
-    """One step's sparse gradient exchange for a row-sharded table (see DistAdam): rank r owns rows
-    [r*R, (r+1)*R). Built when the touched rows are known; launch() runs once the gradient is ready."""
+    """One step's sparse gradient exchange for row-sharded tables of one height, read at the same rows (see DistAdam):
+    rank r owns rows [r*R, (r+1)*R). Built when the touched rows are known; launch() runs once per table, when its
+    gradient is ready. The row indices travel once, at the first launch."""
 
     def __init__(self, param: Tensor, rows: np.ndarray, rank: int, world_size: int, cpu_group):
         self.rank, self.world_size = rank, world_size
@@ -1955,6 +1970,7 @@ class _RowExchange:
         self.recv_counts = torch.empty(world_size, dtype=torch.int64)
         self.counts_sent = dist.all_to_all_single(self.recv_counts, torch.from_numpy(self.send_counts),
                                                   group=cpu_group, async_op=True)
+        self.rows = None  # after the first launch: (rows to send, on the device; rows received, as shard rows; wait)
 
     def launch(self, grad: Tensor, dtype: torch.dtype | None = None):
         """Send the touched rows to their owners (in dtype when given); returns a function that waits and gives
@@ -1963,9 +1979,12 @@ class _RowExchange:
         send_splits = self.send_counts.tolist()
         recv_splits = self.recv_counts.numpy().tolist()
         received = sum(recv_splits)
-        send_rows = self.send_rows.to(grad.device, non_blocking=True)
-        recv_rows = torch.empty(received, dtype=torch.int64, device=grad.device)
-        rows_sent = dist.all_to_all_single(recv_rows, send_rows, recv_splits, send_splits, async_op=True)
+        if self.rows is None:
+            send_rows = self.send_rows.to(grad.device, non_blocking=True)
+            recv_rows = torch.empty(received, dtype=torch.int64, device=grad.device)
+            work = dist.all_to_all_single(recv_rows, send_rows, recv_splits, send_splits, async_op=True)
+            self.rows = (send_rows, recv_rows, work)
+        send_rows, recv_rows, rows_sent = self.rows
         values = grad.index_select(0, send_rows)
         if dtype is not None:
             values = values.to(dtype)
@@ -2056,9 +2075,11 @@ class DistAdam(torch.optim.Optimizer):
             if small:
                 self.buckets.append(_AdamBucket(small, index, self.world_size))
         # tied = (follower, leader), two parameters of one shape: until untie() the follower is not updated but
-        # adds its gradient shard to the leader's and is overwritten with the leader after each step. Whether they
-        # are still tied lives in the follower's state (empty until untie()), so a loaded state dict carries it.
+        # adds its gradient to the leader's before they travel and is overwritten with the leader after each step.
+        # Whether they are still tied lives in the follower's state (empty until untie()), so a loaded state dict
+        # carries it.
         self.tied = tied
+        self.tied_ready: set = set()  # the tied buckets whose gradients are done in this step (_launch_reduce)
         for bucket in self.buckets:  # what the all-gather of each one-parameter bucket sends (None: its own dtype)
             dtype = self.gather_dtypes.get(bucket.params[0]) if len(bucket.params) == 1 else None
             bucket.gather_dtype = dtype if self.distributed and dtype != bucket.params[0].dtype else None
@@ -2091,10 +2112,16 @@ class DistAdam(torch.optim.Optimizer):
                     self.deferred_rows.setdefault(p, []).extend(row_lists)
             return
         self.grad_hooks.armed = True
+        made = []  # tables read at the same rows (the value tables) share one exchange: one count exchange on gloo
         for p, row_lists in (sparse_rows or {}).items():
             if p in self.sparse_params:
                 rows = union_of_rows(self.deferred_rows.pop(p, []) + list(row_lists), p.size(0))
-                self.row_exchanges[p] = _RowExchange(p, rows, self.rank, self.world_size, self.cpu_group)
+                exchange = next((e for e, r in made if e.rows_per_rank * self.world_size == p.size(0)
+                                 and np.array_equal(r, rows)), None)
+                if exchange is None:
+                    exchange = _RowExchange(p, rows, self.rank, self.world_size, self.cpu_group)
+                    made.append((exchange, rows))
+                self.row_exchanges[p] = exchange
 
     def _reduce_scatter(self, flat: Tensor, shard: int):
         """Launch the averaging reduce-scatter of flat (in grad_dtype when set); returns a function that waits and
@@ -2111,6 +2138,15 @@ class DistAdam(torch.optim.Optimizer):
             self.launched.append(bucket)
             return
         grads = grads_or_zeros(bucket.params)
+        if self.is_tied() and bucket in self.tied_buckets:
+            # The update reads only the pair's summed gradient, so the sum travels, in the leader's reduce-scatter:
+            # one collective of the table's size where two would be (the follower's pending only marks it sent).
+            self.tied_ready.add(bucket)
+            if len(self.tied_ready) < 2:
+                return
+            follower, leader = self.tied_buckets
+            grads = [grads_or_zeros(leader.params)[0] + grads_or_zeros(follower.params)[0]]
+            follower.pending, bucket = (lambda: None), leader
         exchange = self.row_exchanges.pop(bucket.params[0], None)
         if exchange is not None:
             bucket.pending = exchange.launch(grads[0], self.grad_dtype)
@@ -2159,8 +2195,6 @@ class DistAdam(torch.optim.Optimizer):
             if tied and bucket is self.tied_buckets[0]:
                 continue  # its gradient goes into the leader's update below
             grad_shard = bucket.pending()
-            if tied and bucket is self.tied_buckets[1]:
-                grad_shard = grad_shard + self.tied_buckets[0].pending()
             flat = bucket.flat(bucket.params)
             owned = bucket.owned(flat, self.rank)
             self._update(bucket, owned, grad_shard)
@@ -2172,6 +2206,7 @@ class DistAdam(torch.optim.Optimizer):
             unit.pending = None
         self.launched = []
         self.row_exchanges = {}
+        self.tied_ready.clear()
         self.grad_hooks.disarm()
 
         @torch.no_grad()
@@ -3005,6 +3040,7 @@ class ForwardBatch:
     cu_seqlens: Tensor  # [max_documents + 1] int32: document starts, then T repeated
     bigrams: Tensor | None = None  # [T] int32 rows of the bigram embedding
     bigram_rows_used: np.ndarray | None = None  # sorted unique values of bigrams, on the host
+    token_rows_used: np.ndarray | None = None  # sorted unique values of inputs, on the host (when asked for)
     documents: int | None = None  # how many documents cu_seqlens starts (the rest is padding)
     longest_document: int | None = None
 
@@ -3014,8 +3050,10 @@ class _Slot:
     tokens of them filled."""
 
     def __init__(self, seq_len: int, pin: bool, bos: int, bigram_rows: int = 0, packed: int = 1,
-                 token_classes: np.ndarray | None = None):
+                 token_classes: np.ndarray | None = None, token_rows: int = 0):
         length = seq_len * packed
+        self.token_rows = token_rows  # the vocabulary size, when the tokens read are wanted (token_rows_used)
+        self.token_rows_used = None
         self.bos, self.token_classes = bos, token_classes
         self.inputs = torch.empty(length, dtype=torch.int32, pin_memory=pin)
         self.targets = torch.empty(length, dtype=torch.int64, pin_memory=pin)
@@ -3044,6 +3082,8 @@ class _Slot:
         self.length = offset
         if self.bigram_rows:
             self.bigram_rows_used = np.unique(self.bigrams.numpy()[:offset])
+        if self.token_rows:  # a count per token: a tenth of np.unique's time on a forward of 16K tokens
+            self.token_rows_used = np.flatnonzero(np.bincount(self.inputs.numpy()[:offset], minlength=self.token_rows))
         starts = np.concatenate(starts)
         cu = self.cu_seqlens.numpy()[: max_documents(offset) + 1]
         if len(starts) >= len(cu):
@@ -3064,12 +3104,13 @@ class Prefetcher:
     """
 
     def __init__(self, batches, seq_len: int, device: torch.device, slots: int = 4, bigram_rows: int = 0,
-                 packed: int = 1, *, bos: int, token_classes: np.ndarray | None = None, sizes=None):
+                 packed: int = 1, *, bos: int, token_classes: np.ndarray | None = None, sizes=None,
+                 token_rows: int = 0):
         self.device = device
         self.free, self.ready = queue.Queue(), queue.Queue()
         for _ in range(slots):
             self.free.put(_Slot(seq_len, pin=device.type == "cuda", bos=bos, bigram_rows=bigram_rows, packed=packed,
-                                token_classes=token_classes))
+                                token_classes=token_classes, token_rows=token_rows))
         self.closed = False
         self.source = batches
         sizes = itertools.repeat(packed) if sizes is None else sizes
@@ -3112,7 +3153,7 @@ class Prefetcher:
             item.copied.record()
         else:  # the slot is reused, so the CPU path hands out copies
             batch = ForwardBatch(*(t.clone() if t is not None else None for t in tensors))
-        batch.bigram_rows_used = item.bigram_rows_used
+        batch.bigram_rows_used, batch.token_rows_used = item.bigram_rows_used, item.token_rows_used
         batch.documents, batch.longest_document = item.documents, item.longest_document
         self.free.put(item)
         return batch
@@ -3134,7 +3175,8 @@ def prefetch(windows, cfg: Config, device: torch.device, packed: int, sizes=None
     forwards of `packed` micro-batches (or of `sizes`' counts in turn, none over `packed`) of the run's length,
     bigram rows and BOS token out."""
     return Prefetcher(windows, cfg.micro_batch_tokens, device, bigram_rows=cfg.bigram_rows, packed=packed,
-                      bos=cfg.bos_token, token_classes=bigram_token_classes(cfg), sizes=sizes)
+                      bos=cfg.bos_token, token_classes=bigram_token_classes(cfg), sizes=sizes,
+                      token_rows=cfg.vocab_size if cfg.sparse_value_comms else 0)
 
 
 def normalized_token_classes(token_bytes: list[bytes], vocab_size: int) -> np.ndarray:
@@ -3955,7 +3997,8 @@ def build_optimizers(model: GPT, cfg: Config) -> Optimizers:
                     + ([dict(params=[model.skip_gate_w], lr=cfg.adam_lr * 0.05, weight_decay=0.0)]
                        if model.skip_gate_w is not None else []),
                     lr=cfg.adam_lr, betas=cfg.adam_betas, eps=cfg.adam_eps,
-                    sparse_params=bigram if cfg.sparse_bigram_comms else (),
+                    sparse_params=(bigram if cfg.sparse_bigram_comms else [])
+                    + ([ve.weight for ve in model.value_embeds] if cfg.sparse_value_comms else []),
                     compiled=cfg.compile and next(model.parameters()).is_cuda,
                     tied=(model.embed.weight, model.lm_head.weight) if cfg.tie_embed else None,
                     grad_dtype=grad_dtype,
@@ -4057,13 +4100,12 @@ def train_step(model: GPT, optimizers: Optimizers, batches: Prefetcher, windows:
     mark = mark or (lambda phase: None)
     model.prepare_grads()
     total = None
-    bigram_rows_used = []
+    sparse_rows = collections.defaultdict(list)  # table -> the rows each forward read
     for index in range(forwards):
         batch = batches.next()
-        if batch.bigram_rows_used is not None:
-            bigram_rows_used.append(batch.bigram_rows_used)
+        for table, rows in model.rows_read(batch).items():
+            sparse_rows[table].append(rows)
         if index == forwards - 1:  # let gradient communication start inside the last backward
-            sparse_rows = {model.bigram_embed.weight: bigram_rows_used} if bigram_rows_used else {}
             for opt in optimizers:
                 if hasattr(opt, "before_last_backward"):
                     opt.before_last_backward(sparse_rows)

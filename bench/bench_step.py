@@ -394,10 +394,10 @@ def steps_by_kind(times: list[float], splits: list[dict[str, float]], adam_steps
 def optimizers_alone(model, optimizers, batch, next_step_settings, repeats: int = 6) -> str:
     """The optimizers' steps with no forward or backward before them and every rank starting together (a barrier),
     for the steps where Adam updates and the others: the floor of the optimizers' phases when no rank comes late and
-    nothing else runs. The gradients are the same random tensors at every step, the bigram rows those of `batch` (so
-    its exchange is as sparse as in training). It changes the weights: run it last."""
+    nothing else runs. The gradients are the same random tensors at every step, the rows of the sparse exchanges those
+    of `batch` (so they are as sparse as in training). It changes the weights: run it last."""
     grads = {p: torch.randn_like(p) * 1e-3 for p in model.parameters()}
-    rows = {model.bigram_embed.weight: [batch.bigram_rows_used]} if batch.bigram_rows_used is not None else {}
+    rows = {table: [rows] for table, rows in model.rows_read(batch).items()}
     splits, adam_steps = [], []
     for attempt in range(2 * repeats + 2):  # the first two (one of each kind) untimed
         adam = next_step_settings()

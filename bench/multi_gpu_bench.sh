@@ -9,8 +9,9 @@
 #    --compile_scope=split, whose backward overlaps the last layers' reduce-scatters), "split1" (the same at world
 #    size 1, for the graph cut's own cost), "unmerged" (world size N with a collective per DistAdam bucket,
 #    BENCH_ADAM_MERGE=0), "bf16" (world size N with --bf16_grad_comms),
-#    "tables" (world size N with --bf16_table_gathers), "ranks" (tests/gpu/test_cuda_ranks.py: two GPUs over NCCL,
-#    bf16 table gathers checked against fp32 ones, CUDA graphs against none), "fa3" / "fa3_1" (FlashAttention-3 at
+#    "tables" (world size N with --bf16_table_gathers), "sparse_values" / "sparse_tables" (world size N with
+#    --sparse_value_comms, without / with --bf16_table_gathers), "ranks" (tests/gpu/test_cuda_ranks.py: two GPUs over
+#    NCCL, bf16 table gathers checked against fp32 ones, CUDA graphs against none), "fa3" / "fa3_1" (FlashAttention-3 at
 #    world size N / 1, carrying .fa3: bench/fa3_build.sh, or .fa3src: then FA3 is built in the background while
 #    "ranks" runs, which should come first) and "fwd1" / "fwd1_graphs" (world size N at one micro-batch per forward,
 #    the size each forward has at 8 GPUs, without / with CUDA graphs, which auto takes there; FLAGS picks the
@@ -129,6 +130,8 @@ if [ "$what" = all ] || [ "$what" = bench ]; then
         unmerged) BENCH_ADAM_MERGE=0 bench bench_unmerged "$nproc" ;;  # a collective per DistAdam bucket
         bf16) bench bench_bf16 "$nproc" --bf16_grad_comms=1 ;;  # gradients reduce-scattered in bf16
         tables) bench bench_tables "$nproc" --bf16_table_gathers=1 ;;  # value and bigram tables gathered in bf16
+        sparse_values) bench bench_sparse_values "$nproc" --sparse_value_comms=1 ;;
+        sparse_tables) bench bench_sparse_tables "$nproc" --sparse_value_comms=1 --bf16_table_gathers=1 ;;
         ranks) timeout 600 python3 -m pytest -q tests/gpu/test_cuda_ranks.py > "$OUT/test_cuda_ranks.txt" 2>&1
                echo "== tests/gpu/test_cuda_ranks.py (exit $?)"; tail -3 "$OUT/test_cuda_ranks.txt" ;;
         split1) bench bench_split1 1 --compile_scope=split ;;

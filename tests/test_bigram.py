@@ -4,6 +4,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 
 import train_gpt as tg
 from helpers import BOS, TINY, VOCAB, cu_seqlens_of, run_on_ranks
@@ -67,44 +68,57 @@ def touched_rows(rank, step):
 
 
 def _adam_on_rank(rank, world_size, sparse):
+    """Two tables read at the same rows (as the value tables are), each with its own gradient, each updated alone."""
+    tg.DistAdam.MERGE = 0  # this rank's process only
     torch.manual_seed(0)
-    table = torch.randn(ROWS, DIM).requires_grad_()
-    opt = tg.DistAdam([dict(params=[table], lr=0.01)], lr=0.01, betas=(0.8, 0.95), eps=1e-10,
-                      sparse_params=[table] if sparse else ())
+    tables = [torch.randn(ROWS, DIM).requires_grad_() for _ in range(2)]
+    opt = tg.DistAdam([dict(params=tables, lr=0.01)], lr=0.01, betas=(0.8, 0.95), eps=1e-10,
+                      sparse_params=tables if sparse else ())
     syncs = []
     originals = {name: getattr(torch.Tensor, name) for name in ("item", "cpu", "tolist")}
     shards = []
+    exchanges = []  # all_to_all_single calls per step
+    all_to_all = dist.all_to_all_single
+    dist.all_to_all_single = lambda *a, **k: (exchanges.append(1), all_to_all(*a, **k))[1]  # this process only
     for step in range(STEPS):
         rows = touched_rows(rank, step)
-        grad = torch.zeros(ROWS, DIM)
-        grad[rows] = torch.randn(len(rows), DIM, generator=torch.Generator().manual_seed(step * 10 + rank))
-        table.grad = grad
-        opt.before_last_backward({table: [rows[: 2 * len(rows) // 3], rows[len(rows) // 3:]]})  # overlapping micro-batches
+        for index, table in enumerate(tables):
+            grad = torch.zeros(ROWS, DIM)
+            generator = torch.Generator().manual_seed(step * 10 + rank + 100 * index)
+            grad[rows] = torch.randn(len(rows), DIM, generator=generator)
+            table.grad = grad
+        exchanges.clear()
+        micro_batches = [rows[: 2 * len(rows) // 3], rows[len(rows) // 3:]]  # overlapping
+        opt.before_last_backward({table: micro_batches for table in tables})
         for name in originals:  # the step must not read device values back to the host
             setattr(torch.Tensor, name, lambda *a, _name=name, **k: syncs.append(_name) or originals[_name](*a, **k))
         try:
-            bucket = opt.buckets[0]
-            opt._launch_reduce(bucket)
-            finish = bucket.pending
-            shard = finish()
-            bucket.pending = lambda: shard
-            shards.append(shard.clone())
+            for bucket in opt.buckets:
+                opt._launch_reduce(bucket)
+                shard = bucket.pending()
+                bucket.pending = lambda shard=shard: shard
+                shards.append(shard.clone())
             opt.step()
         finally:
             for name, fn in originals.items():
                 setattr(torch.Tensor, name, fn)
-    return table.detach(), shards, syncs
+        # shared: the counts (gloo) and the row indices once, then each table's rows
+        assert len(exchanges) == (4 if sparse else 0), len(exchanges)
+    return [table.detach() for table in tables], shards, syncs
 
 
 def test_sparse_exchange_equals_dense_reduce_scatter():
     dense = run_on_ranks(_adam_on_rank, 2, False)
     sparse = run_on_ranks(_adam_on_rank, 2, True)
-    for (d_table, d_shards, _), (s_table, s_shards, syncs) in zip(dense, sparse):
+    for (d_tables, d_shards, _), (s_tables, s_shards, syncs) in zip(dense, sparse):
         assert syncs == []
+        assert len(s_shards) == len(d_shards) == 2 * STEPS
         for d, s in zip(d_shards, s_shards):
             torch.testing.assert_close(s, d, rtol=1e-6, atol=1e-7)
-        torch.testing.assert_close(s_table, d_table, rtol=1e-6, atol=1e-7)
-    assert torch.equal(sparse[0][0], sparse[1][0])  # ranks agree after the dense all-gather
+        for d, s in zip(d_tables, s_tables):
+            torch.testing.assert_close(s, d, rtol=1e-6, atol=1e-7)
+    for first, second in zip(sparse[0][0], sparse[1][0]):
+        assert torch.equal(first, second)  # ranks agree after the dense all-gather
 
 
 def test_bigram_rows_must_split_over_ranks():

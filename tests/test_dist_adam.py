@@ -152,22 +152,32 @@ def _tied_run(rank, world_size):
     leader = torch.randn(64, 48, generator=g).requires_grad_()
     follower = leader.detach().clone().requires_grad_()
     opt = tg.DistAdam([dict(params=[follower]), dict(params=[leader])], lr=0.01, tied=(follower, leader), **HYPER)
-    ties, weights = [], []
+    ties, weights, reduces = [], [], []
+    sent = []
+    original = dist.reduce_scatter_tensor
+    dist.reduce_scatter_tensor = lambda *a, **k: (sent.append(1), original(*a, **k))[1]  # this rank's process only
     for step in range(TIED_STEPS):
         if step == UNTIE_AT:
             opt.untie()
         ties.append(opt.is_tied())
         grads = torch.Generator().manual_seed(100 * step + rank)
         follower.grad, leader.grad = (torch.randn(64, 48, generator=grads) for _ in range(2))
+        if step % 2:  # the hooks launch the reduce-scatters, the follower's gradient done first (as in training)
+            opt.before_last_backward()
+            for p in (follower, leader):
+                opt.grad_hooks._on_grad_ready(p)
         opt.step()
         weights.append((follower.detach().clone(), leader.detach().clone()))
-    return ties, weights, opt.state_dict()
+        reduces.append(len(sent))
+        sent.clear()
+    return ties, weights, opt.state_dict(), reduces
 
 
 def test_tied_parameters_share_one_update_then_go_on_alone():
     """While tied: one Adam update of the leader from the sum of both gradients (averaged over ranks), copied into the
     follower. After untie(): each its own Adam, the follower starting from a copy of the shared state. At 1 and 2
-    ranks, against a plain float64 Adam with cautious weight decay; the untied state survives a state dict."""
+    ranks, against a plain float64 Adam with cautious weight decay; the untied state survives a state dict. While tied,
+    the pair sends one reduce-scatter a step, launched at step() or from the backward hooks."""
     beta1, beta2 = HYPER["betas"]
     lr, eps, wd = 0.01, HYPER["eps"], HYPER["weight_decay"]
 
@@ -197,14 +207,16 @@ def test_tied_parameters_share_one_update_then_go_on_alone():
                 alone = alone or dict(shared)
                 leader = adam(leader, leader_grad, shared)
                 follower = adam(follower, follower_grad, alone)
-            for ties, weights, _ in results:
+            for ties, weights, _, reduces in results:
                 assert ties[step] == (step < UNTIE_AT)
+                # while tied, the summed gradient travels in one reduce-scatter
+                assert reduces[step] == (0 if world_size == 1 else 1 if step < UNTIE_AT else 2)
                 np.testing.assert_allclose(weights[step][0].numpy(), follower.float().numpy(), rtol=1e-5, atol=1e-6)
                 np.testing.assert_allclose(weights[step][1].numpy(), leader.float().numpy(), rtol=1e-5, atol=1e-6)
         assert not torch.equal(results[0][1][-1][0], results[0][1][-1][1])  # untied, they went apart
 
     # a state dict taken after the untie loads as untied (a DiLoCo heal)
-    _, _, state = results[0]
+    _, _, state, _ = results[0]
     p, q = torch.zeros(64, 48, requires_grad=True), torch.zeros(64, 48, requires_grad=True)
     opt = tg.DistAdam([dict(params=[p]), dict(params=[q])], lr=0.01, tied=(p, q), **HYPER)
     assert opt.is_tied()

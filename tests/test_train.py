@@ -350,10 +350,11 @@ def test_prefetcher_delivers_every_window_intact(tmp_path):
         assert b.cu_seqlens[:5].tolist() == [0, 50, 51, 128, 128]
     batches.close()
     # forwards of differing counts (a stage each): each holds its windows in order, its own length's document
-    # starts (a short forward after a long one in the same slot shows no stale tokens), and its bigram rows only
+    # starts (a short forward after a long one in the same slot shows no stale tokens), and its bigram rows and tokens
+    # read only
     sizes = [3, 1, 2, 3, 1, 2]
     batches = tg.Prefetcher(iter(windows), 128, torch.device("cpu"), slots=2, bos=BOS, packed=3, sizes=sizes,
-                            bigram_rows=4096)
+                            bigram_rows=4096, token_rows=BOS + 1)
     taken = 0
     for size in sizes:
         b = batches.next()
@@ -366,6 +367,7 @@ def test_prefetcher_delivers_every_window_intact(tmp_path):
         assert b.cu_seqlens.tolist() == starts + [128 * size] * (len(b.cu_seqlens) - len(starts))
         assert b.documents == len(starts)
         assert b.bigram_rows_used.tolist() == np.unique(b.bigrams.numpy()).tolist()
+        assert b.token_rows_used.tolist() == np.unique(b.inputs.numpy()).tolist()
     batches.close()
 
 
@@ -1114,11 +1116,11 @@ def _train_on_rank(rank, world_size, cfg):
                                          xsa_layers="1,3", bigram_dims=24, bigram_signs=16),
                                     dict(copy_pointer=1, copy_band=128, fp8_head=1, copy_sink_key=1, longest_match=1,
                                          head_wgrad_rows=4),
-                                    dict(bf16_grad_comms=1)],
+                                    dict(bf16_grad_comms=1), dict(sparse_value_comms=1, num_iterations=4)],
                          ids=["plain", "adam_period_3_slow_momentum", "paired_short_and_long", "xsa_ve_gate_doc_lens",
                               "sublayer_scales_mudd_token_gates_bigram_signs",
                               "copy_pointer_fp8_head_longest_match_head_wgrad_rows",
-                              "bf16_grad_comms"])
+                              "bf16_grad_comms", "sparse_value_comms"])
 def test_world_size_1_and_2_give_the_same_losses(tiny_data, tmp_path, extras):
     """Also what the gradients travel as: fp32, or bf16 with --bf16_grad_comms (the reduce-scatters, and the bigram
     rows in the sparse exchange), where gloo sums the two ranks' bf16 gradients in bf16: 7e-6 apart from one rank's
