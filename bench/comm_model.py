@@ -10,7 +10,8 @@ holds for the other owners. With shards, the bigram rows each rank touches per A
 adam_period steps, unioned, as DistAdam does) are replayed from the trainer's loader and hash, as
 bench_bigram_bytes.py does, and with them the rows of the value and bigram tables its forwards read before the next
 update: what fetching only those rows from their owners would receive, against the dense all-gathers of those
-tables; without shards both are left out. Times are bytes per rank / busbw, an
+tables; with --sparse_value_comms the value tables' gradient rows at those tokens go to their owners in one exchange;
+without shards the sparse exchanges are left out. Times are bytes per rank / busbw, an
 assumed NCCL bus bandwidth (default: 360 and 450 GB/s), with no latency term. train_gpt.py flags (e.g.
 --adam_period=1 --tie_embed=0) change the config the model is built from. The step-time model divides ONE_GPU_MS by
 8 and adds the per-step average communication.
@@ -131,27 +132,31 @@ def main():
             print(f"  Muon group of {len(group)} x {tuple(matrices[group[0]].shape)} ({count // w} per rank), every "
                   f"step: reduce-scatter {grad_name} {f * numel * grad_bytes / MB:.1f}, all-gather bf16 "
                   f"{f * numel * 2 / MB:.1f}")
-        adam_rs = ag_tied = ag_untied = 0.0
-        apart = [q for q in (bigram, follower, model.lm_head.weight if follower is not None else None) if q is not None]
+        rs_tied = rs_untied = ag_tied = ag_untied = 0.0
+        sparse_params = [bigram] if bigram is not None else []
+        sparse_params += value_tables if cfg.sparse_value_comms else []
+        apart = sparse_params + [q for q in (follower, model.lm_head.weight if follower is not None else None)
+                                 if q is not None]
         for p, numel, padded in adam_buckets(adam, w, apart):
             name = p if isinstance(p, str) else names[id(p)]
             # fp32 parameters, or what the trainer all-gathers them in (--bf16_table_gathers: bf16 tables)
             item_bytes = 4 if isinstance(p, str) else gather_bytes(p)
             dense = f * padded * item_bytes
-            sparse = p is bigram and w > 1
-            adam_rs += 0.0 if sparse else f * padded * grad_bytes
-            ag_untied += dense
-            ag_tied += 0.0 if p is follower else dense
+            sparse = any(p is q for q in sparse_params) and w > 1
+            rs = 0.0 if sparse else f * padded * grad_bytes
+            rs_untied, ag_untied = rs_untied + rs, ag_untied + dense
+            # while tied, the follower's gradient travels inside the head's (DistAdam sums them first)
+            rs_tied, ag_tied = rs_tied + (0.0 if p is follower else rs), ag_tied + (0.0 if p is follower else dense)
             print(f"  Adam bucket {name}: {numel:,} values (padded {padded:,}), every {period} steps: reduce-scatter "
-                  f"{grad_name} {'sparse, below' if sparse else f'{f * padded * grad_bytes / MB:.1f}'}, all-gather "
+                  f"{grad_name} {'sparse, below' if sparse else f'{rs / MB:.1f}'}, all-gather "
                   f"{'bf16' if item_bytes == 2 else 'fp32'} {dense / MB:.1f}"
-                  + (" (none while tied)" if p is follower else ""))
+                  + (" (neither while tied)" if p is follower else ""))
         print(f"  Muon per step: {muon_rs / MB:.1f} + {muon_ag / MB:.1f} = {(muon_rs + muon_ag) / MB:.1f}")
-        print(f"  Adam per update, dense: reduce-scatter {adam_rs / MB:.1f}, all-gather {ag_tied / MB:.1f} tied, "
-              f"{ag_untied / MB:.1f} untied")
+        print(f"  Adam per update, dense: reduce-scatter {rs_tied / MB:.1f} tied, {rs_untied / MB:.1f} untied; "
+              f"all-gather {ag_tied / MB:.1f} tied, {ag_untied / MB:.1f} untied")
         for stage in range(stages):
             tied = cfg.tie_embed and (stage + 1) * cfg.num_iterations // stages <= schedule.untie_step
-            ag = ag_tied if tied else ag_untied
+            adam_rs, ag = (rs_tied, ag_tied) if tied else (rs_untied, ag_untied)
             a2a = 0.0
             if rows is not None and w > 1 and bigram is not None:
                 touched, sent, others_tokens = rows[w, stage]
@@ -160,6 +165,13 @@ def main():
                 print(f"  stage {stage}: bigram rows per rank and Adam update: {touched:,.0f} touched, {sent:,.0f} "
                       f"owned by others; all-to-all {a2a / MB:.1f} (dense reduce-scatter {dense_rs / MB:.1f}, "
                       f"{dense_rs / a2a:.1f}x more)")
+                if cfg.sparse_value_comms:  # the rows read are the tokens: an index each, then each table's row
+                    values = others_tokens * (8 + sum(t.size(1) for t in value_tables) * grad_bytes)
+                    dense_values = f * sum(t.numel() for t in value_tables) * grad_bytes
+                    a2a += values
+                    print(f"  stage {stage}: value tables' rows per rank and Adam update owned by others: "
+                          f"{others_tokens:,.0f}; all-to-all {values / MB:.1f} (dense reduce-scatters "
+                          f"{dense_values / MB:.1f}, {dense_values / values:.1f}x more)")
                 # What the tables' all-gathers would receive if each rank fetched from their owners only the rows its
                 # forwards read until the next update (an int64 index and a row each; the value tables and the
                 # untied embedding share the token indices): the dense all-gathers receive as much as they send.
