@@ -329,7 +329,8 @@ class Config:
         True, "embedding tables add only the rows a forward touched into their .grad; 0: dense")
     sparse_bigram_comms: bool = _speed(True, "the bigram table's gradient rows travel sparsely between ranks")
     # The value tables are read only at the step's tokens, so only those rows of their gradients are nonzero: sent
-    # to their owners as the bigram table's are, about a fifth of a dense reduce-scatter's bytes at 4 ranks.
+    # to their owners as the bigram table's are, 4-7x fewer bytes than dense reduce-scatters at 4 ranks on bench2
+    # (bench/comm_model.py). Off until a repeat at 4 or 8 GPUs: one run on 4xH200 (docs/performance.md).
     sparse_value_comms: bool = _speed(False, "the value tables' gradient rows travel sparsely between ranks")
     # auto: per stage, the most (up to 8 on a GPU of at least PACK_8_MIN_GIB, else 4) that divides the stage's
     # micro-batches per rank (resolve_packing). Each micro-batch starts a document and its positions, so a packed
@@ -1970,7 +1971,7 @@ class _RowExchange:
         self.recv_counts = torch.empty(world_size, dtype=torch.int64)
         self.counts_sent = dist.all_to_all_single(self.recv_counts, torch.from_numpy(self.send_counts),
                                                   group=cpu_group, async_op=True)
-        self.rows = None  # after the first launch: (rows to send, on the device; rows received, as shard rows; wait)
+        self.rows = None  # after the first launch: (the rows sent, on the device; the rows received; their wait)
 
     def launch(self, grad: Tensor, dtype: torch.dtype | None = None):
         """Send the touched rows to their owners (in dtype when given); returns a function that waits and gives
@@ -2016,7 +2017,8 @@ class DistAdam(torch.optim.Optimizer):
          a backward hook as soon as the bucket's last gradient is accumulated, when the training loop
          armed the hooks (before_last_backward) for the last forward; otherwise at step(). The buckets under
          MERGE values (the scalars, gates and small MLPs of every group) go together in one reduce-scatter
-         (_MergedBuckets): each collective costs a launch and a rendezvous of the ranks, whatever its size;
+         (_MergedBuckets): each collective costs a launch and a rendezvous of the ranks, whatever its size; a tied
+         pair (tied=) sends its summed gradient in the leader's reduce-scatter;
       2. in launch order, for each bucket (or the merged ones): wait for its reduce-scatter, update the owned
          slice (adam_update_, compiled on CUDA; the merged ones together in multi-tensor ops, adam_update_multi_),
          launch all_gather_into_tensor of the updated slice into the parameter;
@@ -2037,7 +2039,8 @@ class DistAdam(torch.optim.Optimizer):
     when the gradient is ready, the row indices and then the gradient rows go to their owners with
     all_to_all_single (split sizes from the host counts, so nothing waits on the GPU); each owner sums
     what it receives into its shard. Untouched rows have zero gradient, so this equals the dense
-    reduce-scatter up to summation order. The all-gather stays dense.
+    reduce-scatter up to summation order. The all-gather stays dense. Tables read at the same rows (the value
+    tables under --sparse_value_comms) share one count exchange and one exchange of the row indices.
     """
 
     SMALL = 8192  # parameters below this many values share their param group's bucket
@@ -2193,7 +2196,7 @@ class DistAdam(torch.optim.Optimizer):
                 gathers.append((bucket, packed, self._all_gather(bucket, packed, torch.cat(owned))))
                 continue
             if tied and bucket is self.tied_buckets[0]:
-                continue  # its gradient goes into the leader's update below
+                continue  # its gradient travelled in the leader's (_launch_reduce)
             grad_shard = bucket.pending()
             flat = bucket.flat(bucket.params)
             owned = bucket.owned(flat, self.rank)
@@ -3082,7 +3085,7 @@ class _Slot:
         self.length = offset
         if self.bigram_rows:
             self.bigram_rows_used = np.unique(self.bigrams.numpy()[:offset])
-        if self.token_rows:  # a count per token: a tenth of np.unique's time on a forward of 16K tokens
+        if self.token_rows:  # a count per token: 0.3 ms for 16K tokens on this repo's CPU machine, np.unique 2.2
             self.token_rows_used = np.flatnonzero(np.bincount(self.inputs.numpy()[:offset], minlength=self.token_rows))
         starts = np.concatenate(starts)
         cu = self.cu_seqlens.numpy()[: max_documents(offset) + 1]

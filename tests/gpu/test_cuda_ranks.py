@@ -46,14 +46,20 @@ def train_on_two_gpus(cfg):
     return by_rank[0]
 
 
+def six_steps_config(tiny_data, tmp_path, *flags: str):
+    """The tiny model on CUDA for six steps of 128-token micro-batches, no validation, with these flags."""
+    train, val = tiny_data
+    cfg, _ = tg.parse_cli(["--device=cuda", *TINY, f"--train_files={train}", f"--val_files={val}",
+                           "--micro_batch_tokens=128", "--num_iterations=6", "--val_loss_every=0",
+                           f"--log_dir={tmp_path}", *flags])
+    return cfg
+
+
 def test_tables_gathered_in_bf16_train_as_tables_gathered_in_fp32(tiny_data, tmp_path):
     """--bf16_table_gathers: the value and bigram tables' all-gathers travel in bf16 over NCCL, and the forward,
     which reads the tables as bf16 rows, is unchanged: the same losses as with fp32 gathers, up to the order in which
     the row-gradient kernel's atomic adds land (rtol 1e-5, as the CPU tests across world sizes)."""
-    train, val = tiny_data
-    cfg, _ = tg.parse_cli(["--device=cuda", *TINY, f"--train_files={train}", f"--val_files={val}",
-                           "--micro_batch_tokens=128", "--num_iterations=6", "--val_loss_every=0", "--compile=0",
-                           "--adam_period=1", f"--log_dir={tmp_path}", "--run_id=fp32"])
+    cfg = six_steps_config(tiny_data, tmp_path, "--compile=0", "--adam_period=1", "--run_id=fp32")
     fp32_losses, fp32_gathers = train_on_two_gpus(cfg)
     bf16_losses, bf16_gathers = train_on_two_gpus(dataclasses.replace(cfg, bf16_table_gathers=True, run_id="bf16"))
     # Muon's all-gathers are bf16 in both; the tables' are the new bf16 ones, one per table size. Tables under
@@ -75,11 +81,8 @@ def test_cuda_graphs_on_two_ranks_train_as_without(tiny_data, tmp_path):
     row-gradient kernel's atomic adds (rtol 1e-5, as above). An input that a graph kept from its recording instead of
     reading anew would show. Flex: at this tiny size FA3 between partitioned graphs, which trained wrong at full
     size, passed; FA3 under graphs is checked at full size by bench/graph_check.py (docs/performance.md)."""
-    train, val = tiny_data
-    cfg, _ = tg.parse_cli(["--device=cuda", *TINY, f"--train_files={train}", f"--val_files={val}",
-                           "--micro_batch_tokens=128", "--num_iterations=6", "--val_loss_every=0", "--compile=1",
-                           "--attn_backend=flex", "--tune_kernels=0", "--adam_period=1",
-                           "--compile_mode=default", f"--log_dir={tmp_path}", "--run_id=default"])
+    cfg = six_steps_config(tiny_data, tmp_path, "--compile=1", "--attn_backend=flex", "--tune_kernels=0",
+                           "--adam_period=1", "--compile_mode=default", "--run_id=default")
     plain_losses, _ = train_on_two_gpus(cfg)
     graph_losses, _ = train_on_two_gpus(dataclasses.replace(cfg, compile_mode="reduce-overhead", run_id="graphs"))
     assert len(graph_losses) == cfg.num_iterations and graph_losses[-1] < graph_losses[0]
@@ -90,10 +93,7 @@ def test_muon_parts_as_cuda_graphs_on_two_ranks_train_as_without(tiny_data, tmp_
     """--muon_graphs on two ranks: Muon's compute between its NCCL collectives and its weight update replay as CUDA
     graphs, the collectives launched around them; the same losses as the same steps launched kernel by kernel, up
     to the order of the row-gradient kernel's atomic adds (rtol 1e-5, as above)."""
-    train, val = tiny_data
-    cfg, _ = tg.parse_cli(["--device=cuda", *TINY, f"--train_files={train}", f"--val_files={val}",
-                           "--micro_batch_tokens=128", "--num_iterations=6", "--val_loss_every=0", "--compile=0",
-                           f"--log_dir={tmp_path}", "--run_id=eager", "--muon_graphs=0"])
+    cfg = six_steps_config(tiny_data, tmp_path, "--compile=0", "--run_id=eager", "--muon_graphs=0")
     eager_losses, _ = train_on_two_gpus(cfg)
     graph_losses, _ = train_on_two_gpus(dataclasses.replace(cfg, muon_graphs="1", run_id="muon_graphs"))
     assert len(graph_losses) == cfg.num_iterations and graph_losses[-1] < graph_losses[0]
@@ -104,10 +104,7 @@ def test_value_tables_exchanged_sparsely_train_as_reduce_scattered(tiny_data, tm
     """--sparse_value_comms over NCCL: the value tables' gradient rows go to their owners, and training follows the
     dense reduce-scatters (rtol 1e-5). At a vocabulary of 16,384 each value table holds DistAdam.MERGE values, so both
     runs update it alone, not with the merged small parameters (whose bias corrections are computed apart)."""
-    train, val = tiny_data
-    cfg, _ = tg.parse_cli(["--device=cuda", *TINY, f"--train_files={train}", f"--val_files={val}",
-                           "--micro_batch_tokens=128", "--num_iterations=6", "--val_loss_every=0", "--compile=0",
-                           "--vocab_size=16384", f"--log_dir={tmp_path}", "--run_id=dense"])
+    cfg = six_steps_config(tiny_data, tmp_path, "--compile=0", "--vocab_size=16384", "--run_id=dense")
     dense_losses, _ = train_on_two_gpus(cfg)
     sparse_losses, _ = train_on_two_gpus(dataclasses.replace(cfg, sparse_value_comms=True, run_id="sparse"))
     assert len(sparse_losses) == cfg.num_iterations and sparse_losses[-1] < sparse_losses[0]
