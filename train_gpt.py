@@ -3085,8 +3085,8 @@ class _Slot:
         self.length = offset
         if self.bigram_rows:
             self.bigram_rows_used = np.unique(self.bigrams.numpy()[:offset])
-        if self.token_rows:  # a count per token: 0.3 ms for 16K tokens on this repo's CPU machine, np.unique 2.2
-            self.token_rows_used = np.flatnonzero(np.bincount(self.inputs.numpy()[:offset], minlength=self.token_rows))
+        if self.token_rows:  # through a mask: 0.1 ms for 16K tokens on this repo's CPU machine, np.unique 2.4
+            self.token_rows_used = union_of_rows([self.inputs.numpy()[:offset]], self.token_rows)
         starts = np.concatenate(starts)
         cu = self.cu_seqlens.numpy()[: max_documents(offset) + 1]
         if len(starts) >= len(cu):
