@@ -152,24 +152,26 @@ def _tied_run(rank, world_size):
     leader = torch.randn(64, 48, generator=g).requires_grad_()
     follower = leader.detach().clone().requires_grad_()
     opt = tg.DistAdam([dict(params=[follower]), dict(params=[leader])], lr=0.01, tied=(follower, leader), **HYPER)
-    ties, weights, reduces = [], [], []
-    sent = []
+    ties, weights, reduces, sent = [], [], [], []
     original = dist.reduce_scatter_tensor
-    dist.reduce_scatter_tensor = lambda *a, **k: (sent.append(1), original(*a, **k))[1]  # this rank's process only
-    for step in range(TIED_STEPS):
-        if step == UNTIE_AT:
-            opt.untie()
-        ties.append(opt.is_tied())
-        grads = torch.Generator().manual_seed(100 * step + rank)
-        follower.grad, leader.grad = (torch.randn(64, 48, generator=grads) for _ in range(2))
-        if step % 2:  # the hooks launch the reduce-scatters, the follower's gradient done first (as in training)
-            opt.before_last_backward()
-            for p in (follower, leader):
-                opt.grad_hooks._on_grad_ready(p)
-        opt.step()
-        weights.append((follower.detach().clone(), leader.detach().clone()))
-        reduces.append(len(sent))
-        sent.clear()
+    dist.reduce_scatter_tensor = lambda *a, **k: (sent.append(1), original(*a, **k))[1]  # counted
+    try:
+        for step in range(TIED_STEPS):
+            if step == UNTIE_AT:
+                opt.untie()
+            ties.append(opt.is_tied())
+            grads = torch.Generator().manual_seed(100 * step + rank)
+            follower.grad, leader.grad = (torch.randn(64, 48, generator=grads) for _ in range(2))
+            if step % 2:  # the hooks launch the reduce-scatters, the follower's gradient done first (as in training)
+                opt.before_last_backward()
+                for p in (follower, leader):
+                    opt.grad_hooks._on_grad_ready(p)
+            opt.step()
+            weights.append((follower.detach().clone(), leader.detach().clone()))
+            reduces.append(len(sent))
+            sent.clear()
+    finally:  # at world size 1 this runs in the test's own process
+        dist.reduce_scatter_tensor = original
     return ties, weights, opt.state_dict(), reduces
 
 
