@@ -32,7 +32,8 @@ ops) each launching thread's time in ops and the ops with the most host self tim
 GPUs also one line per rank: its NCCL kernel time by collective and kernel name, and its idle GPU time
 (collectives that take one rank far longer than another are mostly spent waiting for the late ranks) and, from the
 GPU-only profile, its Adam step's tail from its first collective to its last (optimizer_tail: whether the wire or the
-rank's own compute sets it, and which rank starts it late), and the order
+rank's own compute sets it, and which rank starts it late) and each rank's compute kernels side by side, with the
+kernels that differ most between ranks (ranks_kernels), and the order
 rank 0 launched its collectives in, with what each carried and when its kernel ran (collective_order). Last, the
 optimizers' steps alone, every rank starting together (optimizers_alone): the floor of their phases.
 Real text from --train_files when it matches, else random tokens.
@@ -81,6 +82,7 @@ def peak_flops(device: torch.device) -> float | None:
 
 # Kernel name patterns, first match wins: what each kind of GPU time is spent on.
 KERNEL_KINDS = [
+    ("attention (FA3)", r"flash::|FlashAttn"),  # CUTLASS kernels too: before the matmuls
     ("matmul (cuBLAS)", r"gemm|nvjet|cutlass|xmma|sm90_|cublas"),
     ("attention (flex)", r"flex_attention|triton_tem_fused_flex"),
     ("loss (Triton CE)", r"_softcapped_ce"),
@@ -268,10 +270,36 @@ def rank_communication(trace: dict, steps: int) -> str:
             f"GPU idle {idle / 1000 / steps:.2f} ms")
 
 
+def ranks_kernels(traces: list[dict], steps: int, top: int = 5) -> list[str]:
+    """Each rank's compute kernels (all but NCCL's) per step, by kind, then the kernels whose time differs most
+    between ranks: whether a rank's slower forward and backward is every kind of kernel running slower (its clock) or
+    some kernels only (its documents' attention work, or a kernel config tuned differently on that rank)."""
+    lines, by_name = [], []  # by_name: each rank's {kernel name: ms per step}
+    for rank, trace in enumerate(traces):
+        names, kinds = {}, {}
+        for e in gpu_activity(trace):
+            if "nccl" not in e["name"]:
+                name, kind, ms = kernel_name(e["name"]), kernel_kind(e["name"]), e["dur"] / 1000 / steps
+                names[name] = names.get(name, 0.0) + ms
+                kinds[kind] = kinds.get(kind, 0.0) + ms
+        by_name.append(names)
+        largest = ", ".join(f"{kind} {ms:.2f}" for kind, ms in sorted(kinds.items(), key=lambda item: -item[1])[:4])
+        lines.append(f"rank {rank}: compute kernels {sum(names.values()):.2f} ms per step ({largest})")
+    times = {name: [names.get(name, 0.0) for names in by_name] for name in set().union(*by_name)}
+    for name, ms in sorted(times.items(), key=lambda item: min(item[1]) - max(item[1]))[:top]:
+        lines.append(f"  {max(ms) - min(ms):.2f} ms apart: {name[:60]} ({' / '.join(f'{t:.2f}' for t in ms)} by rank)")
+    return lines
+
+
 def kernel_name(name: str) -> str:
-    """A kernel's name without its return type, namespaces and template or call arguments."""
-    name = re.sub(r"^void ", "", name).split("(")[0].split("<")[0]
-    return name.rsplit("::", 1)[-1]
+    """A kernel's name without its return type, namespaces and template or call arguments; a CUTLASS device_kernel
+    (FA3's, for one) by the kernel class it runs, its first template argument of another name, e.g.
+    FlashAttnBwdSm90."""
+    name = re.sub(r"^void ", "", name).split("(")[0]
+    inner = re.findall(r"([A-Za-z_]\w*)<", name)  # the templates, outermost first: device_kernel, enable_sm90, ...
+    if inner and inner[0] == "device_kernel":
+        return next((n for n in inner[1:] if n not in ("enable_sm90", "enable_sm80_to_sm89")), inner[0])
+    return name.split("<")[0].rsplit("::", 1)[-1]
 
 
 def optimizer_tail(trace: dict, gap_ms: float = 3.0) -> tuple[str, float]:
@@ -690,14 +718,18 @@ def main() -> int:
                     torch.distributed.barrier()
                     if comm.is_main:
                         first = None
-                        for rank in range(comm.world_size):
-                            other = json.loads(trace.with_name(f"bench_trace_{rank}.json").read_text())
+                        traces = [json.loads(trace.with_name(f"bench_trace_{rank}.json").read_text())
+                                  for rank in range(comm.world_size)]
+                        for rank, other in enumerate(traces):
                             print(f"  rank {rank}: {rank_communication(other, profiled_steps)}", flush=True)
                             if not with_host:  # the profiler's own host work would stretch the tail
                                 tail, start = optimizer_tail(other)
                                 first = start if first is None else first
                                 print(f"  rank {rank}'s Adam step from its first collective, starting "
                                       f"{(start - first) / 1000:+.2f} ms after rank 0's: {tail}", flush=True)
+                        if not with_host:  # the compute kernels side by side: what makes a rank slow
+                            for line in ranks_kernels(traces, profiled_steps):
+                                print("  " + line, flush=True)
             say(optimizers_alone(model, optimizers, batches.next(), next_step_settings))
         finally:
             if batches is not None:

@@ -13,7 +13,9 @@
 #    --sparse_value_comms, without / with --bf16_table_gathers), "ranks" (tests/gpu/test_cuda_ranks.py: two GPUs over
 #    NCCL, bf16 table gathers checked against fp32 ones, CUDA graphs against none), "fa3" / "fa3_1" (FlashAttention-3 at
 #    world size N / 1, carrying .fa3: bench/fa3_build.sh, or .fa3src: then FA3 is built in the background while
-#    "ranks" runs, which should come first) and "fwd1" / "fwd1_graphs" (world size N at one micro-batch per forward,
+#    "ranks" runs, which should come first), "fa3_each" (fa3_1 on each of the N GPUs at once, every one reading the
+#    same micro-batches and sending nothing: whether one GPU runs the same work slower than another, with its clocks)
+#    and "fwd1" / "fwd1_graphs" (world size N at one micro-batch per forward,
 #    the size each forward has at 8 GPUs, without / with CUDA graphs, which auto takes there; FLAGS picks the
 #    attention, and FLAGS naming fa3 installs it from .fa3 too; under graphs FA3 is captured with the step: fa3_varlen),
 #    "muon_eager" (world size N with --muon_graphs=0: Muon kernel by kernel, not as the CUDA graphs auto takes there),
@@ -116,7 +118,27 @@ bench() {  # bench NAME NPROC [flags...]
     local status=$?
     kill "$sampler" 2>/dev/null; wait "$sampler" 2>/dev/null
     echo "== $name (exit $status)"
-    grep -E "^compile_time|^ +[0-9]+ +[0-9]+ +\(|^ +(host |alone,|Adam steps )|^graphs|^profile|^  rank [0-9]+: NCCL|^  rank [0-9]+'s Adam step|launch order|optimizers alone|synchroniz" "$OUT/$name.txt" | grep -v "prototype"
+    grep -E "^compile_time|^ +[0-9]+ +[0-9]+ +\(|^ +(host |alone,|Adam steps )|^graphs|^profile|^  rank [0-9]+: (NCCL|compute kernels)|^  rank [0-9]+'s Adam step|^    [0-9.]+ ms apart|launch order|optimizers alone|synchroniz" "$OUT/$name.txt" | grep -v "prototype"
+    gpu_clocks "$OUT/$name.smi.csv"
+}
+each_gpu() {  # each_gpu NAME [flags...]: the one-GPU bench on every GPU at once, each its own process
+    local name=$1 g pids=(); shift
+    fa3_ready
+    nvidia-smi --query-gpu=index,utilization.gpu,clocks.sm,power.draw,temperature.gpu --format=csv,noheader,nounits \
+        -lms 200 > "$OUT/$name.smi.csv" 2>/dev/null &
+    local sampler=$!
+    for g in $(seq 0 $((nproc - 1))); do
+        CUDA_VISIBLE_DEVICES=$g timeout "${BENCH_LIMIT_S:-240}" torchrun --nproc_per_node=1 --master_port=$((29700 + g)) \
+            bench/bench_step.py --bench_steps=8 --train_files='/tmp/bench2/docs_train_*.bin' "${flags[@]}" "$@" \
+            > "$OUT/${name}_gpu$g.txt" 2>&1 &
+        pids+=($!)
+    done
+    for g in "${!pids[@]}"; do
+        wait "${pids[$g]}"
+        echo "== $name: GPU $g alone (exit $?)"
+        grep -E "^compile_time|^ +[0-9]+ +[0-9]+ +\(" "$OUT/${name}_gpu$g.txt"
+    done
+    kill "$sampler" 2>/dev/null; wait "$sampler" 2>/dev/null
     gpu_clocks "$OUT/$name.smi.csv"
 }
 if [ "$what" = all ] || [ "$what" = bench ]; then
@@ -137,6 +159,7 @@ if [ "$what" = all ] || [ "$what" = bench ]; then
         split1) bench bench_split1 1 --compile_scope=split ;;
         fa3) bench bench_fa3 "$nproc" --attn_backend=fa3 --tune_kernels=0 ;;
         fa3_1) bench bench_fa3_1 1 --attn_backend=fa3 --tune_kernels=0 ;;
+        fa3_each) each_gpu bench_fa3_each --attn_backend=fa3 --tune_kernels=0 ;;  # every GPU's own speed, same data
         fwd1) bench bench_fwd1 "$nproc" --forward_micro_batches=1 --compile_mode=default ;;  # as small as at 8 GPUs
         fwd1_graphs) bench bench_fwd1_graphs "$nproc" --forward_micro_batches=1 --compile_mode=reduce-overhead ;;
         muon_eager) bench bench_muon_eager "$nproc" --muon_graphs=0 ;;  # Muon without its CUDA graphs

@@ -657,6 +657,30 @@ def test_bench_step_sums_the_adam_steps_tail_by_stream():
     assert bench_step.optimizer_tail(dict(traceEvents=events[2:3])) == ("no collectives", 0.0)
 
 
+def test_bench_step_puts_the_ranks_compute_kernels_side_by_side():
+    """ranks_kernels: each rank's kernels other than NCCL's per step, by kind, then the kernels whose time differs most
+    between ranks, named without their arguments (FA3's CUTLASS kernels by their class), with each rank's time."""
+    bench_step = load_script("bench/bench_step.py")
+
+    def kernel(name, ts, dur):
+        return dict(ph="X", cat="kernel", name=name, ts=ts, dur=dur, args=dict(stream=7))
+    matmul = "_relu2_matmul_kernel(float*)"
+    attention = ("void cutlass::device_kernel<flash::enable_sm90<flash::FlashAttnBwdSm90<"
+                 "flash::CollectiveMainloopBwdSm90<2, cute::tuple<cute::C<64> > > > > >(flash::Params)")
+    fast = [kernel(matmul, 0.0, 4000.0), kernel(attention, 5000.0, 2000.0),
+            kernel("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage)", 8000.0, 9000.0)]
+    slow = [kernel(matmul, 0.0, 4200.0), kernel(attention, 5000.0, 3000.0),
+            kernel("triton_poi_fused_add_0", 9000.0, 100.0),
+            kernel("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage)", 10000.0, 1000.0)]
+    lines = bench_step.ranks_kernels([dict(traceEvents=fast), dict(traceEvents=slow)], steps=2, top=2)
+    assert lines == [
+        "rank 0: compute kernels 3.00 ms per step (MLP matmuls + ReLU^2 (Triton) 2.00, attention (FA3) 1.00)",
+        "rank 1: compute kernels 3.65 ms per step (MLP matmuls + ReLU^2 (Triton) 2.10, attention (FA3) 1.50, "
+        "inductor fused 0.05)",
+        "  0.50 ms apart: FlashAttnBwdSm90 (1.00 / 1.50 by rank)",
+        "  0.10 ms apart: _relu2_matmul_kernel (2.00 / 2.10 by rank)"]
+
+
 def test_bench_step_profiles_the_stages_named_and_refuses_others():
     """BENCH_PROFILE_STAGES names the stages that end with a GPU-only profile: a list of stage numbers, checked before
     the minutes of compiling, with one line naming the variable when it is not one."""
