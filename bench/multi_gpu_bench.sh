@@ -172,6 +172,11 @@ if [ "$what" = all ] || [ "$what" = bench ]; then
               TORCHRUN_ARGS=$binding bench bench_numa "$nproc" --attn_backend=fa3 --tune_kernels=0 ;;
         esac
     done
+    # the scaling figures where a one-GPU row ran beside the N-GPU one (fa3 with fa3_1 or fa3_each): bench/scaling.py
+    if [ -f "$OUT/bench_fa3.txt" ] && ls "$OUT" | grep -qE '^bench_fa3_(1|each_gpu[0-9]+)\.txt$'; then
+        echo "== scaling"
+        python3 bench/scaling.py "$OUT"
+    fi
 fi
 
 [ "$what" = bench ] && exit 0
