@@ -121,6 +121,7 @@ bench() {  # bench NAME NPROC [flags...]
     grep -E "^compile_time|^ +[0-9]+ +[0-9]+ +\(|^ +(host |alone,|Adam steps )|^graphs|^profile|^  rank [0-9]+: (NCCL|compute kernels)|^  rank [0-9]+'s Adam step|^    [0-9.]+ ms apart|launch order|optimizers alone|synchroniz" "$OUT/$name.txt" | grep -v "prototype"
     gpu_clocks "$OUT/$name.smi.csv"
 }
+
 each_gpu() {  # each_gpu NAME [flags...]: the one-GPU bench on every GPU at once, each its own process
     local name=$1 g pids=(); shift
     fa3_ready
