@@ -103,18 +103,23 @@ gpu_clocks() {  # gpu_clocks FILE: each GPU's mean SM clock, power and temperatu
                                  i, n[i], c[i] / n[i], p[i] / n[i], t[i] / n[i]}' "$1" | sort
 }
 
+# Every GPU's utilisation, SM clock, power and temperature five times a second into FILE, until killed (run it in the
+# background: exec makes its pid nvidia-smi's): a rank whose GPU runs its share slower (ranks_alone) may be one held
+# to a lower clock by its power cap or its heat.
+sample_gpus() {  # sample_gpus FILE
+    exec nvidia-smi --query-gpu=index,utilization.gpu,clocks.sm,power.draw,temperature.gpu --format=csv,noheader,nounits \
+        -lms 200 > "$1" 2>/dev/null
+}
+bench_step=(bench/bench_step.py --bench_steps=8 --train_files='/tmp/bench2/docs_train_*.bin')  # and flags, then its own
+
 bench() {  # bench NAME NPROC [flags...]
     local name=$1 nproc=$2; shift 2
     fa3_ready
-    # Every GPU's utilisation, SM clock, power and temperature five times a second: a rank whose GPU runs its share
-    # slower (ranks_alone) may be one held to a lower clock by its power cap or its heat.
-    nvidia-smi --query-gpu=index,utilization.gpu,clocks.sm,power.draw,temperature.gpu --format=csv,noheader,nounits \
-        -lms 200 > "$OUT/$name.smi.csv" 2>/dev/null &
+    sample_gpus "$OUT/$name.smi.csv" &
     local sampler=$!
     # shellcheck disable=SC2086  # TORCHRUN_ARGS: torchrun's own options, word-split on purpose
     BENCH_SYNC_DEBUG=1 timeout "${BENCH_LIMIT_S:-240}" torchrun ${TORCHRUN_ARGS:-} --nproc_per_node="$nproc" \
-        bench/bench_step.py --bench_steps=8 --train_files='/tmp/bench2/docs_train_*.bin' "${flags[@]}" "$@" \
-        > "$OUT/$name.txt" 2>&1
+        "${bench_step[@]}" "${flags[@]}" "$@" > "$OUT/$name.txt" 2>&1
     local status=$?
     kill "$sampler" 2>/dev/null; wait "$sampler" 2>/dev/null
     echo "== $name (exit $status)"
@@ -125,13 +130,11 @@ bench() {  # bench NAME NPROC [flags...]
 each_gpu() {  # each_gpu NAME [flags...]: the one-GPU bench on every GPU at once, each its own process
     local name=$1 g pids=(); shift
     fa3_ready
-    nvidia-smi --query-gpu=index,utilization.gpu,clocks.sm,power.draw,temperature.gpu --format=csv,noheader,nounits \
-        -lms 200 > "$OUT/$name.smi.csv" 2>/dev/null &
+    sample_gpus "$OUT/$name.smi.csv" &
     local sampler=$!
     for g in $(seq 0 $((nproc - 1))); do
         CUDA_VISIBLE_DEVICES=$g timeout "${BENCH_LIMIT_S:-240}" torchrun --nproc_per_node=1 --master_port=$((29700 + g)) \
-            bench/bench_step.py --bench_steps=8 --train_files='/tmp/bench2/docs_train_*.bin' "${flags[@]}" "$@" \
-            > "$OUT/${name}_gpu$g.txt" 2>&1 &
+            "${bench_step[@]}" "${flags[@]}" "$@" > "$OUT/${name}_gpu$g.txt" 2>&1 &
         pids+=($!)
     done
     for g in "${!pids[@]}"; do
