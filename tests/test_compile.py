@@ -51,18 +51,40 @@ def inductor_cache(path, kernels):
     copy_kernels(path, kernels)
 
 
-def start_tiny(tmp_path, train, val, run_id, *extra, inductor_dir=None):
-    """Start a one-step tiny run; returns a function that waits for it and returns its log."""
+# The tiny model at two layers, each feature placed where it still applies: a cold CPU compile is mostly g++ at about
+# a second a kernel, and two layers make about two thirds of four layers' kernels.
+TWO_LAYERS = ["--num_layers=2", "--attn_layout=SL", "--value_embed_layout=01", "--skip_from=0", "--skip_to=1",
+              "--backout_from=1", "--paired_head_layers=0"]
+
+
+# train_gpt.py run with every torch.compile on the aot_eager backend: dynamo's capture, its guards and graph counts,
+# and AOT autograd's forward and backward, as in an inductor compile, with the graphs' ops run eagerly instead of
+# generated and built (about a minute of g++ a run here). aot_eager takes no mode; the run still acts on its own.
+AOT_EAGER = """
+import runpy, sys, torch
+inductor_compile = torch.compile
+def compile_on_aot_eager(*args, mode=None, **kwargs):
+    return inductor_compile(*args, backend="aot_eager", **kwargs)
+torch.compile = compile_on_aot_eager
+sys.argv[0] = sys.argv.pop(1)
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def start_tiny(tmp_path, train, val, run_id, *extra, inductor_dir=None, aot_eager=False):
+    """Start a one-step run of the tiny model at two layers, compiled by inductor or, with aot_eager, as AOT_EAGER
+    says; returns a function that waits for it and returns its log."""
     # Inductor's C++ without SIMD: a CPU compile here is mostly g++, which builds scalar loops about a fifth faster
     # (the graphs, caches and scopes under test are the same).
     env = dict(os.environ, TORCHINDUCTOR_VEC_ISA_OK="0")
     if inductor_dir is not None:
         env["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_dir)
-    args = ["--device=cpu", *TINY, f"--train_files={train}", f"--val_files={val}", "--num_iterations=1",
+    args = ["--device=cpu", *TINY, *TWO_LAYERS, f"--train_files={train}", f"--val_files={val}", "--num_iterations=1",
             "--val_loss_every=0", "--micro_batch_tokens=128", f"--run_id={run_id}", *extra]
     out = tmp_path / f"{run_id}.out"  # a file, not a pipe: a run waited for after another never blocks on a full one
     with open(out, "w") as f:
-        proc = subprocess.Popen([sys.executable, str(REPO / "train_gpt.py"), *args], cwd=tmp_path, env=env, stdout=f,
+        launch = [sys.executable, "-c", AOT_EAGER] if aot_eager else [sys.executable]
+        proc = subprocess.Popen([*launch, str(REPO / "train_gpt.py"), *args], cwd=tmp_path, env=env, stdout=f,
                                 stderr=subprocess.STDOUT)
 
     def finish() -> str:
@@ -133,18 +155,17 @@ def test_compiled_runs_match_eager_and_reuse_the_cache_file(module_tiny_data, ea
     assert abs(checksums[0][1] - checksums[2][1]) < 1e-5 * checksums[2][1]
 
 
-def test_regional_and_split_compile_and_dense_embedding_grads_match_eager(module_tiny_data, eager, kernels, tmp_path):
+def test_regional_and_split_compile_and_dense_embedding_grads_match_eager(module_tiny_data, eager, tmp_path):
     """Each block and the loss head compiled on its own (here in the CUDA-graph mode, which zeroes every .grad
     before a step), the model in two graphs (--compile_scope=split), and --row_embedding_grads=0 (the lookups and
-    their dense gradients inside the one graph), give eager's losses."""
+    their dense gradients inside the one graph), give eager's losses. On aot_eager (AOT_EAGER): these test what is
+    captured and where the graphs break; inductor's kernels of the model are the test above's."""
     train, val = module_tiny_data
-    with inductor_cache(tmp_path / "inductor", kernels) as inductor:
-        # All at once: much of a compile runs in one Python thread, so on 2 cores they overlap well.
-        regional, split, rows = finish_all([
-            start_tiny(tmp_path, train, val, "regional", "--compile=1", "--compile_scope=regional",
-                       "--compile_mode=reduce-overhead", inductor_dir=inductor),
-            start_tiny(tmp_path, train, val, "split", "--compile=1", "--compile_scope=split", inductor_dir=inductor),
-            start_tiny(tmp_path, train, val, "rows", "--compile=1", "--row_embedding_grads=0", inductor_dir=inductor)])
+    regional, split, rows = finish_all([
+        start_tiny(tmp_path, train, val, "regional", "--compile=1", "--compile_scope=regional",
+                   "--compile_mode=reduce-overhead", aot_eager=True),
+        start_tiny(tmp_path, train, val, "split", "--compile=1", "--compile_scope=split", aot_eager=True),
+        start_tiny(tmp_path, train, val, "rows", "--compile=1", "--row_embedding_grads=0", aot_eager=True)])
     assert "compile scope: regional, mode: reduce-overhead;" in regional  # no graphs on a CPU, same losses
     assert "compile scope: split, mode: default (auto);" in split and re.search(r"graphs:2 ", split)
     assert "compile scope: whole, mode: default (auto);" in rows

@@ -1,6 +1,8 @@
 """The Triton kernels, run on the CPU by Triton's interpreter (TRITON_INTERPRET=1), against float64. The
-interpreter must be switched on before the kernels are defined, so each check runs in a fresh process.
-tests/gpu checks the same kernels compiled on a GPU."""
+interpreter must be switched on before the kernels are defined, so the checks run in a process of their own: one
+that imports torch and train_gpt once and forks a child per check (each check sets the module's globals as it
+needs). tests/gpu checks the same kernels compiled on a GPU."""
+import json
 import os
 import subprocess
 import sys
@@ -12,13 +14,50 @@ pytest.importorskip("triton", reason="Triton is not installed")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# Reads {name: script} on stdin and runs each script in a child forked after the imports, all at once, its output in
+# <folder>/<name>.out and .err; prints {name: exit code}.
+RUN_CHECKS = textwrap.dedent("""
+    import json, os, sys, traceback
+    import torch, train_gpt
+    folder, checks, children = sys.argv[1], json.load(sys.stdin), {}
+    for name, script in checks.items():
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                sys.stdout = open(os.path.join(folder, name + ".out"), "w")
+                sys.stderr = open(os.path.join(folder, name + ".err"), "w")
+                exec(compile(script, name, "exec"), {"__name__": "__main__"})
+                code = 0
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        children[name] = pid
+    print(json.dumps({name: os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for name, pid in children.items()}))
+""")
 
-def run_in_interpreter(script: str) -> str:
-    """Run a check script in a fresh process with the interpreter on; its standard output."""
+
+@pytest.fixture(scope="module")
+def interpreter(tmp_path_factory):
+    """Runs every check of this module (the module's *CHECK scripts) in the interpreter at once; returns a function
+    of a check's script that asserts it ran to the end and returns its standard output."""
+    folder = tmp_path_factory.mktemp("interpreter")
+    names = {script: name for name, script in globals().items() if name.endswith("CHECK")}
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", RUN_CHECKS, str(folder)], input=json.dumps(
+        {name: script for script, name in names.items()}), env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
+    codes = json.loads(done.stdout.splitlines()[-1])
+
+    def run(script: str) -> str:
+        name = names[script]
+        assert codes[name] == 0, (folder / f"{name}.err").read_text()[-3000:]
+        return (folder / f"{name}.out").read_text()
+    return run
+
 
 CHECK = textwrap.dedent("""
     import torch, train_gpt as tg
@@ -37,8 +76,8 @@ CHECK = textwrap.dedent("""
 """)
 
 
-def test_softcapped_cross_entropy_kernels_match_float64_in_the_interpreter():
-    stdout = run_in_interpreter(CHECK)
+def test_softcapped_cross_entropy_kernels_match_float64_in_the_interpreter(interpreter):
+    stdout = interpreter(CHECK)
     lines = stdout.split("\n")[:2]
     for line in lines:
         rows, vocab, loss, ref, grad_error = line.split()
@@ -71,8 +110,8 @@ FP8_GRAD_CHECK = textwrap.dedent("""
 """)
 
 
-def test_fp8_loss_and_gradient_kernel_matches_float64_and_the_transpose_keeps_the_bits_in_the_interpreter():
-    stdout = run_in_interpreter(FP8_GRAD_CHECK)
+def test_fp8_loss_and_gradient_kernel_matches_float64_and_the_transpose_keeps_the_bits_in_the_interpreter(interpreter):
+    stdout = interpreter(FP8_GRAD_CHECK)
     loss_error, grad_error, same, same_sampled = stdout.split()
     assert float(loss_error) < 1e-5, stdout
     assert float(grad_error) < 1e-5, stdout
@@ -105,11 +144,11 @@ MTP_CHECK = textwrap.dedent("""
 """)
 
 
-def test_fp8_loss_kernel_with_multi_token_weights_and_a_shifted_cap_in_the_interpreter():
+def test_fp8_loss_kernel_with_multi_token_weights_and_a_shifted_cap_in_the_interpreter(interpreter):
     """Three offsets weighted 1 : 0.5 : 0.25, micro-batches of 8 rows (the last rows of each predict fewer tokens),
     a token that is the target at several offsets, and the speedrun's 23 * sigmoid((x + 5) / 7.5): losses and
     gradient against float64 autograd, no gradient value past the e5m2 scale."""
-    loss_error, grad_error, bounded = run_in_interpreter(MTP_CHECK).split()
+    loss_error, grad_error, bounded = interpreter(MTP_CHECK).split()
     assert float(loss_error) < 1e-5 and float(grad_error) < 1e-5 and bounded == "True"
 
 
@@ -139,12 +178,12 @@ COPY_CHECK = textwrap.dedent("""
 """)
 
 
-def test_fp8_loss_kernel_with_the_copy_mixture_in_the_interpreter():
+def test_fp8_loss_kernel_with_the_copy_mixture_in_the_interpreter(interpreter):
     """The copy mixture's next-token term with multi-token weights and the shifted cap, gates from shut to wide open,
     rows with and without a hit for the pointer: losses, the logit gradient and the two log-masses' derivatives
     against float64 autograd of copy_mixture_losses, no gradient value past the e5m2 scale; the gate's own
     gradient, as small as alpha where the gate is shut, within 1e-3 of it (the FMA units' exp: 1e-4)."""
-    loss_error, grad_error, pointer_error, bounded, gate_error = run_in_interpreter(COPY_CHECK).split()
+    loss_error, grad_error, pointer_error, bounded, gate_error = interpreter(COPY_CHECK).split()
     assert float(loss_error) < 1e-5 and float(grad_error) < 1e-5 and float(pointer_error) < 1e-5
     assert bounded == "True" and float(gate_error) < 1e-3, gate_error
 
@@ -171,11 +210,11 @@ POINTER_CHECK = textwrap.dedent("""
 """)
 
 
-def test_copy_pointer_kernels_match_float64_in_the_interpreter():
+def test_copy_pointer_kernels_match_float64_in_the_interpreter(interpreter):
     """The pointer's log-masses and the gradients of queries, keys and sink (one score, or one per query) against
     float64 autograd over the whole score matrix, at two bands (the key tiles before a block's documents skipped),
     hits and no hits among the rows."""
-    lines = run_in_interpreter(POINTER_CHECK).splitlines()
+    lines = interpreter(POINTER_CHECK).splitlines()
     assert len(lines) == 2
     for line in lines:
         band, hits, copy_error, missed, sink_error, grad_error = line.split()
@@ -212,8 +251,8 @@ ROWS_CHECK = textwrap.dedent("""
 """)
 
 
-def test_row_gradient_and_gather_kernels_in_the_interpreter():
-    stdout = run_in_interpreter(ROWS_CHECK)
+def test_row_gradient_and_gather_kernels_in_the_interpreter(interpreter):
+    stdout = interpreter(ROWS_CHECK)
     *errors, gathered_equal = stdout.split()
     assert len(errors) == 3 and max(float(e) for e in errors) < 1e-6, stdout  # fp32 sums in another order
     assert gathered_equal == "True", "gather_rows must give each looked-up row, converted to bf16"
@@ -239,10 +278,10 @@ MLP_CHECK = textwrap.dedent("""
 """)
 
 
-def test_fused_mlp_kernel_matches_float64_in_the_interpreter():
+def test_fused_mlp_kernel_matches_float64_in_the_interpreter(interpreter):
     """The MLP's Triton matmul (relu^2 in the forward's epilogue, its derivative in the backward's) inside
     _FusedReLU2MLP, output and the three gradients against the plain MLP in float64."""
-    errors = run_in_interpreter(MLP_CHECK).split()
+    errors = interpreter(MLP_CHECK).split()
     assert len(errors) == 2 and max(float(e) for e in errors) < 1e-5, errors
 
 
@@ -269,10 +308,10 @@ MUON_APPLY_CHECK = textwrap.dedent("""
 """)
 
 
-def test_muon_apply_kernel_keeps_the_multi_tensor_ops_bits_in_the_interpreter():
+def test_muon_apply_kernel_keeps_the_multi_tensor_ops_bits_in_the_interpreter(interpreter):
     """muon_apply_ (Muon's update and cautious decay in one pass) against Muon's multi-tensor ops and float64, with
     and without decay, over a partial block and several blocks."""
-    lines = run_in_interpreter(MUON_APPLY_CHECK).split("\n")[:2]
+    lines = interpreter(MUON_APPLY_CHECK).split("\n")[:2]
     for line in lines:
         equal, error, changed = line.split()
         assert equal == "True", line
