@@ -5,19 +5,18 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 
-if ! python -c "import torch" 2>/dev/null; then
-    echo "error: torch is not importable; install the requirements: pip install -r requirements.txt" >&2
-    exit 1
-fi
-# One line on stderr for a bad flag, a missing GPU or bad data (a missing shard names the download command).
-python train_gpt.py --check "$@" || exit 1
-gpus=$(python -c "import torch; print(torch.cuda.device_count())")
 if [ -n "${NPROC:-}" ]; then
     case "$NPROC" in
         1|2|4|8) ;;
         *) echo "error: NPROC=$NPROC: use 1, 2, 4 or 8 (every stage's batch splits evenly over those)" >&2; exit 1 ;;
     esac
 fi
+if ! gpus=$(python -c "import torch; print(torch.cuda.device_count())" 2>/dev/null); then
+    echo "error: torch is not importable; install the requirements: pip install -r requirements.txt" >&2
+    exit 1
+fi
+# One line on stderr for a bad flag, a missing GPU or bad data (a missing shard names the download command).
+python train_gpt.py --check "$@" || exit 1
 case " $* " in
     *" --device=cpu "*)
         echo "launching ${NPROC:=1} process(es) on the CPU"

@@ -1455,15 +1455,17 @@ def test_row_embedding_grads_equal_dense_ones(tiny_data, tmp_path):
     np.testing.assert_allclose(losses[True], losses[False], rtol=1e-5)
 
 
-def test_check_and_help_flags(tiny_data, tmp_path):
+def test_check_and_help_flags(tiny_data, tmp_path, monkeypatch, capsys):
     train, val = tiny_data
-    ok = run_cli(["--device=cpu", *TINY, f"--train_files={train}", f"--val_files={val}", "--check"], cwd=tmp_path)
-    assert ok.returncode == 0 and ok.stdout.startswith("ok:") and not (tmp_path / "logs").exists()
-    short = run_cli(["--device=cpu", *TINY, f"--train_files={train}", f"--val_files={val}",
-                     "--val_tokens=1048576", "--check"], cwd=tmp_path)
-    assert short.returncode == 1 and "fewer than --val_tokens=1,048,576" in short.stderr
-    usage = run_cli(["--help"], cwd=tmp_path)
-    assert usage.returncode == 0 and "--num_iterations=1270" in usage.stdout and "--compile_cache=" in usage.stdout
+    monkeypatch.chdir(tmp_path)
+    code = tg.main(["--device=cpu", *TINY, f"--train_files={train}", f"--val_files={val}", "--check"])
+    assert code == 0 and capsys.readouterr().out.startswith("ok:") and not (tmp_path / "logs").exists()
+    code = tg.main(["--device=cpu", *TINY, f"--train_files={train}", f"--val_files={val}", "--val_tokens=1048576",
+                    "--check"])
+    assert code == 1 and "fewer than --val_tokens=1,048,576" in capsys.readouterr().err
+    code = tg.main(["--help"])
+    usage = capsys.readouterr().out
+    assert code == 0 and "--num_iterations=1270" in usage and "--compile_cache=" in usage
 
 
 def test_every_config_field_has_a_group_and_one_line_of_help_that_help_prints():
