@@ -1,8 +1,14 @@
 """pytest setup: the repository and tests/ on sys.path, and tiny-data fixtures."""
+import os
 import sys
 from pathlib import Path
 
 import pytest
+
+# Under pytest-xdist (README: one worker per core) every worker, and every process a test starts, computes on one
+# thread: OpenMP's threads spin while they wait, so two workers' pools of a thread per core would oversubscribe them.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # train_gpt
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # helpers

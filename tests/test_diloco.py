@@ -10,7 +10,6 @@ import sys
 import threading
 import time
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import torch
@@ -372,10 +371,12 @@ def test_diloco_fragments_cover_the_model_once(copy_pointer):
 
 
 def start_replica(tmp_path, data, lighthouse, replica: int, run_id: str, *extra) -> subprocess.Popen:
+    """A replica group of one process, in a session of its own: torchrun's worker with what torchrun would give it
+    (rank, world size, the store's address) but without torchrun's agent, a second Python start and torch import."""
     train, val = data
-    env = dict(os.environ, TORCHFT_LIGHTHOUSE=lighthouse.address(), OMP_NUM_THREADS="1")
-    args = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master_port={free_port()}",
-            str(REPO / "train_gpt.py"), "--device=cpu", *TINY, f"--train_files={train}",
+    env = dict(os.environ, TORCHFT_LIGHTHOUSE=lighthouse.address(), OMP_NUM_THREADS="1", RANK="0", LOCAL_RANK="0",
+               WORLD_SIZE="1", MASTER_ADDR="localhost", MASTER_PORT=str(free_port()))
+    args = [sys.executable, str(REPO / "train_gpt.py"), "--device=cpu", *TINY, f"--train_files={train}",
             f"--val_files={val}", "--micro_batch_tokens=128", "--diloco=1", f"--replica={replica}",
             "--sync_every=4", "--num_fragments=2", f"--run_id={run_id}", *extra]  # later flags win
     out = open(tmp_path / f"{run_id}.out", "w")
@@ -391,20 +392,6 @@ def finish(proc: subprocess.Popen, tmp_path, run_id: str, timeout: float = 400) 
     out = (tmp_path / f"{run_id}.out").read_text()
     assert rc == 0, f"replica {run_id} ended with {rc}:\n{out[-3000:]}"
     return (tmp_path / "logs" / f"{run_id}.txt").read_text()
-
-
-def process_tree(pid: int) -> list[int]:
-    """pid and its descendants, from /proc (a process's parent is the 4th field of its stat)."""
-    parents = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):  # ended meanwhile
-            continue
-    tree = [pid]
-    for parent in tree:  # grows as it goes: children, then theirs
-        tree += [child for child, its_parent in parents.items() if its_parent == parent]
-    return tree
 
 
 def test_two_replicas_stay_in_sync_and_learn(tiny_data, tmp_path):
@@ -448,11 +435,7 @@ def test_killed_replica_rejoins_with_the_weights_of_its_peer(tiny_data, tmp_path
         while not (doomed_log.exists() and len(SYNC.findall(doomed_log.read_text())) >= 2):
             assert time.time() < deadline and doomed.poll() is None, "replica 1 never reached its second sync"
             time.sleep(0.2)
-        # torchrun's worker runs in a process group of its own: kill the agent and the worker, by their ids
-        # (a pattern would also match the replicas of another run of these tests on the machine).
-        for pid in process_tree(doomed.pid):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        os.killpg(doomed.pid, signal.SIGKILL)  # its session: the replica and anything it started
         doomed.wait()
         restarted = start_replica(tmp_path, tiny_data, lighthouse, 1, "restarted", *flags)
         logs = {"survivor": finish(survivor, tmp_path, "survivor"), "restarted": finish(restarted, tmp_path, "restarted")}
