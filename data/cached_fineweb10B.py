@@ -12,7 +12,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from train_gpt import DataError, read_shard  # noqa: E402  (the trainer's own shard checks)
 
 DATASET = "kjj0/fineweb10B-gpt2"
 TRAIN_SHARDS = 103  # 100M tokens each
@@ -26,6 +25,9 @@ def shard_problem(path: Path) -> str | None:
     """Why a local shard is unusable, or None if it is fine."""
     if not path.exists():
         return "missing"
+    # The trainer's own shard checks, imported only where there is a shard to check: importing torch takes seconds,
+    # which a wrong argument or an unreachable hub need not wait for.
+    from train_gpt import DataError, read_shard
     try:
         read_shard(str(path))
     except DataError as e:
