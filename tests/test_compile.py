@@ -59,7 +59,8 @@ TWO_LAYERS = ["--num_layers=2", "--attn_layout=SL", "--value_embed_layout=01", "
 
 # train_gpt.py run with every torch.compile on the aot_eager backend: dynamo's capture, its guards and graph counts,
 # and AOT autograd's forward and backward, as in an inductor compile, with the graphs' ops run eagerly instead of
-# generated and built (about a minute of g++ a run here). aot_eager takes no mode; the run still acts on its own.
+# generated and built (about a minute of g++ a run here). aot_eager takes no mode, so torch.compile gets none;
+# train_gpt.py still does what its --compile_mode asks of it (under a CUDA-graph mode, .grad zeroed each step).
 AOT_EAGER = """
 import runpy, sys, torch
 inductor_compile = torch.compile
