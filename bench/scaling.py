@@ -5,7 +5,7 @@
 NAME (default bench_fa3) is the bench at N GPUs. Its one-GPU rows are NAME_1.txt (fa3_1: GPU 0 alone) and
 NAME_each_gpu*.txt (fa3_each: every GPU alone at once, on the same micro-batches), whichever are there. For each
 one-GPU row it prints, per stage and over the schedule (its stages have equal steps), tokens/s per GPU at N over
-that at 1, and the same against the slowest GPU alone. Synchronous data parallelism runs at its slowest GPU's pace:
+that at 1, and marks the row of the slowest GPU alone. Synchronous data parallelism runs at its slowest GPU's pace:
 measured against a faster GPU, the chips' own spread counts as lost scaling (two 2xH200, 2026-11-28: the same code
 97.8% or 94.5% by which GPU ran the one-GPU row, docs/performance.md).
 """

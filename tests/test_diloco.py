@@ -371,8 +371,9 @@ def test_diloco_fragments_cover_the_model_once(copy_pointer):
 
 
 def start_replica(tmp_path, data, lighthouse, replica: int, run_id: str, *extra) -> subprocess.Popen:
-    """A replica group of one process, in a session of its own: torchrun's worker with what torchrun would give it
-    (rank, world size, the store's address) but without torchrun's agent, a second Python start and torch import."""
+    """A replica group of one process, leading a process group of its own (start_new_session): torchrun's worker with
+    what torchrun would give it (rank, world size, the store's address) but without torchrun's agent, a second Python
+    start and torch import."""
     train, val = data
     env = dict(os.environ, TORCHFT_LIGHTHOUSE=lighthouse.address(), OMP_NUM_THREADS="1", RANK="0", LOCAL_RANK="0",
                WORLD_SIZE="1", MASTER_ADDR="localhost", MASTER_PORT=str(free_port()))
@@ -435,7 +436,7 @@ def test_killed_replica_rejoins_with_the_weights_of_its_peer(tiny_data, tmp_path
         while not (doomed_log.exists() and len(SYNC.findall(doomed_log.read_text())) >= 2):
             assert time.time() < deadline and doomed.poll() is None, "replica 1 never reached its second sync"
             time.sleep(0.2)
-        os.killpg(doomed.pid, signal.SIGKILL)  # its session: the replica and anything it started
+        os.killpg(doomed.pid, signal.SIGKILL)  # its process group: the replica and anything it started
         doomed.wait()
         restarted = start_replica(tmp_path, tiny_data, lighthouse, 1, "restarted", *flags)
         logs = {"survivor": finish(survivor, tmp_path, "survivor"), "restarted": finish(restarted, tmp_path, "restarted")}
