@@ -1,7 +1,9 @@
 """Test helpers: token shards in the trainer's format and learnable synthetic documents."""
 import importlib.util
+import os
 import pickle
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -98,6 +100,80 @@ def run_on_ranks(target, world_size: int, *args, timeout: float = 300) -> list:
         if isinstance(value, BaseException):
             raise AssertionError(f"rank {rank} failed: {value!r}")
     return [by_rank[r] for r in range(world_size)]
+
+
+def _forked_main(target, args, results):
+    try:
+        results.put(pickle.dumps(target(*args)))
+    except BaseException as e:
+        results.put(pickle.dumps(e))
+        raise
+
+
+def run_forked(target, *args, timeout: float = 300):
+    """target(*args) in a process forked from the preloaded server (RANK_PRELOAD): a clean process that skips the
+    seconds of imports a new Python spends. Returns its value; target must be a module-level function."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(RANK_PRELOAD)
+    results = ctx.Queue()
+    proc = ctx.Process(target=_forked_main, args=(target, args, results))
+    proc.start()
+    value = pickle.loads(results.get(timeout=timeout))
+    proc.join(timeout=60)
+    if isinstance(value, BaseException):
+        raise AssertionError(f"the forked process failed: {value!r}")
+    return value
+
+
+def _trainer_main(args, cwd, env, out, inductor_cpp, compile_backend):
+    os.setsid()  # a process group of its own, as subprocess's start_new_session: killpg ends it and all it started
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.chdir(cwd)
+    os.environ.update(env)
+    import torch
+    import train_gpt
+    if "OMP_NUM_THREADS" in env:
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    for name, value in inductor_cpp.items():  # inductor read its environment when the server imported it
+        setattr(torch._inductor.config.cpp, name, value)
+    if compile_backend is not None:  # every torch.compile of the trainer on this backend, which takes no mode
+        inductor_compile = torch.compile
+        torch.compile = lambda *a, mode=None, **kw: inductor_compile(*a, backend=compile_backend, **kw)
+    sys.argv = [str(REPO / "train_gpt.py"), *args]
+    sys.exit(train_gpt.main(args))
+
+
+class Trainer:
+    """`python train_gpt.py ARGS` run in a process forked from the preloaded server (RANK_PRELOAD) instead of a new
+    Python, which would spend seconds on imports: the same main() in a process of its own that leads its own process
+    group, its output to the file out, waited for and polled as a subprocess.Popen. env: variables to set;
+    inductor_cpp: torch._inductor.config.cpp settings; compile_backend: a torch.compile backend for every compile."""
+
+    def __init__(self, args, cwd, out, env=None, inductor_cpp=None, compile_backend=None):
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(RANK_PRELOAD)
+        self.process = ctx.Process(target=_trainer_main, args=(
+            list(map(str, args)), str(cwd), dict(env or {}), str(out), dict(inductor_cpp or {}), compile_backend))
+        self.process.start()
+        self.pid = self.process.pid
+
+    @property
+    def returncode(self):
+        return self.process.exitcode
+
+    def poll(self):
+        return self.process.exitcode
+
+    def wait(self, timeout=None):
+        self.process.join(timeout)
+        if self.process.exitcode is None:
+            raise subprocess.TimeoutExpired(["train_gpt.py"], timeout)
+        return self.process.exitcode
+
+    def kill(self):
+        self.process.kill()
 
 
 def train_scheduled_steps(model, optimizers, cfg, steps: int, seed: int = 1, before_step=None, after_step=None):

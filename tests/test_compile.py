@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import REPO, TINY, load_script, run_on_ranks
+from helpers import REPO, TINY, Trainer, load_script, run_on_ranks
 
 VAL = re.compile(r"^step:1/1 val_loss:(\S+)", re.M)
 CHECKSUM = re.compile(r"^final weights: float64 sum (\S+), sum of squares (\S+)$", re.M)
@@ -57,36 +57,20 @@ TWO_LAYERS = ["--num_layers=2", "--attn_layout=SL", "--value_embed_layout=01", "
               "--backout_from=1", "--paired_head_layers=0"]
 
 
-# train_gpt.py run with every torch.compile on the aot_eager backend: dynamo's capture, its guards and graph counts,
-# and AOT autograd's forward and backward, as in an inductor compile, with the graphs' ops run eagerly instead of
-# generated and built (about a minute of g++ a run here). aot_eager takes no mode, so torch.compile gets none;
-# train_gpt.py still does what its --compile_mode asks of it (under a CUDA-graph mode, .grad zeroed each step).
-AOT_EAGER = """
-import runpy, sys, torch
-inductor_compile = torch.compile
-def compile_on_aot_eager(*args, mode=None, **kwargs):
-    return inductor_compile(*args, backend="aot_eager", **kwargs)
-torch.compile = compile_on_aot_eager
-sys.argv[0] = sys.argv.pop(1)
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
-
-
 def start_tiny(tmp_path, train, val, run_id, *extra, inductor_dir=None, aot_eager=False):
-    """Start a one-step run of the tiny model at two layers, compiled by inductor or, with aot_eager, as AOT_EAGER
-    says; returns a function that waits for it and returns its log."""
+    """Start a one-step run of the tiny model at two layers, compiled by inductor or, with aot_eager, on the aot_eager
+    backend: dynamo's capture, its guards and graph counts, and AOT autograd's forward and backward, as in an inductor
+    compile, with the graphs' ops run eagerly instead of generated and built (about a minute of g++ a run here; the
+    trainer still does what its --compile_mode asks of it: under a CUDA-graph mode, .grad zeroed each step). Returns a
+    function that waits for it and returns its log."""
     # Inductor's C++ without SIMD: a CPU compile here is mostly g++, which builds scalar loops about a fifth faster
     # (the graphs, caches and scopes under test are the same).
-    env = dict(os.environ, TORCHINDUCTOR_VEC_ISA_OK="0")
-    if inductor_dir is not None:
-        env["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_dir)
+    env = {} if inductor_dir is None else {"TORCHINDUCTOR_CACHE_DIR": str(inductor_dir)}
     args = ["--device=cpu", *TINY, *TWO_LAYERS, f"--train_files={train}", f"--val_files={val}", "--num_iterations=1",
             "--val_loss_every=0", "--micro_batch_tokens=128", f"--run_id={run_id}", *extra]
-    out = tmp_path / f"{run_id}.out"  # a file, not a pipe: a run waited for after another never blocks on a full one
-    with open(out, "w") as f:
-        launch = [sys.executable, "-c", AOT_EAGER] if aot_eager else [sys.executable]
-        proc = subprocess.Popen([*launch, str(REPO / "train_gpt.py"), *args], cwd=tmp_path, env=env, stdout=f,
-                                stderr=subprocess.STDOUT)
+    out = tmp_path / f"{run_id}.out"
+    proc = Trainer(args, tmp_path, out, env, inductor_cpp={"vec_isa_ok": False},
+                   compile_backend="aot_eager" if aot_eager else None)
 
     def finish() -> str:
         try:
@@ -159,7 +143,7 @@ def test_compiled_runs_match_eager_and_reuse_the_cache_file(module_tiny_data, ea
 def test_regional_and_split_compile_and_dense_embedding_grads_match_eager(module_tiny_data, eager, tmp_path):
     """Each block and the loss head compiled on its own (here in the CUDA-graph mode, which zeroes every .grad
     before a step), the model in two graphs (--compile_scope=split), and --row_embedding_grads=0 (the lookups and
-    their dense gradients inside the one graph), give eager's losses. On aot_eager (AOT_EAGER): these test what is
+    their dense gradients inside the one graph), give eager's losses. On aot_eager (start_tiny): these test what is
     captured and where the graphs break; inductor's kernels of the model are the test above's."""
     train, val = module_tiny_data
     regional, split, rows = finish_all([

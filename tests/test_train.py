@@ -21,7 +21,7 @@ import torch
 
 import train_gpt as tg
 from helpers import (BOS, REPO, TINY, TOKENS, VOCAB, cu_seqlens_of, learnable_documents, random_tiny_model,
-                     run_on_ranks, train_scheduled_steps, write_shard)
+                     run_forked, run_on_ranks, train_scheduled_steps, write_shard)
 
 BATCHES = dict(bos=BOS, vocab_size=VOCAB)  # bos_aligned_batches' arguments for these shards
 
@@ -1489,6 +1489,19 @@ def test_every_config_field_has_a_group_and_one_line_of_help_that_help_prints():
         f.name: (f.metadata["group"], f.metadata["help"]) for f in fields}
     # every printed default is a valid flag value
     assert tg.parse_cli([flag for _, _, flag in listed.values()])[0] == tg.Config()
+
+
+def _main_then_imported(argv, modules):
+    assert tg.main(argv) == 0
+    return [name for name in modules if name in sys.modules]
+
+
+def test_torchft_is_not_imported_without_diloco(tiny_data, tmp_path):
+    """torchft is an optional dependency: a run without --diloco never imports it."""
+    train, val = tiny_data
+    argv = ["--device=cpu", *TINY, "--num_iterations=1", "--val_loss_every=0", f"--train_files={train}",
+            f"--val_files={val}", f"--log_dir={tmp_path}"]
+    assert run_forked(_main_then_imported, argv, ["torchft", "train_gpt"]) == ["train_gpt"]
 
 
 def test_run_sh_checks_before_launching(tmp_path, tiny_data):
