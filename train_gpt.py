@@ -4989,9 +4989,12 @@ class TrainingRun:
         # Compiling leaves hundreds of thousands of long-lived Python objects, and a full collection walks them
         # all: a pause of hundreds of ms inside a step; frozen, a collection skips them (docs/performance.md).
         # The log's garbage-collection line tells whether any pause is left. Frozen, and watched, right before
-        # the try whose finally undoes both.
+        # the try whose finally undoes both; a caller that froze objects of its own keeps its choice: this run
+        # neither freezes nor unfreezes then.
+        freezes = gc.get_freeze_count() == 0
         gc.collect()
-        gc.freeze()
+        if freezes:
+            gc.freeze()
         self.step_times = StepTimes(schedule)
         try:
             if self.diloco is not None:
@@ -5021,7 +5024,8 @@ class TrainingRun:
                 optimizer.close()
             self.trainer.recompiles.close()
             self.step_times.close()
-            gc.unfreeze()
+            if freezes:
+                gc.unfreeze()
             if self.diloco is not None:
                 self.diloco.close()
 

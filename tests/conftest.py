@@ -1,4 +1,5 @@
-"""pytest setup: the repository and tests/ on sys.path, and tiny-data fixtures."""
+"""pytest setup: the repository and tests/ on sys.path, frozen imports, and tiny-data fixtures."""
+import gc
 import os
 import sys
 from pathlib import Path
@@ -35,3 +36,14 @@ def tiny_data(tmp_path):
 def module_tiny_data(tmp_path_factory):
     """The same data, written once for a test module whose tests share runs on it."""
     return write_tiny_data(tmp_path_factory.mktemp("shared") / "data")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def frozen_imports():
+    """What the collection imported (torch, the trainer, the test modules), frozen for the garbage collector once, at the
+    first test: a trainer run's full collection then walks only the objects made since (it leaves a caller's freeze
+    alone), where walking everything took about 0.4 s a run."""
+    gc.collect()
+    gc.freeze()
+    yield
+    gc.unfreeze()

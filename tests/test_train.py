@@ -1024,6 +1024,25 @@ def test_warm_up_restores_the_initial_model(tiny_data):
     assert all(not opt.state for opt in optimizers)
 
 
+def test_a_run_freezes_the_heap_for_its_loop_unless_its_caller_froze_objects(tiny_data, tmp_path, monkeypatch):
+    cfg = tiny_config(*tiny_data, num_iterations=2, val_loss_every=0, log_dir=str(tmp_path), micro_batch_tokens=128)
+    during = []
+    step = tg.train_step
+    monkeypatch.setattr(tg, "train_step", lambda *a, **k: (during.append(gc.get_freeze_count()), step(*a, **k))[1])
+    frozen = gc.get_freeze_count()  # conftest froze the imports; a frozen object may still die, never join
+    assert frozen > 0
+    tg.train(cfg, tg.Comm(), tg.RunLog(cfg, tg.Comm()))
+    assert max(during) <= frozen and 0 < gc.get_freeze_count() <= frozen
+    gc.unfreeze()
+    try:
+        during.clear()
+        tg.train(cfg, tg.Comm(), tg.RunLog(cfg, tg.Comm()))
+        assert during[0] == 0 and during[-1] > 0 and gc.get_freeze_count() == 0  # frozen for the loop, then not
+    finally:
+        gc.collect()
+        gc.freeze()
+
+
 def test_closed_optimizers_are_freed(tiny_data):
     # Their gradient hooks on the parameters are what keeps them alive while the model lives; a run closes them,
     # so they and DistAdam's gloo group do not live on to the interpreter's exit.
