@@ -76,12 +76,12 @@ def _rank_main(target, rank, world_size, port, args, results):
         dist.destroy_process_group()
 
 
-# The ranks fork from a server process that imported these once (at the first run_on_ranks): each rank
-# would otherwise spend seconds importing torch, and the compiler stack that torch.optim and the trainer's
-# step pull in, on every call. Unlike a fork of the test process, a rank starts from a clean state: no
-# tensors, threads or process groups of earlier tests. Each forked process first freezes the objects it inherited
-# (gc.freeze): the trainer's full collections then skip the imports' 380,000 objects (0.45 s a collection here),
-# and their pages stay shared with the server.
+# Ranks, run_forked's processes and Trainer's runs fork from a server process that imported these once (at the first
+# of them): each would otherwise spend seconds importing torch, and the compiler stack that torch.optim and the
+# trainer's step pull in. Unlike a fork of the test process, each starts from a clean state: no tensors, threads or
+# process groups of earlier tests. Each forked process first freezes the objects it inherited (gc.freeze): the
+# trainer's full collections then skip the imports' 380,000 objects (0.45 s a collection here), and their pages stay
+# shared with the server.
 RANK_PRELOAD = ["train_gpt", "torch._dynamo", "torch._inductor.cudagraph_trees", "helpers"]
 
 
