@@ -3,6 +3,7 @@ import gc
 import importlib.util
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
@@ -85,12 +86,18 @@ def _rank_main(target, rank, world_size, port, args, results):
 RANK_PRELOAD = ["train_gpt", "torch._dynamo", "torch._inductor.cudagraph_trees", "helpers"]
 
 
+def _forkserver():
+    """The multiprocessing context whose processes fork from the preloaded server."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(RANK_PRELOAD)  # once the server runs, later calls change nothing
+    return ctx
+
+
 def run_on_ranks(target, world_size: int, *args, timeout: float = 300) -> list:
     """Run target(rank, world_size, *args) in world_size processes joined by a gloo group; return the
     values they returned, by rank. target must be a module-level function (it is pickled). The processes
     fork from the forkserver (RANK_PRELOAD), with its environment and working directory."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(RANK_PRELOAD)  # once the server runs, later calls change nothing
+    ctx = _forkserver()
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(target, r, world_size, port, args, results))
@@ -118,8 +125,7 @@ def _forked_main(target, args, results):
 def run_forked(target, *args, timeout: float = 300):
     """target(*args) in a process forked from the preloaded server (RANK_PRELOAD): a clean process that skips the
     seconds of imports a new Python spends. Returns its value; target must be a module-level function."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(RANK_PRELOAD)
+    ctx = _forkserver()
     results = ctx.Queue()
     proc = ctx.Process(target=_forked_main, args=(target, args, results))
     proc.start()
@@ -152,22 +158,20 @@ def _trainer_main(args, cwd, env, out, inductor_cpp, compile_backend):
 
 
 class Trainer:
-    """`python train_gpt.py ARGS` run in a process forked from the preloaded server (RANK_PRELOAD) instead of a new
-    Python, which would spend seconds on imports: the same main() in a process of its own that leads its own process
-    group, its output to the file out, waited for and polled as a subprocess.Popen. env: variables to set;
-    inductor_cpp: torch._inductor.config.cpp settings; compile_backend: a torch.compile backend for every compile."""
+    """`python train_gpt.py --run_id=RUN_ID ARGS` in cwd, run in a process forked from the preloaded server
+    (RANK_PRELOAD) instead of a new Python, which would spend seconds on imports: the same main() in a process of its
+    own that leads its own process group, its output in cwd/RUN_ID.out, polled and waited for as a subprocess.Popen.
+    env: variables to set; inductor_cpp: torch._inductor.config.cpp settings; compile_backend: a torch.compile backend
+    for every compile."""
 
-    def __init__(self, args, cwd, out, env=None, inductor_cpp=None, compile_backend=None):
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(RANK_PRELOAD)
-        self.process = ctx.Process(target=_trainer_main, args=(
-            list(map(str, args)), str(cwd), dict(env or {}), str(out), dict(inductor_cpp or {}), compile_backend))
+    def __init__(self, run_id: str, args, cwd, env=None, inductor_cpp=None, compile_backend=None):
+        self.run_id, self.cwd = run_id, Path(cwd)
+        self.out = self.cwd / f"{run_id}.out"
+        self.process = _forkserver().Process(target=_trainer_main, args=(
+            [f"--run_id={run_id}", *map(str, args)], str(cwd), dict(env or {}), str(self.out), dict(inductor_cpp or {}),
+            compile_backend))
         self.process.start()
         self.pid = self.process.pid
-
-    @property
-    def returncode(self):
-        return self.process.exitcode
 
     def poll(self):
         return self.process.exitcode
@@ -178,8 +182,16 @@ class Trainer:
             raise subprocess.TimeoutExpired(["train_gpt.py"], timeout)
         return self.process.exitcode
 
-    def kill(self):
-        self.process.kill()
+    def log(self, timeout: float = 400) -> str:
+        """Waits for the run (past timeout seconds its process group is killed), asserts that it exited with 0 (else
+        the tail of its output), and returns its log, cwd/logs/RUN_ID.txt."""
+        try:
+            code = self.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.pid, signal.SIGKILL)
+            code = "timeout"
+        assert code == 0, f"run {self.run_id} ended with {code}:\n{self.out.read_text()[-3000:]}"
+        return (self.cwd / "logs" / f"{self.run_id}.txt").read_text()
 
 
 def train_scheduled_steps(model, optimizers, cfg, steps: int, seed: int = 1, before_step=None, after_step=None):

@@ -67,20 +67,10 @@ def start_tiny(tmp_path, train, val, run_id, *extra, inductor_dir=None, aot_eage
     # (the graphs, caches and scopes under test are the same).
     env = {} if inductor_dir is None else {"TORCHINDUCTOR_CACHE_DIR": str(inductor_dir)}
     args = ["--device=cpu", *TINY, *TWO_LAYERS, f"--train_files={train}", f"--val_files={val}", "--num_iterations=1",
-            "--val_loss_every=0", "--micro_batch_tokens=128", f"--run_id={run_id}", *extra]
-    out = tmp_path / f"{run_id}.out"
-    proc = Trainer(args, tmp_path, out, env, inductor_cpp={"vec_isa_ok": False},
-                   compile_backend="aot_eager" if aot_eager else None)
-
-    def finish() -> str:
-        try:
-            proc.wait(timeout=900)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        assert proc.returncode == 0, out.read_text()[-3000:]
-        return (tmp_path / "logs" / f"{run_id}.txt").read_text()
-    return finish
+            "--val_loss_every=0", "--micro_batch_tokens=128", *extra]
+    run = Trainer(run_id, args, tmp_path, env, inductor_cpp={"vec_isa_ok": False},
+                  compile_backend="aot_eager" if aot_eager else None)
+    return lambda: run.log(timeout=900)
 
 
 def run_tiny(*args, **kwargs) -> str:

@@ -5,7 +5,6 @@ import dataclasses
 import os
 import re
 import signal
-import subprocess
 import threading
 import time
 from datetime import timedelta
@@ -377,20 +376,8 @@ def start_replica(tmp_path, data, lighthouse, replica: int, run_id: str, *extra)
     env = dict(TORCHFT_LIGHTHOUSE=lighthouse.address(), OMP_NUM_THREADS="1", RANK="0", LOCAL_RANK="0",
                WORLD_SIZE="1", MASTER_ADDR="localhost", MASTER_PORT=str(free_port()))
     args = ["--device=cpu", *TINY, f"--train_files={train}", f"--val_files={val}", "--micro_batch_tokens=128",
-            "--diloco=1", f"--replica={replica}", "--sync_every=4", "--num_fragments=2", f"--run_id={run_id}",
-            *extra]  # later flags win
-    return Trainer(args, tmp_path, tmp_path / f"{run_id}.out", env)
-
-
-def finish(proc: Trainer, tmp_path, run_id: str, timeout: float = 400) -> str:
-    try:
-        rc = proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        rc = "timeout"
-    out = (tmp_path / f"{run_id}.out").read_text()
-    assert rc == 0, f"replica {run_id} ended with {rc}:\n{out[-3000:]}"
-    return (tmp_path / "logs" / f"{run_id}.txt").read_text()
+            "--diloco=1", f"--replica={replica}", "--sync_every=4", "--num_fragments=2", *extra]  # later flags win
+    return Trainer(run_id, args, tmp_path, env)
 
 
 def test_two_replicas_stay_in_sync_and_learn(tiny_data, tmp_path):
@@ -402,7 +389,7 @@ def test_two_replicas_stay_in_sync_and_learn(tiny_data, tmp_path):
                                "--val_loss_every=8", "--sync_every=2"),
                  start_replica(tmp_path, tiny_data, lighthouse, 1, "replica1", "--num_iterations=16",
                                "--val_loss_every=16", "--sync_every=4")]
-        logs = [finish(p, tmp_path, f"replica{r}") for r, p in enumerate(procs)]
+        logs = [p.log() for p in procs]
     finally:
         lighthouse.shutdown()
     syncs = [SYNC.findall(log) for log in logs]
@@ -442,7 +429,7 @@ def test_killed_replica_rejoins_with_the_weights_of_its_peer(tiny_data, tmp_path
         alone = re.compile(r"^diloco: step \d+ sync \d+ fragment \d+ committed replicas 1 ", re.M)
         wait_for(tmp_path / "logs" / "survivor.txt", 1, alone, survivor, "the survivor never synced alone")
         restarted = start_replica(tmp_path, tiny_data, lighthouse, 1, "restarted", *flags)
-        logs = {"survivor": finish(survivor, tmp_path, "survivor"), "restarted": finish(restarted, tmp_path, "restarted")}
+        logs = {"survivor": survivor.log(), "restarted": restarted.log()}
     finally:
         lighthouse.shutdown()
     assert "step:32/32 val_loss" in logs["survivor"]
@@ -473,7 +460,7 @@ def test_replicas_resumed_from_their_checkpoints_train_as_if_never_stopped(tiny_
             procs = [start_replica(tmp_path, tiny_data, lighthouse, r, f"{name}{r}", *flags,
                                    f"--save_checkpoint={tmp_path / name / str(r) / 'final.pt'}",
                                    *[flag.format(r=r) for flag in extra]) for r in (0, 1)]
-            return [finish(p, tmp_path, f"{name}{r}") for r, p in enumerate(procs)]
+            return [p.log() for p in procs]
         finally:
             lighthouse.shutdown()
 
