@@ -22,6 +22,8 @@
 #    "nccl_simple" (world size N with NCCL_PROTO=Simple, NCCL's bandwidth protocol alone: no faster than NCCL's own
 #    choice on 4xH200, docs/performance.md), "nccl_channels" (world size N with NCCL_MIN_NCHANNELS=NCCL_CHANNELS, 32
 #    unless set: more of NCCL's parallel rings, for the Adam steps, whose optimizer phase waits on the wire),
+#    "nccl_alone" (bench/nccl_alone.py at world size N: DistAdam's collectives alone, with NCCL's defaults and with
+#    32 channels and 16 MB buffers: the rate the wire gives without the step around it),
 #    "same_data" (world size N with every rank reading rank 0's micro-batches: what the ranks' different documents
 #    cost in waits; bench_step.py prints each rank's own forward + backward and host cost beside), "numa" (as "fa3",
 #    each rank's process bound by torchrun --numa-binding=NUMA_MODE, exclusive unless set: each rank its own share of
@@ -169,6 +171,9 @@ if [ "$what" = all ] || [ "$what" = bench ]; then
         muon_eager) bench bench_muon_eager "$nproc" --muon_graphs=0 ;;  # Muon without its CUDA graphs
         nccl_simple) NCCL_PROTO=Simple bench bench_nccl_simple "$nproc" ;;  # NCCL's bandwidth protocol only
         nccl_channels) NCCL_MIN_NCHANNELS=${NCCL_CHANNELS:-32} bench bench_nccl_channels "$nproc" ;;  # more rings
+        nccl_alone) for settings in "" "NCCL_MIN_NCHANNELS=32 NCCL_BUFFSIZE=16777216"; do  # the wire alone
+                        env $settings timeout 60 torchrun --nproc_per_node="$nproc" bench/nccl_alone.py 2>&1 | grep "^\["
+                    done ;;
         same_data) BENCH_SAME_DATA=1 bench bench_same_data "$nproc" ;;  # every rank reads rank 0's micro-batches
         numa) binding="--numa-binding=${NUMA_MODE:-exclusive}"
               nvidia-smi topo -m | grep -E "^GPU[0-9]|Affinity" | cut -c1-160
