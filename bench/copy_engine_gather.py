@@ -6,7 +6,7 @@ Each table lives in torch's symmetric memory (every rank can read every other ra
 rank copies its peers' shards out of their buffers with copy_ (the copy engines: no SMs), one peer after another or all
 on streams of their own side by side, and checks that every shard arrived. Per rank: the median of ten of each, and
 NCCL's all_gather_into_tensor into the same buffer. On 4xH200 the copy engines gathered at 169-191 GB/s against NCCL's
-230-299 (docs/performance.md), so DistAdam keeps NCCL.
+230-300 (docs/performance.md), so DistAdam keeps NCCL.
 """
 import warnings
 
@@ -14,22 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._symmetric_memory as symm_mem
 
-
-def timed_ms(run, repeats: int = 10) -> float:
-    """Median of `repeats` timed calls of run() after three untimed ones, every rank starting together."""
-    for _ in range(3):
-        run()
-    torch.cuda.synchronize()
-    dist.barrier()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(repeats):
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+from nccl_alone import timed_ms  # this script's folder is the import path's first entry
 
 
 def main():
@@ -68,9 +53,9 @@ def main():
         want = torch.arange(1, world + 1, device="cuda", dtype=torch.float32).repeat_interleave(shard)
         right = torch.equal(buf[: shard * world], want)
         sent = numel * 4 * (world - 1) / world
-        side_by_side, one_by_one = timed_ms(lambda: gather(True)), timed_ms(lambda: gather(False))
+        side_by_side, one_by_one = timed_ms(lambda: gather(True), 10), timed_ms(lambda: gather(False), 10)
         own = buf[rank * shard:(rank + 1) * shard].clone()
-        nccl = timed_ms(lambda: dist.all_gather_into_tensor(buf, own))
+        nccl = timed_ms(lambda: dist.all_gather_into_tensor(buf, own), 10)
         lines.append(f"{name}: copy engines side by side {side_by_side:.3f} ms {sent / side_by_side / 1e6:.0f} GB/s, "
                      f"one after another {one_by_one:.3f} ms {sent / one_by_one / 1e6:.0f} GB/s, "
                      f"NCCL {nccl:.3f} ms {sent / nccl / 1e6:.0f} GB/s, right {right}")
