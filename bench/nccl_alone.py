@@ -12,22 +12,17 @@ import os
 import torch
 import torch.distributed as dist
 
+from timing import median_ms  # this script's folder is the import path's first entry
+
 
 def timed_ms(run, repeats: int) -> float:
-    """Median of `repeats` timed calls of run() after three untimed ones, every rank starting together."""
+    """timing.median_ms of run() with every rank starting together: three untimed calls, a barrier, then the timed
+    ones."""
     for _ in range(3):
         run()
     torch.cuda.synchronize()
     dist.barrier()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(repeats):
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    return median_ms(run, repeats=repeats, warmup=0)
 
 
 def main():
