@@ -332,6 +332,13 @@ class Config:
     # to their owners as the bigram table's are, 4-7x fewer bytes than dense reduce-scatters at 4 ranks on bench2
     # (bench/comm_model.py). Off until a repeat at 4 or 8 GPUs: one run on 4xH200 (docs/performance.md).
     sparse_value_comms: bool = _speed(False, "the value tables' gradient rows travel sparsely between ranks")
+    # Between two Adam updates a rank's forwards read the value tables at their tokens and the bigram table at their
+    # bigram rows only: at 4 ranks on bench2 a tenth of the rows the dense all-gathers deliver, at 8 ranks a
+    # sixteenth (bench/comm_model.py). So after an update each rank takes from the owners just the rows its forwards
+    # read until the next one, listed by the loader ahead (DistAdam's fetch_tables); the same values, fewer bytes.
+    # Not where whole tables are read between updates (fetches_table_rows).
+    table_row_fetch: bool = _speed(True, "after an Adam update, only the value and bigram table rows read until the "
+                                          "next travel")
     # auto: per stage, the most (up to 8 on a GPU of at least PACK_8_MIN_GIB, else 4) that divides the stage's
     # micro-batches per rank (resolve_packing). Each micro-batch starts a document and its positions, so a packed
     # forward computes the same losses. Fewer, larger kernels make each step faster, for about 7 GiB more memory
@@ -546,6 +553,12 @@ def _parse_one_window_pair(cfg: Config, name: str) -> tuple[int, int]:
     if len(pairs) != 1:
         raise UserError(f"bad --{name}={getattr(cfg, name)!r}: one short:long pair")
     return pairs[0]
+
+
+def fetches_table_rows(cfg: Config) -> bool:
+    """--table_row_fetch where it applies: DiLoCo's syncs and a tail average of the value tables read the whole
+    tables between Adam's updates, so those runs gather them whole."""
+    return cfg.table_row_fetch and not cfg.diloco and not (cfg.tail_ema_from and (cfg.tail_ema_all or cfg.tail_ema_kinds))
 
 
 def validate_config(cfg: Config) -> None:
@@ -1604,8 +1617,9 @@ class GPT(nn.Module):
         return tables + ([self.bigram_embed.weight] if self.bigram_embed is not None else [])
 
     def rows_read(self, batch: "ForwardBatch") -> dict:
-        """{table: the rows a forward of `batch` reads (sorted, unique, on the host)} for the tables whose rows the
-        loader lists: the bigram table's, and the value tables' when it lists the tokens read (token_rows_used).
+        """{table: the rows a forward of `batch` (or of a loader slot, Prefetcher.peek) reads (sorted, unique, on the
+        host)} for the tables whose rows the loader lists: the bigram table's, and the value tables' when it lists the
+        tokens read (token_rows_used).
         The token embedding is left out: the longest matches read it at rows found on the GPU."""
         rows = {}
         if batch.bigram_rows_used is not None and self.bigram_embed is not None:
@@ -2001,6 +2015,53 @@ class _RowExchange:
         return finish
 
 
+class _RowFetch:
+    """One Adam update's row fetch for tables of one height read at the same rows (see DistAdam's fetch_tables):
+    rank r owns rows [r*R, (r+1)*R). Built before the last backward from the rows this rank's forwards read until
+    the next update; the counts asked of each owner go through gloo at once (CPU), the row indices once the step's
+    reduce-scatters are launched (ask), and the rows after the tables' update (send)."""
+
+    def __init__(self, tables: list[Tensor], rows: np.ndarray, rank: int, world_size: int, cpu_group):
+        self.tables, self.rank, self.world_size = tables, rank, world_size
+        rows_per_rank = tables[0].size(0) // world_size
+        rows = np.ascontiguousarray(rows, dtype=np.int64)
+        own = (rows >= rank * rows_per_rank) & (rows < (rank + 1) * rows_per_rank)
+        need = rows[~own]  # this rank's own block is current after its update
+        self.ask_counts = np.diff(np.searchsorted(need, np.arange(world_size + 1) * rows_per_rank))
+        self.need = torch.from_numpy(need)
+        if tables[0].is_cuda:
+            self.need = self.need.pin_memory()
+        self.asked_counts = torch.empty(world_size, dtype=torch.int64)
+        self.counts_sent = dist.all_to_all_single(self.asked_counts, torch.from_numpy(self.ask_counts),
+                                                  group=cpu_group, async_op=True)
+        self.asked = None  # after ask(): (the rows needed here, on the device; the rows others asked of this rank; wait)
+
+    def ask(self):
+        """Send each owner the indices of the rows this rank needs from it."""
+        self.counts_sent.wait()  # a CPU collective: the host waits, the GPU does not
+        need = self.need.to(self.tables[0].device, non_blocking=True)
+        asked = torch.empty(int(self.asked_counts.sum()), dtype=torch.int64, device=need.device)
+        work = dist.all_to_all_single(asked, need, self.asked_counts.tolist(), self.ask_counts.tolist(), async_op=True)
+        self.asked = (need, asked, work)
+
+    def send(self, dtype: torch.dtype | None = None):
+        """After this rank's blocks of the tables are updated: send the rows asked of it (in dtype when given, the
+        tables side by side in one buffer) and receive those it asked for. Returns the function that waits and
+        writes them into the tables."""
+        need, asked, asked_sent = self.asked
+        asked_sent.wait()
+        values = torch.cat([table.index_select(0, asked).to(dtype or table.dtype) for table in self.tables], dim=1)
+        received = values.new_empty(need.size(0), values.size(1))
+        work = dist.all_to_all_single(received, values, self.ask_counts.tolist(), self.asked_counts.tolist(),
+                                      async_op=True)
+
+        def finish():
+            work.wait()
+            for table, part in zip(self.tables, received.split([t.size(1) for t in self.tables], dim=1)):
+                table.index_copy_(0, need, part.to(table.dtype))
+        return finish
+
+
 class DistAdam(torch.optim.Optimizer):
     """Adam with cautious weight decay (adam_update_), gradients, optimizer state and updates sharded over ranks
     (ZeRO-1 style; the speedrun's 2025-05 "replace all_reduce with reduce_scatter" record).
@@ -2032,6 +2093,16 @@ class DistAdam(torch.optim.Optimizer):
     No all_reduce is issued. A step while `accumulating` (--adam_period > 1) sends nothing and updates
     nothing: its gradients add to the next step's, which sends their sum (and the union of both steps' rows).
 
+    fetch_tables (--table_row_fetch): groups of tables read only at one list of rows (the value tables at the
+    tokens, the bigram table at the bigram rows; 2-D, rows divisible by the world size). When the training loop
+    passes the rows this rank's forwards read until Adam's next update (rows_ahead, from the loader), their
+    all-gathers in step 2 become a fetch of those rows: the per-owner counts through all_to_all_single on the gloo
+    group at once (CPU, while the forward runs); the row indices through all_to_all_single after step 1's launches;
+    once the group's tables are updated, one all_to_all_single of the asked rows, the tables side by side, which
+    every rank writes into its tables in step 3. Every forward until the next update then reads the owners' values,
+    as after the dense all-gathers, while the rows no forward reads stay stale until whole_tables() (validation, a
+    checkpoint, the end of training) gathers the tables whole. Without rows_ahead the tables are gathered whole.
+
     sparse_params (2-D, rows divisible by the world size), e.g. the bigram table: when the training loop
     passes the rows this rank's batches touched since the last step (sorted, unique; known on the host
     from the loader), step 1 becomes a sparse exchange (the speedrun's 2026-02-06 record): the per-owner
@@ -2048,7 +2119,7 @@ class DistAdam(torch.optim.Optimizer):
 
     def __init__(self, params, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, sparse_params=(), compiled: bool = False, tied: tuple | None = None,
-                 grad_dtype: torch.dtype | None = None, gather_dtypes: dict | None = None):
+                 grad_dtype: torch.dtype | None = None, gather_dtypes: dict | None = None, fetch_tables=()):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.grad_dtype = grad_dtype  # gradients rounded to it before they travel (--bf16_grad_comms); None: as is
         self.gather_dtypes = dict(gather_dtypes or {})  # {parameter: what its all-gather sends}
@@ -2069,7 +2140,15 @@ class DistAdam(torch.optim.Optimizer):
         for p in self.sparse_params:
             if p.ndim != 2 or p.size(0) % self.world_size or p.numel() < self.SMALL:
                 raise ValueError(f"sparse parameter of shape {tuple(p.shape)}: needs rows divisible by the world size")
-        self.cpu_group = dist.new_group(backend="gloo") if self.sparse_params else None
+        # a group is fetched when each table's rows split evenly over the ranks and it has a bucket of its own; the
+        # rest are gathered whole (the tiny tables of a test model)
+        self.fetch_groups = [list(tables) for tables in fetch_tables if tables and all(
+            p.ndim == 2 and p.size(0) % self.world_size == 0 and p.numel() >= self.SMALL for p in tables)
+        ] if self.distributed else []
+        fetched = {p for tables in self.fetch_groups for p in tables}
+        if fetched & set(tied or ()):
+            raise ValueError("a tied parameter cannot be fetched by rows")
+        self.cpu_group = dist.new_group(backend="gloo") if self.sparse_params or fetched else None
         self.row_exchanges: dict[Tensor, _RowExchange] = {}
         self.buckets: list[_AdamBucket] = []
         for index, group in enumerate(self.param_groups):
@@ -2086,7 +2165,8 @@ class DistAdam(torch.optim.Optimizer):
         for bucket in self.buckets:  # what the all-gather of each one-parameter bucket sends (None: its own dtype)
             dtype = self.gather_dtypes.get(bucket.params[0]) if len(bucket.params) == 1 else None
             bucket.gather_dtype = dtype if self.distributed and dtype != bucket.params[0].dtype else None
-        apart = self.sparse_params | set(tied or ()) | {b.params[0] for b in self.buckets if b.gather_dtype is not None}
+        apart = (self.sparse_params | set(tied or ()) | fetched
+                 | {b.params[0] for b in self.buckets if b.gather_dtype is not None})
         mergeable = [b for b in self.buckets if b.numel < self.MERGE and not set(b.params) & apart]
         merged = [_MergedBuckets(mergeable, self.world_size)] if self.distributed and len(mergeable) > 1 else []
         # what travels in one collective: a bucket, or the merged small ones
@@ -2098,6 +2178,9 @@ class DistAdam(torch.optim.Optimizer):
         # do nothing, so the step's gradients add to the .grad of the next, and its sparse rows wait here.
         self.accumulating = False
         self.deferred_rows: dict[Tensor, list] = {}
+        self.fetches: list[_RowFetch] = []  # this update's row fetches (before_last_backward)
+        self.fetched_buckets = {b.params[0]: b for b in self.buckets if b.params[0] in fetched}
+        self.stale = False  # whether some fetched table holds rows older than its owner's (whole_tables)
         if tied is not None:
             follower, leader = tied
             self.tied_buckets = [next((b for b in self.buckets if len(b.params) == 1 and b.params[0] is p), None)
@@ -2105,10 +2188,13 @@ class DistAdam(torch.optim.Optimizer):
             if follower.shape != leader.shape or None in self.tied_buckets:
                 raise ValueError("tied parameters need one shape and a bucket each")
 
-    def before_last_backward(self, sparse_rows: dict | None = None):
+    def before_last_backward(self, sparse_rows: dict | None = None, rows_ahead: dict | None = None):
         """Let the coming backward launch each bucket's reduce-scatter as soon as its gradients are done.
         sparse_rows: {sparse parameter: the rows each of this rank's forwards of the step touched (a list of
-        sorted unique arrays)}; starts their counts exchange. Rows of other parameters are not looked at."""
+        sorted unique arrays)}; starts their counts exchange. Rows of other parameters are not looked at.
+        rows_ahead: {table: the rows each forward until the next update reads} for the fetched tables; starts the
+        counts of their fetch. A table missing from it fetches every row (its forwards could not be listed: every rank
+        still takes part in the same collectives); None fetches nothing and the tables are gathered whole."""
         if self.accumulating:
             for p, row_lists in (sparse_rows or {}).items():
                 if p in self.sparse_params:  # the only ones whose rows are exchanged
@@ -2125,6 +2211,11 @@ class DistAdam(torch.optim.Optimizer):
                     exchange = _RowExchange(p, rows, self.rank, self.world_size, self.cpu_group)
                     made.append((exchange, rows))
                 self.row_exchanges[p] = exchange
+        if rows_ahead is not None:
+            self.fetches = [_RowFetch(tables, union_of_rows(rows_ahead[tables[0]], tables[0].size(0))
+                                      if tables[0] in rows_ahead else np.arange(tables[0].size(0)),
+                                      self.rank, self.world_size, self.cpu_group)
+                            for tables in self.fetch_groups]
 
     def _reduce_scatter(self, flat: Tensor, shard: int):
         """Launch the averaging reduce-scatter of flat (in grad_dtype when set); returns a function that waits and
@@ -2180,6 +2271,9 @@ class DistAdam(torch.optim.Optimizer):
         for unit in self.units:
             if unit.pending is None:
                 self._launch_reduce(unit)
+        for fetch in self.fetches:
+            fetch.ask()
+        fetched = {table for fetch in self.fetches for table in fetch.tables}
         gathers = []
         tied = self.is_tied()
         for index, group in enumerate(self.param_groups):  # each group's lr and decay, once a step
@@ -2201,12 +2295,19 @@ class DistAdam(torch.optim.Optimizer):
             flat = bucket.flat(bucket.params)
             owned = bucket.owned(flat, self.rank)
             self._update(bucket, owned, grad_shard)
+            if bucket.params[0] in fetched:
+                continue  # its rows travel in the fetch below
             if self.distributed:
                 gathers.append((bucket, flat, self._all_gather(bucket, flat, owned, bucket.gather_dtype)))
             elif not bucket.in_place:
                 gathers.append((bucket, flat, None))
+        # updated in place (rows divisible by the world size): nothing left to write but the fetched rows
+        gathers += [(None, None, fetch.send(self.fetched_buckets[fetch.tables[0]].gather_dtype))
+                    for fetch in self.fetches]
+        self.stale = bool(self.fetches)  # the other fetched tables were gathered whole
         for unit in self.units:
             unit.pending = None
+        self.fetches = []
         self.launched = []
         self.row_exchanges = {}
         self.tied_ready.clear()
@@ -2218,6 +2319,8 @@ class DistAdam(torch.optim.Optimizer):
             for bucket, flat, wait in gathers:
                 if wait is not None:
                     wait()
+                if bucket is None:  # a row fetch
+                    continue
                 if isinstance(bucket, _MergedBuckets):
                     for member, member_flat in zip(bucket.members, bucket.unpack(flat)):
                         params += member.params
@@ -2248,10 +2351,22 @@ class DistAdam(torch.optim.Optimizer):
         return finish
 
     @torch.no_grad()
+    def whole_tables(self):
+        """Every rank the whole of the tables fetched by rows (fetch_tables), from their owners (a dense all-gather
+        each, in their own dtype): before anything but a training forward reads them (validation, a checkpoint, the
+        weights' checksum). Nothing when no row is stale."""
+        if self.stale:
+            for bucket in self.fetched_buckets.values():
+                flat = bucket.flat(bucket.params)
+                self._all_gather(bucket, flat, bucket.owned(flat, self.rank))()
+            self.stale = False
+
+    @torch.no_grad()
     def exact_params(self):
         """Give every rank the full-precision values of the parameters all-gathered in a narrower dtype, from their
-        owners (one all-gather each, in their own dtype): before the whole weights are read, as a checkpoint does.
-        The forward is the same before and after."""
+        owners (one all-gather each, in their own dtype), and the tables fetched by rows whole: before the whole
+        weights are read, as a checkpoint does. The forward is the same before and after."""
+        self.whole_tables()
         for bucket in self.buckets:
             if bucket.gather_dtype is not None:
                 flat = bucket.flat(bucket.params)
@@ -2578,9 +2693,9 @@ class Muon(torch.optim.Optimizer):
         self.parallel_kinds, self.side_streams = use_triton, []
         self.fused_apply = use_triton and all(p.dtype == torch.float32 for p in params)
 
-    def before_last_backward(self, sparse_rows: dict | None = None):
+    def before_last_backward(self, sparse_rows: dict | None = None, rows_ahead: dict | None = None):
         """Let the coming backward launch each group's reduce-scatter as soon as its gradients are done,
-        overlapping it with the rest of the backward (sparse_rows: DistAdam's; nothing here is sparse)."""
+        overlapping it with the rest of the backward (sparse_rows, rows_ahead: DistAdam's; nothing here is sparse)."""
         self.grad_hooks.armed = True
 
     def _launch_reduce(self, group: _MuonGroup):
@@ -3103,7 +3218,8 @@ class Prefetcher:
     starts their non-blocking copy to the device and returns at once, so the next batch is ready while the GPU works.
 
     A few buffer slots rotate between the thread and the caller; the thread refills a slot only after
-    the CUDA event recorded behind its copy has fired, so a buffer is never overwritten mid-copy.
+    the CUDA event recorded behind its copy has fired, so a buffer is never overwritten mid-copy. peek(n) holds the
+    next n filled slots back for their row lists, so it needs more than n slots.
     """
 
     def __init__(self, batches, seq_len: int, device: torch.device, slots: int = 4, bigram_rows: int = 0,
@@ -3115,6 +3231,8 @@ class Prefetcher:
             self.free.put(_Slot(seq_len, pin=device.type == "cuda", bos=bos, bigram_rows=bigram_rows, packed=packed,
                                 token_classes=token_classes, token_rows=token_rows))
         self.closed = False
+        self.slots = slots
+        self.ahead: collections.deque = collections.deque()  # filled slots taken from `ready` by peek(), in order
         self.source = batches
         sizes = itertools.repeat(packed) if sizes is None else sizes
         self.thread = threading.Thread(target=self._fill, args=(batches, sizes, packed), daemon=True)
@@ -3140,8 +3258,20 @@ class Prefetcher:
         except BaseException as e:  # handed to the training thread, which raises it
             self.ready.put(e)
 
+    def peek(self, n: int) -> list | None:
+        """The next n forwards' host buffers, not consumed (their bigram_rows_used and token_rows_used: what the
+        forwards will read); None if the stream ends or fails before n of them."""
+        if n >= self.slots:
+            raise ValueError(f"peeking {n} forwards ahead needs more than {n} loader slots, not {self.slots}")
+        while len(self.ahead) < n:
+            item = self.ready.get()
+            self.ahead.append(item)
+            if isinstance(item, BaseException):  # next() raises it when the caller gets there
+                return None
+        return list(itertools.islice(self.ahead, n))
+
     def next(self) -> ForwardBatch:
-        item = self.ready.get()
+        item = self.ahead.popleft() if self.ahead else self.ready.get()
         if isinstance(item, StopIteration):
             raise DataError("the training data ran out: add shards (python data/cached_fineweb10B.py N), "
                             "lower --num_iterations, or set --train_repeat=1")
@@ -3173,13 +3303,13 @@ class Prefetcher:
             self.source.close()
 
 
-def prefetch(windows, cfg: Config, device: torch.device, packed: int, sizes=None) -> Prefetcher:
+def prefetch(windows, cfg: Config, device: torch.device, packed: int, sizes=None, ahead: int = 0) -> Prefetcher:
     """The one way a run loads its batches (training, validation and the warm-up's stand-ins): token windows in,
     forwards of `packed` micro-batches (or of `sizes`' counts in turn, none over `packed`) of the run's length,
-    bigram rows and BOS token out."""
-    return Prefetcher(windows, cfg.micro_batch_tokens, device, bigram_rows=cfg.bigram_rows, packed=packed,
-                      bos=cfg.bos_token, token_classes=bigram_token_classes(cfg), sizes=sizes,
-                      token_rows=cfg.vocab_size if cfg.sparse_value_comms else 0)
+    bigram rows and BOS token out. ahead: the most forwards train_step will peek at (--table_row_fetch)."""
+    return Prefetcher(windows, cfg.micro_batch_tokens, device, slots=max(4, ahead + 2), bigram_rows=cfg.bigram_rows,
+                      packed=packed, bos=cfg.bos_token, token_classes=bigram_token_classes(cfg), sizes=sizes,
+                      token_rows=cfg.vocab_size if cfg.sparse_value_comms or fetches_table_rows(cfg) else 0)
 
 
 def normalized_token_classes(token_bytes: list[bytes], vocab_size: int) -> np.ndarray:
@@ -4005,7 +4135,8 @@ def build_optimizers(model: GPT, cfg: Config) -> Optimizers:
                     compiled=cfg.compile and next(model.parameters()).is_cuda,
                     tied=(model.embed.weight, model.lm_head.weight) if cfg.tie_embed else None,
                     grad_dtype=grad_dtype,
-                    gather_dtypes={table: model.compute_dtype for table in tables} if cfg.bf16_table_gathers else None)
+                    gather_dtypes={table: model.compute_dtype for table in tables} if cfg.bf16_table_gathers else None,
+                    fetch_tables=[[ve.weight for ve in model.value_embeds], bigram] if fetches_table_rows(cfg) else ())
     # Muon launches first. The collectives of both share one NCCL stream, and every wait on them is a wait of
     # the compute stream: Adam's step ends waiting for its all-gathers (its tables, the largest transfer
     # of the step), so a Muon launching after it would start its Newton-Schulz only then. Launching first,
@@ -4089,7 +4220,7 @@ class Optimizers(list):
 
 
 def train_step(model: GPT, optimizers: Optimizers, batches: Prefetcher, windows: tuple[int, int], forwards: int,
-               mark=None) -> Tensor:
+               mark=None, ahead: int = 0) -> Tensor:
     """Forward/backward over this rank's micro-batches, `forwards` batches of them, then the optimizers.
     Returns the mean loss.
 
@@ -4098,7 +4229,8 @@ def train_step(model: GPT, optimizers: Optimizers, batches: Prefetcher, windows:
     all micro-batches of the step, so 1, 2, 4 or 8 processes, packing any number of micro-batches per
     forward, compute the same update. `mark(phase)`, when given, is called as each phase (forward,
     backward, each optimizer's launch and its finish by class name: Optimizers.step) ends: the benchmark's
-    CUDA-event timer.
+    CUDA-event timer. ahead (--table_row_fetch, on a step where Adam updates): the forwards of the steps up to
+    Adam's next update, whose table rows the loader lists now and DistAdam fetches after this update.
     """
     mark = mark or (lambda phase: None)
     model.prepare_grads()
@@ -4109,9 +4241,15 @@ def train_step(model: GPT, optimizers: Optimizers, batches: Prefetcher, windows:
         for table, rows in model.rows_read(batch).items():
             sparse_rows[table].append(rows)
         if index == forwards - 1:  # let gradient communication start inside the last backward
+            rows_ahead = None  # with ahead: table -> the rows each forward until Adam's next update reads
+            if ahead:
+                rows_ahead = collections.defaultdict(list)  # left empty where the stream ends first: every row
+                for coming in batches.peek(ahead) or []:
+                    for table, rows in model.rows_read(coming).items():
+                        rows_ahead[table].append(rows)
             for opt in optimizers:
                 if hasattr(opt, "before_last_backward"):
-                    opt.before_last_backward(sparse_rows)
+                    opt.before_last_backward(sparse_rows, rows_ahead)
         loss = forward_loss(model, batch, windows)
         mark("forward")
         (loss / forwards).backward()
@@ -4228,6 +4366,15 @@ class Trainer:
     def forwards(self, step: int, world_size: int) -> int:
         """Forwards this rank runs in the step."""
         return self.schedule.micro_batches(step) // world_size // self.per_forward(step)
+
+    def forwards_ahead(self, step: int, world_size: int) -> int:
+        """--table_row_fetch on several ranks, at a step where Adam updates: the forwards this rank runs in the steps
+        after it up to Adam's next update, whose table rows the update fetches (train_step's ahead); else 0."""
+        schedule = self.schedule
+        if not (fetches_table_rows(self.model.cfg) and world_size > 1 and schedule.adam_updates(step)):
+            return 0
+        last = min(step + schedule.adam_period, schedule.total_steps - 1)
+        return sum(self.forwards(s, world_size) for s in range(step + 1, last + 1))
 
     def forward_sizes(self, start: int, world_size: int):
         """Micro-batches of each forward from step `start` to the end of the schedule, in order (the loader's)."""
@@ -4961,8 +5108,10 @@ class TrainingRun:
 
         skip = self.schedule.micro_batches_before(step) // comm.world_size
         windows = drop(skip, train_batches_for_rank(self.train_paths, cfg, comm, note_new_pass))
+        ahead = max((self.trainer.forwards_ahead(s, comm.world_size) for s in range(step, self.schedule.total_steps)),
+                    default=0)
         return prefetch(windows, cfg, self.device, self.trainer.packing.largest,
-                        self.trainer.forward_sizes(step, comm.world_size))
+                        self.trainer.forward_sizes(step, comm.world_size), ahead)
 
     def synchronize(self):
         if self.device.type == "cuda":
@@ -5036,6 +5185,7 @@ class TrainingRun:
         if self.schedule.mtp_offsets > 1:
             self.model.set_mtp_weights([1.0])
         self.follow_window_history(seen)
+        self.optimizers[1].whole_tables()  # --table_row_fetch: validation reads rows no training forward fetched
         val_loss = evaluate(self.model, self.cfg, self.comm, self.val_paths, self.schedule.windows(seen), self.device,
                             self.trainer.packing.validation)
         self.val_losses.append((step, val_loss))
@@ -5068,7 +5218,8 @@ class TrainingRun:
             diloco.step = step + 1  # what a peer healing from us during this step resumes at
         launch_started = time.perf_counter()
         loss = train_step(self.model, self.optimizers, self.batches, schedule.windows(step),
-                          self.trainer.forwards(step, comm.world_size))
+                          self.trainer.forwards(step, comm.world_size), ahead=self.trainer.forwards_ahead(
+                              step, comm.world_size))
         launch_ms = 1000 * (time.perf_counter() - launch_started)
         if diloco is not None and diloco.step != step + 1:  # healed from a peer inside this step
             self.log(f"diloco: recovered weights and optimizer state from a peer; step {step + 1} -> {diloco.step}; "
@@ -5105,6 +5256,7 @@ class TrainingRun:
         if self.device.type == "cuda":
             log(f"peak memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "
                 f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")
+        self.optimizers[1].whole_tables()  # --table_row_fetch: every rank's weights whole, as the checksum reads them
         log(weights_checksum(self.model))
         return TrainResult(self.watch.losses, self.val_losses, self.train_time_ms)
 

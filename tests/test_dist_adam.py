@@ -381,3 +381,38 @@ def _resumed_merged_run(rank, world_size):
 def test_merged_buckets_resume_from_a_loaded_state():
     for straight, resumed in run_on_ranks(_resumed_merged_run, 2):
         assert all(torch.equal(a, b) for a, b in zip(straight, resumed))
+
+
+def _row_fetching_run(rank, world_size):
+    """Two updates of a 128 x 96 table fetched by rows: the first with the rows of its coming forwards listed (3, 70
+    and 100), the second with none listed, as where the loader's stream ends first. After each: this rank's table and
+    the owners' values (a dense all-gather of each rank's own block)."""
+    table = make_params()[0]
+    adam = tg.DistAdam([table], lr=0.01, **HYPER, fetch_tables=[[table]])
+    seen = []
+    for step, rows_ahead in enumerate(({table: [np.array([3, 70]), np.array([70, 100])]}, {})):
+        table.grad = rank_grads(rank, step)[0]
+        adam.before_last_backward({}, rows_ahead)
+        adam.step()
+        owners = torch.empty_like(table)
+        block = table.size(0) // world_size
+        dist.all_gather_into_tensor(owners, table.detach()[rank * block:(rank + 1) * block].contiguous())
+        seen.append((table.detach().clone(), owners, adam.stale))
+    adam.whole_tables()
+    return seen, torch.equal(table.detach(), owners), adam.stale
+
+
+def test_tables_fetched_by_rows_hold_the_owners_values_at_the_rows_listed():
+    """--table_row_fetch's DistAdam on two gloo ranks: after an update a rank holds the owners' values at its own block
+    and at the rows listed for its coming forwards, and older values elsewhere; an update whose forwards could not be
+    listed fetches every row; whole_tables() leaves nothing stale."""
+    for rank, (seen, whole, stale) in enumerate(run_on_ranks(_row_fetching_run, 2)):
+        (listed, owners, stale_after_listed), (unlisted, owners_after, stale_after_unlisted) = seen
+        own = slice(64 * rank, 64 * (rank + 1))
+        current = torch.zeros(128, dtype=torch.bool)
+        current[own] = True
+        current[[3, 70, 100]] = True
+        same = (listed == owners).all(dim=1)
+        assert same[current].all() and not same[~current].any(), rank
+        assert stale_after_listed and torch.equal(unlisted, owners_after) and stale_after_unlisted
+        assert whole and not stale

@@ -371,6 +371,36 @@ def test_prefetcher_delivers_every_window_intact(tmp_path):
     batches.close()
 
 
+
+def test_prefetcher_peeks_at_the_forwards_it_hands_out_next(tmp_path):
+    """peek(n): the next n forwards' row lists (what --table_row_fetch fetches for), not consumed: next() then hands
+    out those forwards, in order. Past the stream's end peek gives None and next() still names the end; n must leave
+    a slot free."""
+    rng = np.random.default_rng(1)
+    windows = [rng.integers(0, BOS, 129).astype(np.uint16) for _ in range(7)]
+    batches = tg.Prefetcher(iter(windows), 128, torch.device("cpu"), slots=4, bos=BOS, bigram_rows=4096,
+                            token_rows=BOS + 1)
+    try:
+        first = batches.next()
+        assert first.token_rows_used.tolist() == np.unique(windows[0][:-1]).tolist()
+        peeked = [(s.token_rows_used.tolist(), s.bigram_rows_used.tolist()) for s in batches.peek(3)]
+        assert [tokens for tokens, _ in peeked] == [np.unique(w[:-1]).tolist() for w in windows[1:4]]
+        assert [(s.token_rows_used.tolist(), s.bigram_rows_used.tolist()) for s in batches.peek(2)] == peeked[:2]
+        for index, (tokens, bigrams) in enumerate(peeked, 1):
+            b = batches.next()
+            assert torch.equal(b.inputs, torch.from_numpy(windows[index][:-1].astype(np.int32)))
+            assert (b.token_rows_used.tolist(), b.bigram_rows_used.tolist()) == (tokens, bigrams)
+        with pytest.raises(ValueError, match="peeking 4 forwards ahead needs more than 4 loader slots"):
+            batches.peek(4)
+        assert len(batches.peek(3)) == 3 and batches.peek(3)[0] is not None
+        batches.next(), batches.next(), batches.next()
+        assert batches.peek(1) is None
+        with pytest.raises(tg.DataError, match="the training data ran out"):
+            batches.next()
+    finally:
+        batches.close()
+
+
 # ------------------------------------------------------------------------------------------- attention
 
 def naive_attention(q, k, v, tokens, window):
@@ -1135,7 +1165,9 @@ def _train_on_rank(rank, world_size, cfg):
                                          xsa_layers="1,3", bigram_dims=24, bigram_signs=16),
                                     dict(copy_pointer=1, copy_band=128, fp8_head=1, copy_sink_key=1, longest_match=1,
                                          head_wgrad_rows=4),
-                                    dict(bf16_grad_comms=1), dict(sparse_value_comms=1, num_iterations=4)],
+                                    # the gradients' dtype on the wire, not the fetched tables' rows (fp32)
+                                    dict(bf16_grad_comms=1, table_row_fetch=0),
+                                    dict(sparse_value_comms=1, num_iterations=4)],
                          ids=["plain", "adam_period_3_slow_momentum", "paired_short_and_long", "xsa_ve_gate_doc_lens",
                               "sublayer_scales_mudd_token_gates_bigram_signs",
                               "copy_pointer_fp8_head_longest_match_head_wgrad_rows",
@@ -1192,6 +1224,51 @@ def test_bf16_table_gathers_send_the_value_and_bigram_tables_in_the_compute_dtyp
     for refused in (dict(diloco=1), dict(tail_ema_from=0.5, tail_ema_all=1)):
         with pytest.raises(tg.UserError, match="--bf16_table_gathers"):
             tg.validate_config(dataclasses.replace(cfg, **refused))
+
+
+def _train_noting_row_fetches_on_rank(rank, world_size, cfg):
+    """Train and validate with every DistAdam bucket updated alone (MERGE 0: the tiny tables are under MERGE, and a
+    table fetched by rows stays out of the merged buckets, whose multi-tensor update rounds otherwise), noting each
+    fetch's (table rows, rows asked of their owners)."""
+    tg.DistAdam.MERGE = 0
+    fetches = []
+    ask = tg._RowFetch.ask
+
+    def noted(self):
+        fetches.append((self.tables[0].size(0), len(self.need)))
+        return ask(self)
+    tg._RowFetch.ask = noted
+    comm = tg.Comm(rank, world_size)
+    result = tg.train(cfg, comm, tg.RunLog(cfg, comm))
+    return result.train_losses, result.val_losses, fetches
+
+
+def test_tables_fetched_by_rows_train_as_tables_gathered_whole(tiny_data, tmp_path):
+    """--table_row_fetch (a default, so the runs at 1, 2, 4 and 8 processes above fetch too) against the dense
+    all-gathers at 2 gloo processes: after each Adam update a rank fetches the value and bigram table rows its forwards
+    read until the next one, and nothing else of them. Every forward reads the owners' values, so the losses and the
+    final weights are bit-equal; a validation between two updates reads the tables gathered whole (Adam updates after
+    steps 1, 3 and 5; validation after step 3). The last update, with no forward after it, fetches nothing."""
+    cfg = tiny_config(*tiny_data, num_iterations=6, val_loss_every=3, log_dir=str(tmp_path), micro_batch_tokens=128)
+    runs = {fetch: run_on_ranks(_train_noting_row_fetches_on_rank, 2, dataclasses.replace(
+        cfg, table_row_fetch=fetch, run_id=f"f{fetch}", save_checkpoint=str(tmp_path / f"f{fetch}.pt")))
+        for fetch in (0, 1)}
+    dense_losses, dense_val, no_fetches = runs[0][0]
+    assert not no_fetches and dense_losses[-1] < dense_losses[0]
+    for rank, (losses, val, fetches) in enumerate(runs[1]):
+        assert (losses, val) == (dense_losses, dense_val), rank
+        # two updates fetch (after steps 1 and 3), each for two groups: the value tables' rows and the bigram table's
+        assert sorted({rows for rows, _ in fetches}) == sorted({VOCAB, cfg.bigram_rows}) and len(fetches) == 4, fetches
+        # the tiny vocabulary's other ranks' rows are all read in two steps; most of the bigram table's are not
+        assert all(0 < asked <= rows // 2 and (rows == VOCAB or asked < rows // 4) for rows, asked in fetches), (
+            rank, fetches)
+    weights = [torch.load(tmp_path / f"f{fetch}.pt", weights_only=True)["model"] for fetch in (0, 1)]
+    assert sorted(weights[0]) == sorted(weights[1])
+    assert all(torch.equal(weights[0][name], weights[1][name]) for name in weights[0])
+    # runs that read whole tables between updates gather them whole
+    assert tg.fetches_table_rows(dataclasses.replace(cfg, table_row_fetch=1))
+    for whole in (dict(diloco=1), dict(tail_ema_from=0.5, tail_ema_all=1), dict(tail_ema_from=0.5, tail_ema_kinds=1)):
+        assert not tg.fetches_table_rows(dataclasses.replace(cfg, table_row_fetch=1, **whole)), whole
 
 
 def _train_noting_gradient_dtypes_on_rank(rank, world_size, cfg):

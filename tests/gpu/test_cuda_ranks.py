@@ -59,7 +59,7 @@ def test_tables_gathered_in_bf16_train_as_tables_gathered_in_fp32(tiny_data, tmp
     """--bf16_table_gathers: the value and bigram tables' all-gathers travel in bf16 over NCCL, and the forward,
     which reads the tables as bf16 rows, is unchanged: the same losses as with fp32 gathers, up to the order in which
     the row-gradient kernel's atomic adds land (rtol 1e-5, as the CPU tests across world sizes)."""
-    cfg = six_steps_config(tiny_data, tmp_path, "--compile=0", "--adam_period=1", "--run_id=fp32")
+    cfg = six_steps_config(tiny_data, tmp_path, "--compile=0", "--adam_period=1", "--table_row_fetch=0", "--run_id=fp32")
     fp32_losses, fp32_gathers = train_on_two_gpus(cfg)
     bf16_losses, bf16_gathers = train_on_two_gpus(dataclasses.replace(cfg, bf16_table_gathers=True, run_id="bf16"))
     # Muon's all-gathers are bf16 in both; the tables' are the new bf16 ones, one per table size. Tables under
@@ -109,3 +109,17 @@ def test_value_tables_exchanged_sparsely_train_as_reduce_scattered(tiny_data, tm
     sparse_losses, _ = train_on_two_gpus(dataclasses.replace(cfg, sparse_value_comms=True, run_id="sparse"))
     assert len(sparse_losses) == cfg.num_iterations and sparse_losses[-1] < sparse_losses[0]
     np.testing.assert_allclose(sparse_losses, dense_losses, rtol=1e-5)
+
+
+def test_tables_fetched_by_rows_train_as_tables_gathered_whole(tiny_data, tmp_path):
+    """--table_row_fetch over NCCL: after each Adam update a rank fetches from the owners only the value and bigram
+    table rows its next forwards read, and training follows the dense all-gathers (rtol 1e-5, as above), a validation
+    between updates included. At a vocabulary of 16,384 a forward reads few of the value tables' rows, and each
+    table holds DistAdam.MERGE values or more, so both runs update it alone (the bigram table is apart in both: its
+    gradient rows travel sparsely)."""
+    cfg = six_steps_config(tiny_data, tmp_path, "--compile=0", "--vocab_size=16384", "--val_loss_every=3",
+                           "--table_row_fetch=0", "--run_id=whole")
+    whole_losses, _ = train_on_two_gpus(cfg)
+    fetched_losses, _ = train_on_two_gpus(dataclasses.replace(cfg, table_row_fetch=True, run_id="fetched"))
+    assert len(fetched_losses) == cfg.num_iterations and fetched_losses[-1] < fetched_losses[0]
+    np.testing.assert_allclose(fetched_losses, whole_losses, rtol=1e-5)
