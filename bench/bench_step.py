@@ -422,8 +422,9 @@ def steps_by_kind(times: list[float], splits: list[dict[str, float]], adam_steps
 def optimizers_alone(model, optimizers, batch, next_step_settings, repeats: int = 6) -> str:
     """The optimizers' steps with no forward or backward before them and every rank starting together (a barrier),
     for the steps where Adam updates and the others: the floor of the optimizers' phases when no rank comes late and
-    nothing else runs. The gradients are the same random tensors at every step, the rows of the sparse exchanges those
-    of `batch` (so they are as sparse as in training). It changes the weights: run it last."""
+    nothing else runs. The gradients are the same random tensors at every step, the rows of the sparse exchanges (and
+    of --table_row_fetch's fetches) those of `batch` (so they are as sparse as in training). It changes the weights:
+    run it last."""
     grads = {p: torch.randn_like(p) * 1e-3 for p in model.parameters()}
     rows = {table: [rows] for table, rows in model.rows_read(batch).items()}
     splits, adam_steps = [], []
@@ -431,7 +432,7 @@ def optimizers_alone(model, optimizers, batch, next_step_settings, repeats: int 
         adam = next_step_settings()
         for opt in optimizers:
             if hasattr(opt, "before_last_backward"):
-                opt.before_last_backward(rows)
+                opt.before_last_backward(rows, rows)
         for p, grad in grads.items():
             p.grad = grad
         if torch.distributed.is_initialized():
@@ -600,8 +601,11 @@ def main() -> int:
                 forwards = trainer.forwards(step, comm.world_size)
                 if batches is not None:
                     batches.close()
-                # a generator of its own over `data`, which closing this stage's loader leaves open
-                batches = tg.prefetch((window for window in data), cfg, device, trainer.per_forward(step))
+                    optimizers[1].whole_tables()  # the rows fetched last were those of that loader's next forwards
+                # a generator of its own over `data`, which closing this stage's loader leaves open (with the windows
+                # its slots hold: as many slots with --table_row_fetch as without, so both read the same windows)
+                batches = tg.prefetch((window for window in data), cfg, device, trainer.per_forward(step),
+                                      ahead=forwards * schedule.adam_period)
                 # The timed steps run back to back, as in training (the host queues step n + 1 while the GPU
                 # runs step n), and are timed by CUDA events at each step's start: a step's time is the GPU's
                 # from its start to the next one's, idle waiting for the host included. (Until 2026-11-24 each
@@ -618,14 +622,19 @@ def main() -> int:
                     tg.set_hyperparameters(optimizers, schedule, at)
                     return schedule.adam_updates(at)
 
+                def train_step(adam: bool, mark=None):
+                    """One step as set; at an Adam update under --table_row_fetch, with the rows of the stage's next
+                    period's forwards fetched (the stage's loader goes on past its steps, so these are its forwards)."""
+                    fetch = adam and tg.fetches_table_rows(cfg) and comm.world_size > 1
+                    return tg.train_step(model, optimizers, batches, windows, forwards, mark=mark,
+                                         ahead=forwards * schedule.adam_period if fetch else 0)
+
                 def run_step():
                     """The stage's next step, set as in training, untimed."""
-                    next_step_settings()
-                    tg.train_step(model, optimizers, batches, windows, forwards)
+                    train_step(next_step_settings())
 
                 for _ in range(3):
-                    next_step_settings()
-                    losses.append(tg.train_step(model, optimizers, batches, windows, forwards))
+                    losses.append(train_step(next_step_settings()))
                 synchronize()
                 step_marks, wall_times, adam_steps = [], [], []
                 for _ in range(steps):
@@ -634,7 +643,7 @@ def main() -> int:
                     step_marks.append(EventMarks() if cuda else None)
                     if cuda:
                         step_marks[-1].start()
-                    losses.append(tg.train_step(model, optimizers, batches, windows, forwards, mark=step_marks[-1]))
+                    losses.append(train_step(adam_steps[-1], mark=step_marks[-1]))
                     wall_times.append(1000 * (time.perf_counter() - clock))  # the CPU's: it runs synchronously
                 if cuda:
                     end = torch.cuda.Event(enable_timing=True)
@@ -662,10 +671,10 @@ def main() -> int:
                         + " ".join(f"{k} {v:.1f}" for k, v in host_phases.items()))
                     costs = []  # then the host's own cost of each phase, issued to an idle GPU (HostCost)
                     for _ in range(4):  # two of each kind
-                        next_step_settings()
+                        adam = next_step_settings()
                         costs.append(HostCost())
                         costs[-1].start()
-                        losses.append(tg.train_step(model, optimizers, batches, windows, forwards, mark=costs[-1]))
+                        losses.append(train_step(adam, mark=costs[-1]))
                     cost = {k: statistics.fmean(c.totals[k] for c in costs) for k in costs[0].totals}
                     say(f"{'':>31}host {sum(cost.values()):8.1f} ms per step with an idle GPU: "
                         + " ".join(f"{k} {v:.1f}" for k, v in cost.items()))
