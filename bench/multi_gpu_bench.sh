@@ -10,8 +10,9 @@
 #    size 1, for the graph cut's own cost), "unmerged" (world size N with a collective per DistAdam bucket,
 #    BENCH_ADAM_MERGE=0), "bf16" (world size N with --bf16_grad_comms),
 #    "tables" (world size N with --bf16_table_gathers), "sparse_values" / "sparse_tables" (world size N with
-#    --sparse_value_comms, without / with --bf16_table_gathers), "ranks" (tests/gpu/test_cuda_ranks.py: two GPUs over
-#    NCCL, bf16 table gathers checked against fp32 ones, CUDA graphs against none), "fa3" / "fa3_1" (FlashAttention-3 at
+#    --sparse_value_comms, without / with --bf16_table_gathers), "gathered" (world size N with --table_row_fetch=0),
+#    "ranks" (tests/gpu/test_cuda_ranks.py: two GPUs over NCCL, bf16 table gathers checked against fp32 ones, tables
+#    fetched by rows against gathered whole, CUDA graphs against none), "fa3" / "fa3_1" (FlashAttention-3 at
 #    world size N / 1, carrying .fa3: bench/fa3_build.sh, or .fa3src: then FA3 is built in the background while
 #    "ranks" runs, which should come first), "fa3_each" (fa3_1 on each of the N GPUs at once, every one reading the
 #    same micro-batches and sending nothing: whether one GPU runs the same work slower than another, with its clocks)
@@ -135,7 +136,9 @@ each_gpu() {  # each_gpu NAME [flags...]: the one-GPU bench on every GPU at once
     sample_gpus "$OUT/$name.smi.csv" &
     local sampler=$!
     for g in $(seq 0 $((nproc - 1))); do
-        CUDA_VISIBLE_DEVICES=$g timeout "${BENCH_LIMIT_S:-240}" torchrun --nproc_per_node=1 --master_port=$((29700 + g)) \
+        mkdir -p "/tmp/trace_gpu$g"  # each process its own profile traces: all four are rank 0
+        BENCH_TRACE_DIR=/tmp/trace_gpu$g CUDA_VISIBLE_DEVICES=$g timeout "${BENCH_LIMIT_S:-240}" torchrun --nproc_per_node=1 \
+            --master_port=$((29700 + g)) \
             "${bench_step[@]}" "${flags[@]}" "$@" > "$OUT/${name}_gpu$g.txt" 2>&1 &
         pids+=($!)
     done
@@ -160,6 +163,7 @@ if [ "$what" = all ] || [ "$what" = bench ]; then
         tables) bench bench_tables "$nproc" --bf16_table_gathers=1 ;;  # value and bigram tables gathered in bf16
         sparse_values) bench bench_sparse_values "$nproc" --sparse_value_comms=1 ;;
         sparse_tables) bench bench_sparse_tables "$nproc" --sparse_value_comms=1 --bf16_table_gathers=1 ;;
+        gathered) bench bench_gathered "$nproc" --table_row_fetch=0 ;;  # the tables gathered whole, not their rows
         ranks) timeout 600 python3 -m pytest -q tests/gpu/test_cuda_ranks.py > "$OUT/test_cuda_ranks.txt" 2>&1
                echo "== tests/gpu/test_cuda_ranks.py (exit $?)"; tail -3 "$OUT/test_cuda_ranks.txt" ;;
         split1) bench bench_split1 1 --compile_scope=split ;;
