@@ -10,7 +10,8 @@ holds for the other owners. With shards, the bigram rows each rank touches per A
 adam_period steps, unioned, as DistAdam does) are replayed from the trainer's loader and hash, as
 bench_bigram_bytes.py does, and with them the rows of the value and bigram tables its forwards read before the next
 update: what fetching only those rows from their owners would receive, against the dense all-gathers of those
-tables; with --sparse_value_comms the value tables' gradient rows at those tokens go to their owners in one exchange;
+tables (with --table_row_fetch, a default, the value and bigram tables' fetch replaces their all-gathers in the
+totals); with --sparse_value_comms the value tables' gradient rows at those tokens go to their owners in one exchange;
 without shards the sparse exchanges are left out. Times are bytes per rank / busbw, an
 assumed NCCL bus bandwidth (default: 360 and 450 GB/s), with no latency term. train_gpt.py flags (e.g.
 --adam_period=1 --tie_embed=0) change the config the model is built from. The step-time model divides ONE_GPU_MS by
@@ -182,6 +183,12 @@ def main():
                 print(f"  stage {stage}: rows read until the next update, of other owners: {others_tokens:,.0f} of the "
                       f"vocabulary, {sent:,.0f} bigram rows; the value{'' if tied else ', embedding'} and bigram "
                       f"tables' all-gathers {dense_ag / MB:.1f}, a fetch of those rows {fetch / MB:.1f}")
+                if tg.fetches_table_rows(cfg):  # --table_row_fetch: the value and bigram tables' rows fetched, the
+                    # embedding still gathered whole (the longest matches read it elsewhere)
+                    fetched = value_tables + [bigram]
+                    ag -= f * sum(t.numel() * gather_bytes(t) for t in fetched)
+                    ag += (others_tokens * (8 + sum(t.size(1) * gather_bytes(t) for t in value_tables))
+                           + sent * (8 + bigram.size(1) * gather_bytes(bigram)))
             update = adam_rs + a2a + ag
             step = muon_rs + muon_ag + update / period
             per_step[w, stage] = step / MB
