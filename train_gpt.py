@@ -1969,41 +1969,54 @@ def union_of_rows(row_lists: list[np.ndarray], num_rows: int) -> np.ndarray:
     return np.flatnonzero(touched)
 
 
-class _RowExchange:
-    """One step's sparse gradient exchange for row-sharded tables of one height, read at the same rows (see DistAdam):
-    rank r owns rows [r*R, (r+1)*R). Built when the touched rows are known; launch() runs once per table, when its
-    gradient is ready. The row indices travel once, at the first launch."""
+class _RowsToOwners:
+    """Sorted row indices of row-sharded tables sent to their owners (rank r owns rows [r*R, (r+1)*R)): the per-owner
+    counts through all_to_all_single on the gloo group when built (CPU, while the GPU works), then, once, the indices
+    themselves through all_to_all_single on the device (exchange_rows). The sparse gradient exchange and the row fetch
+    both start this way."""
 
-    def __init__(self, param: Tensor, rows: np.ndarray, rank: int, world_size: int, cpu_group):
-        self.rank, self.world_size = rank, world_size
-        self.rows_per_rank = param.size(0) // world_size
+    def __init__(self, rows: np.ndarray, rows_per_rank: int, world_size: int, pin: bool, cpu_group):
+        self.rows_per_rank, self.world_size = rows_per_rank, world_size
         rows = np.ascontiguousarray(rows, dtype=np.int64)
-        self.send_counts = np.diff(np.searchsorted(rows, np.arange(world_size + 1) * self.rows_per_rank))
+        self.send_counts = np.diff(np.searchsorted(rows, np.arange(world_size + 1) * rows_per_rank))
         self.send_rows = torch.from_numpy(rows)
-        if param.is_cuda:
+        if pin:
             self.send_rows = self.send_rows.pin_memory()
         self.recv_counts = torch.empty(world_size, dtype=torch.int64)
         self.counts_sent = dist.all_to_all_single(self.recv_counts, torch.from_numpy(self.send_counts),
                                                   group=cpu_group, async_op=True)
-        self.rows = None  # after the first launch: (the rows sent, on the device; the rows received; their wait)
+        self.rows = None  # after exchange_rows: (the rows sent, on the device; the rows received; their wait)
+
+    def exchange_rows(self, device: torch.device) -> tuple[list[int], list[int]]:
+        """Launch the indices' exchange (the first call only); returns the (sent, received) row counts by rank."""
+        self.counts_sent.wait()  # a CPU collective: the host waits, the GPU does not
+        send_splits, recv_splits = self.send_counts.tolist(), self.recv_counts.numpy().tolist()
+        if self.rows is None:
+            send_rows = self.send_rows.to(device, non_blocking=True)
+            recv_rows = torch.empty(sum(recv_splits), dtype=torch.int64, device=device)
+            work = dist.all_to_all_single(recv_rows, send_rows, recv_splits, send_splits, async_op=True)
+            self.rows = (send_rows, recv_rows, work)
+        return send_splits, recv_splits
+
+
+class _RowExchange(_RowsToOwners):
+    """One step's sparse gradient exchange for row-sharded tables of one height, read at the same rows (see DistAdam).
+    Built when the touched rows are known; launch() runs once per table, when its gradient is ready. The row indices
+    travel once, at the first launch."""
+
+    def __init__(self, param: Tensor, rows: np.ndarray, rank: int, world_size: int, cpu_group):
+        super().__init__(rows, param.size(0) // world_size, world_size, param.is_cuda, cpu_group)
+        self.rank = rank
 
     def launch(self, grad: Tensor, dtype: torch.dtype | None = None):
         """Send the touched rows to their owners (in dtype when given); returns a function that waits and gives
         this rank's averaged gradient shard (flat), summed in grad's dtype."""
-        self.counts_sent.wait()  # a CPU collective: the host waits, the GPU does not
-        send_splits = self.send_counts.tolist()
-        recv_splits = self.recv_counts.numpy().tolist()
-        received = sum(recv_splits)
-        if self.rows is None:
-            send_rows = self.send_rows.to(grad.device, non_blocking=True)
-            recv_rows = torch.empty(received, dtype=torch.int64, device=grad.device)
-            work = dist.all_to_all_single(recv_rows, send_rows, recv_splits, send_splits, async_op=True)
-            self.rows = (send_rows, recv_rows, work)
+        send_splits, recv_splits = self.exchange_rows(grad.device)
         send_rows, recv_rows, rows_sent = self.rows
         values = grad.index_select(0, send_rows)
         if dtype is not None:
             values = values.to(dtype)
-        recv_values = values.new_empty(received, grad.size(1))
+        recv_values = values.new_empty(sum(recv_splits), grad.size(1))
         values_sent = dist.all_to_all_single(recv_values, values, recv_splits, send_splits, async_op=True)
 
         def finish() -> Tensor:
@@ -2015,45 +2028,32 @@ class _RowExchange:
         return finish
 
 
-class _RowFetch:
-    """One Adam update's row fetch for tables of one height read at the same rows (see DistAdam's fetch_tables):
-    rank r owns rows [r*R, (r+1)*R). Built before the last backward from the rows this rank's forwards read until
-    the next update; the counts asked of each owner go through gloo at once (CPU), the row indices once the step's
+class _RowFetch(_RowsToOwners):
+    """One Adam update's row fetch for tables of one height read at the same rows (see DistAdam's fetch_tables).
+    Built before the last backward from the rows this rank's forwards read until the next update, less its own
+    block (current after its update): the counts asked of each owner travel at once, the row indices once the step's
     reduce-scatters are launched (ask), and the rows after the tables' update (send)."""
 
     def __init__(self, tables: list[Tensor], rows: np.ndarray, rank: int, world_size: int, cpu_group):
-        self.tables, self.rank, self.world_size = tables, rank, world_size
         rows_per_rank = tables[0].size(0) // world_size
-        rows = np.ascontiguousarray(rows, dtype=np.int64)
         own = (rows >= rank * rows_per_rank) & (rows < (rank + 1) * rows_per_rank)
-        need = rows[~own]  # this rank's own block is current after its update
-        self.ask_counts = np.diff(np.searchsorted(need, np.arange(world_size + 1) * rows_per_rank))
-        self.need = torch.from_numpy(need)
-        if tables[0].is_cuda:
-            self.need = self.need.pin_memory()
-        self.asked_counts = torch.empty(world_size, dtype=torch.int64)
-        self.counts_sent = dist.all_to_all_single(self.asked_counts, torch.from_numpy(self.ask_counts),
-                                                  group=cpu_group, async_op=True)
-        self.asked = None  # after ask(): (the rows needed here, on the device; the rows others asked of this rank; wait)
+        super().__init__(rows[~own], rows_per_rank, world_size, tables[0].is_cuda, cpu_group)
+        self.tables = tables
 
     def ask(self):
         """Send each owner the indices of the rows this rank needs from it."""
-        self.counts_sent.wait()  # a CPU collective: the host waits, the GPU does not
-        need = self.need.to(self.tables[0].device, non_blocking=True)
-        asked = torch.empty(int(self.asked_counts.sum()), dtype=torch.int64, device=need.device)
-        work = dist.all_to_all_single(asked, need, self.asked_counts.tolist(), self.ask_counts.tolist(), async_op=True)
-        self.asked = (need, asked, work)
+        self.exchange_rows(self.tables[0].device)
 
     def send(self, dtype: torch.dtype | None = None):
         """After this rank's blocks of the tables are updated: send the rows asked of it (in dtype when given, the
         tables side by side in one buffer) and receive those it asked for. Returns the function that waits and
         writes them into the tables."""
-        need, asked, asked_sent = self.asked
+        asked_of_owners, asked_of_us = self.exchange_rows(self.tables[0].device)
+        need, asked, asked_sent = self.rows
         asked_sent.wait()
         values = torch.cat([table.index_select(0, asked).to(dtype or table.dtype) for table in self.tables], dim=1)
         received = values.new_empty(need.size(0), values.size(1))
-        work = dist.all_to_all_single(received, values, self.ask_counts.tolist(), self.asked_counts.tolist(),
-                                      async_op=True)
+        work = dist.all_to_all_single(received, values, asked_of_owners, asked_of_us, async_op=True)
 
         def finish():
             work.wait()
@@ -2357,8 +2357,7 @@ class DistAdam(torch.optim.Optimizer):
         weights' checksum). Nothing when no row is stale."""
         if self.stale:
             for bucket in self.fetched_buckets.values():
-                flat = bucket.flat(bucket.params)
-                self._all_gather(bucket, flat, bucket.owned(flat, self.rank))()
+                self._gather_whole(bucket)
             self.stale = False
 
     @torch.no_grad()
@@ -2369,10 +2368,14 @@ class DistAdam(torch.optim.Optimizer):
         self.whole_tables()
         for bucket in self.buckets:
             if bucket.gather_dtype is not None:
-                flat = bucket.flat(bucket.params)
-                self._all_gather(bucket, flat, bucket.owned(flat, self.rank))()
-                if not bucket.in_place:
-                    torch._foreach_copy_(bucket.params, self._param_views(bucket, flat))
+                self._gather_whole(bucket)
+
+    def _gather_whole(self, bucket: _AdamBucket):
+        """The bucket's parameters whole on every rank, each slice its owner's (one all-gather, in their own dtype)."""
+        flat = bucket.flat(bucket.params)
+        self._all_gather(bucket, flat, bucket.owned(flat, self.rank))()
+        if not bucket.in_place:
+            torch._foreach_copy_(bucket.params, self._param_views(bucket, flat))
 
     @staticmethod
     def _param_views(bucket: _AdamBucket, flat: Tensor) -> list[Tensor]:

@@ -176,19 +176,20 @@ def main():
                 # What the tables' all-gathers would receive if each rank fetched from their owners only the rows its
                 # forwards read until the next update (an int64 index and a row each; the value tables and the
                 # untied embedding share the token indices): the dense all-gathers receive as much as they send.
+                def gathered(tables):  # what the tables' dense all-gathers send
+                    return f * sum(t.numel() * gather_bytes(t) for t in tables)
+
+                def fetched(tables):  # a fetch of these tables' rows read at the tokens, and of the bigram rows
+                    return (others_tokens * (8 + sum(t.size(1) * gather_bytes(t) for t in tables))
+                            + sent * (8 + bigram.size(1) * gather_bytes(bigram)))
                 vocab_tables = value_tables + ([model.embed.weight] if follower is None or not tied else [])
-                dense_ag = f * sum(t.numel() * gather_bytes(t) for t in vocab_tables + [bigram])
-                fetch = (others_tokens * (8 + sum(t.size(1) * gather_bytes(t) for t in vocab_tables))
-                         + sent * (8 + bigram.size(1) * gather_bytes(bigram)))
+                dense_ag, fetch = gathered(vocab_tables + [bigram]), fetched(vocab_tables)
                 print(f"  stage {stage}: rows read until the next update, of other owners: {others_tokens:,.0f} of the "
                       f"vocabulary, {sent:,.0f} bigram rows; the value{'' if tied else ', embedding'} and bigram "
                       f"tables' all-gathers {dense_ag / MB:.1f}, a fetch of those rows {fetch / MB:.1f}")
                 if tg.fetches_table_rows(cfg):  # --table_row_fetch: the value and bigram tables' rows fetched, the
                     # embedding still gathered whole (the longest matches read it elsewhere)
-                    fetched = value_tables + [bigram]
-                    ag -= f * sum(t.numel() * gather_bytes(t) for t in fetched)
-                    ag += (others_tokens * (8 + sum(t.size(1) * gather_bytes(t) for t in value_tables))
-                           + sent * (8 + bigram.size(1) * gather_bytes(bigram)))
+                    ag += fetched(value_tables) - gathered(value_tables + [bigram])
             update = adam_rs + a2a + ag
             step = muon_rs + muon_ag + update / period
             per_step[w, stage] = step / MB

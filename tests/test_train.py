@@ -1235,7 +1235,7 @@ def _train_noting_row_fetches_on_rank(rank, world_size, cfg):
     ask = tg._RowFetch.ask
 
     def noted(self):
-        fetches.append((self.tables[0].size(0), len(self.need)))
+        fetches.append((self.tables[0].size(0), len(self.send_rows)))
         return ask(self)
     tg._RowFetch.ask = noted
     comm = tg.Comm(rank, world_size)
