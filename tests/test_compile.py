@@ -51,6 +51,10 @@ def inductor_cache(path, kernels):
     copy_kernels(path, kernels)
 
 
+# Inductor's C++ without SIMD, in the compiling tests' own processes too: the same compile command as the runs'
+# (start_tiny), so they share its precompiled header (a cold one is about 10 s of g++) and skip the SIMD probe.
+SCALAR_CPP = {"cpp.vec_isa_ok": False}
+
 # The tiny model at two layers, each feature placed where it still applies: half a cold CPU compile is g++, about 1.4 s
 # a kernel on 2 cores, and two layers make two thirds of four layers' kernels (36 against 55).
 TWO_LAYERS = ["--num_layers=2", "--attn_layout=SL", "--value_embed_layout=01", "--skip_from=0", "--skip_to=1",
@@ -219,7 +223,7 @@ def test_compile_cache_watch_counts_a_bypass_with_its_reason_and_stays_quiet(cap
     levels = [logging.getLogger(name).level for name in tg.CompileCacheWatch.LOGGERS]
     watch = tg.CompileCacheWatch()
     try:  # AOTAutograd's cache refuses graphs compiled with freezing
-        with torch._inductor.config.patch(freezing=True), torch.no_grad():
+        with torch._inductor.config.patch(freezing=True, **SCALAR_CPP), torch.no_grad():
             torch.compile(loss, dynamic=False)(torch.randn(8))
     finally:
         watch.close()
@@ -249,7 +253,7 @@ def test_graphs_with_custom_autograd_functions_are_cached():
         return Double.apply(x.sin()).sum()
 
     x = torch.randn(8, requires_grad=True)
-    with torch._inductor.config.patch(coordinate_descent_tuning=False), \
+    with torch._inductor.config.patch(coordinate_descent_tuning=False, **SCALAR_CPP), \
             torch._functorch.config.patch(autograd_cache_allow_custom_autograd_functions=False):
         tg.configure_inductor(dataclasses.replace(tg.Config(), compile=True), torch.device("cpu"))
         summaries = []

@@ -416,10 +416,10 @@ def naive_attention(q, k, v, tokens, window):
     return out
 
 
-def random_attention_inputs(T=128, H=2, D=16, seed=0):
+def random_attention_inputs(T=128, H=2, D=16, seed=0, starts=6):
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, VOCAB - 1, (T,), generator=g, dtype=torch.int32)
-    tokens[torch.randint(0, T, (6,), generator=g)] = BOS  # documents of irregular length; first one has no BOS
+    tokens[torch.randint(0, T, (starts,), generator=g)] = BOS  # documents of irregular length; first one has no BOS
     q, k, v = (torch.randn(T, H, D, generator=g) for _ in range(3))
     return tokens, q, k, v
 
@@ -599,8 +599,8 @@ def test_fa3_compiles_one_graph_for_every_window_and_length():
     `mask` (--compile_scope=regional), each equal to eager. (Constants would make a graph per value; under CUDA
     graphs the op is then captured with the step, one recorded graph per value.)"""
     from torch._dynamo.testing import CompileCounterWithBackend
-    T = 2048
-    tokens, q, k, v = random_attention_inputs(T=T, seed=3)
+    T = 1024  # 4 documents, fewer than the 5 starts the cut keeps (one per 256 tokens)
+    tokens, q, k, v = random_attention_inputs(T=T, seed=3, starts=3)
     slot = tg._Slot(T, pin=False, bos=BOS)
     slot.fill([np.concatenate([tokens.numpy(), [0]]).astype(np.uint16)])
     kernels = StandInFA3()
@@ -1629,10 +1629,15 @@ def test_run_sh_checks_before_launching(tmp_path, tiny_data):
         "error: NPROC=3: use 1, 2, 4 or 8 (every stage's batch splits evenly over those)")
 
 
-def test_cuda_graph_modes_give_every_parameter_a_kept_gradient(tiny_data):
+def test_cuda_graph_modes_give_every_parameter_a_kept_gradient_and_mark_each_forward(tiny_data, monkeypatch):
     """Under CUDA graphs (compile_mode reduce-overhead or max-autotune) a first micro-batch's gradient must not
-    become .grad itself (the next replay would overwrite it): every parameter starts the step with zeros."""
+    become .grad itself (the next replay would overwrite it): every parameter starts the step with zeros. Each
+    forward marks a new step for the graphs there, and only there (elsewhere the mark would import inductor's graph
+    trees into a CPU run)."""
     cfg = tiny_config(*tiny_data, row_embedding_grads=1)
+    marks = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    batches = tg.prefetch(tg.dummy_batches(cfg, seed=1), cfg, torch.device("cpu"), packed=1)
     for replays, expected in ((True, "all"), (False, "tables")):
         model = tg.GPT(cfg, tg.SdpaAttention(), torch.float32)
         model.replays_cuda_graphs = replays
@@ -1641,6 +1646,11 @@ def test_cuda_graph_modes_give_every_parameter_a_kept_gradient(tiny_data):
         for p in model.parameters():
             has_zeros = p.grad is not None and not p.grad.any()
             assert has_zeros == (expected == "all" or id(p) in tables), (replays, p.shape)
+        marks.clear()
+        with torch.no_grad():
+            tg.forward_loss(model, batches.next(), (64, 128))
+        assert len(marks) == replays, (replays, marks)
+    batches.close()
 
 
 def test_every_parameter_reaches_the_loss(tiny_data):
