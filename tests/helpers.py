@@ -135,7 +135,7 @@ def run_forked(target, *args, timeout: float = 300):
     return value
 
 
-def _trainer_main(args, cwd, env, out, inductor_cpp, compile_backend):
+def _trainer_main(args, cwd, env, out, inductor, compile_backend):
     gc.freeze()  # see RANK_PRELOAD
     os.setsid()  # a process group of its own, as subprocess's start_new_session: killpg ends it and all it started
     fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
@@ -147,8 +147,7 @@ def _trainer_main(args, cwd, env, out, inductor_cpp, compile_backend):
     import train_gpt
     if "OMP_NUM_THREADS" in env:
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
-    for name, value in inductor_cpp.items():  # inductor read its environment when the server imported it
-        setattr(torch._inductor.config.cpp, name, value)
+    torch._inductor.config.load_config(inductor)  # inductor read its environment when the server imported it
     if compile_backend is not None:  # every torch.compile of the trainer on this backend, which takes no mode
         inductor_compile = torch.compile
         torch.compile = lambda *a, mode=None, **kw: inductor_compile(*a, backend=compile_backend, **kw)
@@ -160,14 +159,14 @@ class Trainer:
     """`python train_gpt.py --run_id=RUN_ID ARGS` in cwd, run in a process forked from the preloaded server
     (RANK_PRELOAD) instead of a new Python, which would spend seconds on imports: the same main() in a process of its
     own that leads its own process group, its output in cwd/RUN_ID.out, polled and waited for as a subprocess.Popen.
-    env: variables to set; inductor_cpp: torch._inductor.config.cpp settings; compile_backend: a torch.compile backend
-    for every compile."""
+    env: variables to set; inductor: torch._inductor.config settings ({"cpp.vec_isa_ok": False, ...}); compile_backend:
+    a torch.compile backend for every compile."""
 
-    def __init__(self, run_id: str, args, cwd, env=None, inductor_cpp=None, compile_backend=None):
+    def __init__(self, run_id: str, args, cwd, env=None, inductor=None, compile_backend=None):
         self.run_id, self.cwd = run_id, Path(cwd)
         self.out = self.cwd / f"{run_id}.out"
         self.process = _forkserver().Process(target=_trainer_main, args=(
-            [f"--run_id={run_id}", *map(str, args)], str(cwd), dict(env or {}), str(self.out), dict(inductor_cpp or {}),
+            [f"--run_id={run_id}", *map(str, args)], str(cwd), dict(env or {}), str(self.out), dict(inductor or {}),
             compile_backend))
         self.process.start()
         self.pid = self.process.pid

@@ -51,8 +51,9 @@ def inductor_cache(path, kernels):
     copy_kernels(path, kernels)
 
 
-# Inductor's C++ without SIMD, in the compiling tests' own processes too: the same compile command as the runs'
-# (start_tiny), so they share its precompiled header (a cold one is about 10 s of g++) and skip the SIMD probe.
+# Inductor's C++ without SIMD, for every inductor compile here: a CPU compile is mostly g++, which builds scalar loops
+# about a fifth faster (the graphs, caches and scopes under test are the same), and one compile command lets the
+# tests' own processes share the runs' precompiled header (a cold one is about 10 s of g++) and skip the SIMD probe.
 SCALAR_CPP = {"cpp.vec_isa_ok": False}
 
 # The tiny model at two layers, each feature placed where it still applies: half a cold CPU compile is g++, about 1.4 s
@@ -67,12 +68,10 @@ def start_tiny(tmp_path, train, val, run_id, *extra, inductor_dir=None, aot_eage
     compile, with the graphs' ops run eagerly instead of generated and built (about a minute of g++ a run here; the
     trainer still does what its --compile_mode asks of it: under a CUDA-graph mode, .grad zeroed each step). Returns a
     function that waits for it and returns its log."""
-    # Inductor's C++ without SIMD: a CPU compile here is mostly g++, which builds scalar loops about a fifth faster
-    # (the graphs, caches and scopes under test are the same).
     env = {} if inductor_dir is None else {"TORCHINDUCTOR_CACHE_DIR": str(inductor_dir)}
     args = ["--device=cpu", *TINY, *TWO_LAYERS, f"--train_files={train}", f"--val_files={val}", "--num_iterations=1",
             "--val_loss_every=0", "--micro_batch_tokens=128", *extra]
-    run = Trainer(run_id, args, tmp_path, env, inductor_cpp={"vec_isa_ok": False},
+    run = Trainer(run_id, args, tmp_path, env, inductor=SCALAR_CPP,
                   compile_backend="aot_eager" if aot_eager else None)
     return lambda: run.log(timeout=900)
 
