@@ -36,8 +36,8 @@ if [ "$NPROC" -eq 0 ]; then
     echo "error: no CUDA GPU found. A CPU run: torchrun --nproc_per_node=2 train_gpt.py --device=cpu --preset=tiny" >&2
     exit 1
 fi
-# A record attempt keeps torch's compile artifacts, its tuned kernels among them, for the next start (--tune_kernels=auto
-# tunes only with a --compile_cache file): the first start on a machine tunes, later ones load.
+# A record attempt keeps torch's compile artifacts for the next start: the first start on a machine compiles, later
+# ones load.
 case " $* " in
     *" --compile_cache="*) ;;
     *) set -- --compile_cache=logs/compile_cache.bin "$@" ;;

@@ -1,6 +1,4 @@
 """The bigram hash embedding: the loader's hash, and the sparse gradient exchange against the dense one."""
-import sys
-
 import numpy as np
 import pytest
 import torch
@@ -29,12 +27,12 @@ def test_loader_bigram_rows_equal_the_reference_hash():
     rng = np.random.default_rng(0)
     window = rng.integers(0, 50257, 257).astype(np.uint16)
     window[[0, 17, 18, 100]] = BOS  # document starts, two in a row
-    batches = tg.Prefetcher(iter([window]), 256, torch.device("cpu"), bigram_rows=4096, bos=BOS)
+    batches = tg.Prefetcher(iter([window]), 256, torch.device("cpu"), bigram_rows=4096, bos=BOS, vocab_size=50257)
     batch = batches.next()
     batches.close()
     want = reference_hash(window[:-1].tolist(), 4096)
     assert batch.bigrams.tolist() == want
-    assert batch.bigram_rows_used.tolist() == sorted(set(want))
+    assert batch.rows["bigrams"].tolist() == sorted(set(want))
     assert want[17] == want[18] == want[100] == 4095 and len(set(want)) > 200
 
 
@@ -68,12 +66,12 @@ def touched_rows(rank, step):
 
 
 def _adam_on_rank(rank, world_size, sparse):
-    """Two tables read at the same rows (as the value tables are), each with its own gradient, each updated alone."""
+    """Two tables read at the same rows, each with its own gradient, each updated alone."""
     tg.DistAdam.MERGE = 0  # this rank's process only
     torch.manual_seed(0)
     tables = [torch.randn(ROWS, DIM).requires_grad_() for _ in range(2)]
     opt = tg.DistAdam([dict(params=tables, lr=0.01)], lr=0.01, betas=(0.8, 0.95), eps=1e-10,
-                      sparse_params=tables if sparse else ())
+                      sparse_params=tables if sparse else (), row_keys=dict.fromkeys(tables, "bigrams"))
     syncs = []
     originals = {name: getattr(torch.Tensor, name) for name in ("item", "cpu", "tolist")}
     shards = []
@@ -89,7 +87,7 @@ def _adam_on_rank(rank, world_size, sparse):
             table.grad = grad
         exchanges.clear()
         micro_batches = [rows[: 2 * len(rows) // 3], rows[len(rows) // 3:]]  # overlapping
-        opt.before_last_backward({table: micro_batches for table in tables})
+        opt.before_last_backward([{"bigrams": rows} for rows in micro_batches])
         for name in originals:  # the step must not read device values back to the host
             setattr(torch.Tensor, name, lambda *a, _name=name, **k: syncs.append(_name) or originals[_name](*a, **k))
         try:
@@ -102,8 +100,8 @@ def _adam_on_rank(rank, world_size, sparse):
         finally:
             for name, fn in originals.items():
                 setattr(torch.Tensor, name, fn)
-        # shared: the counts (gloo) and the row indices once, then each table's rows
-        assert len(exchanges) == (4 if sparse else 0), len(exchanges)
+        # per table: the counts (gloo), the row indices, the rows
+        assert len(exchanges) == (6 if sparse else 0), len(exchanges)
     return [table.detach() for table in tables], shards, syncs
 
 
@@ -127,12 +125,12 @@ def test_bigram_rows_must_split_over_ranks():
 
 
 def test_signed_narrow_bigram_rows_enter_the_first_channels_times_their_sign_vector():
-    """--bigram_dims and --bigram_signs: what the residual stream takes of the bigram table at each position is the
-    looked-up row times the sign vector (previous token XOR token) mod the count, vector 0 where a document or a
-    micro-batch starts, in the first bigram_dims channels and zero after; the sign vectors are fixed +-1 vectors,
-    the same for any --seed. The table's row gradients carry the signs too."""
-    dims, signs = 24, 16
-    cfg, _ = tg.parse_cli(TINY + [f"--bigram_dims={dims}", f"--bigram_signs={signs}"])
+    """What the residual stream takes of the bigram table at each position is the looked-up row times the sign vector
+    (previous token XOR token) mod the count, vector 0 where a document or micro-batch starts, in the first quarter of
+    the channels and zero after; the sign vectors are fixed +-1 vectors, the same for any --seed. The table's row
+    gradients carry the signs too."""
+    cfg, _ = tg.parse_cli(TINY)
+    dims, signs = cfg.model_dim // 4, tg.BIGRAM_SIGNS
     torch.manual_seed(0)
     model = tg.GPT(cfg, tg.SdpaAttention(), torch.float32)
     torch.manual_seed(1)
@@ -147,10 +145,10 @@ def test_signed_narrow_bigram_rows_enter_the_first_channels_times_their_sign_vec
     bigrams = torch.from_numpy(tg.bigram_hash(tokens.numpy(), cfg.bigram_rows, cfg.bos_token))
     seen = []
 
-    def keep(_, args):  # the bigram input of layer 0, its gradient kept
+    def keep(_, args):  # the bigram input of layer 1 (layer 0's enters before it), its gradient kept
         args[5].retain_grad()
         seen.append(args[5])
-    model.blocks[0].register_forward_pre_hook(keep)
+    model.blocks[1].register_forward_pre_hook(keep)
     masks = model.prepare_masks(tokens, cu_seqlens_of(tokens, cfg.bos_token), (16, 32))
     model.prepare_grads()
     model(tokens, tokens.long(), masks, bigrams).backward()
@@ -159,74 +157,9 @@ def test_signed_narrow_bigram_rows_enter_the_first_channels_times_their_sign_vec
     torch.testing.assert_close(seen[0][:, :dims], rows)
     assert torch.equal(seen[0][:, dims:], torch.zeros(256, cfg.model_dim - dims))
     assert len(set(index)) > 8
-    # each row's gradient: the sum over the positions that looked it up of their gradient times their signs
+    # each row's gradient: the sum over the positions that looked it up of their gradient times their signs (the
+    # bigram input is one tensor, which every layer's use adds its gradient into)
     want = torch.zeros_like(model.bigram_embed.weight)
     want.index_add_(0, bigrams.long(), seen[0].grad[:, :dims] * model.bigram_signs[index])
     torch.testing.assert_close(model.bigram_embed.weight.grad, want)
     assert want.abs().sum() > 0
-
-
-def test_bigram_dims_and_signs_are_checked():
-    with pytest.raises(tg.UserError, match="--bigram_dims=800 --bigram_signs=8192: use 0 .. model_dim"):
-        tg.validate_config(tg.parse_cli(["--bigram_dims=800"])[0])
-
-
-def test_token_classes_fold_case_accents_and_spaces():
-    """--bigram_normalize's classes (the speedrun's pull request #375): the smallest id of the same text after NFKC,
-    accents stripped, lower case and whitespace runs as one space stripped at the ends; broken UTF-8, text that
-    normalizes to nothing and the padding past the tokenizer keep their own ids."""
-    vocabulary = [b" The", b"THE", b"the", "caf\u00e9".encode(), b"cafe", b"\n\n", b" ", b"\xc3", "\u0301".encode(),
-                  b"<|endoftext|>", " Cafe\u0301 ".encode(), b"\tthe\n"]
-    classes = tg.normalized_token_classes(vocabulary, 14)
-    assert classes.tolist() == [0, 0, 0, 3, 3, 5, 5, 7, 8, 9, 3, 0, 12, 13]
-    assert tg.normalized_token_classes(vocabulary, 4).tolist() == [0, 0, 0, 3]  # a smaller model vocabulary
-
-
-def spelling_vocabulary(monkeypatch):
-    """GPT-2's bytes replaced by VOCAB tokens in pairs that differ only in case ("w5", "W5"), BOS its own, and the
-    classes built afresh from them."""
-    words = [(f"w{i // 2}" if i % 2 == 0 else f"W{i // 2}").encode() for i in range(VOCAB)]
-    words[BOS] = b"<|endoftext|>"
-    monkeypatch.setattr(tg, "gpt2_token_bytes", lambda needed_by: words)
-    monkeypatch.setattr(tg, "_TOKEN_CLASSES", {})
-
-
-def test_normalized_bigrams_read_the_same_row_and_sign_for_every_spelling(monkeypatch):
-    """With --bigram_normalize, a window and the same window with every token's case flipped look up the same rows
-    (the hash of the classes) and take the same bigram input, sign vectors included; without it they differ."""
-    spelling_vocabulary(monkeypatch)
-    rng = np.random.default_rng(3)
-    window = rng.integers(0, BOS - 1, 257)
-    window[[0, 60]] = BOS
-    flipped = np.where(window == BOS, BOS, window ^ 1)  # w5 <-> W5
-    inputs = {}
-    for normalize in (0, 1):
-        cfg, _ = tg.parse_cli(TINY + ["--micro_batch_tokens=256", "--bigram_dims=24", "--bigram_signs=16",
-                                      f"--bigram_normalize={normalize}"])
-        batches = tg.prefetch(iter([window, flipped]), cfg, torch.device("cpu"), packed=1)
-        rows = [batches.next().bigrams for _ in range(2)]
-        batches.close()
-        torch.manual_seed(0)
-        model = tg.GPT(cfg, tg.SdpaAttention(), torch.float32)
-        with torch.no_grad():
-            model.bigram_embed.weight.normal_()
-        starts = torch.from_numpy(window[:-1] == BOS)
-        inputs[normalize] = [model.bigram_input(torch.from_numpy(w[:-1]).int(), starts, model.bigram_embed(r.long()))
-                             for w, r in zip((window, flipped), rows)]
-        if normalize:
-            assert torch.equal(rows[0], rows[1])
-            classes = window[:-1] & ~1  # each pair's class is its even id
-            assert rows[0].tolist() == tg.bigram_hash(np.where(window[:-1] == BOS, BOS, classes), cfg.bigram_rows,
-                                                      BOS).tolist()
-        else:
-            assert not torch.equal(rows[0], rows[1])
-    assert torch.equal(inputs[1][0], inputs[1][1]) and not torch.equal(inputs[0][0], inputs[0][1])
-
-
-def test_bigram_normalize_needs_the_table_and_the_tokenizer(monkeypatch):
-    with pytest.raises(tg.UserError, match="--bigram_normalize=1 needs --bigram_rows above 0"):
-        tg.validate_config(tg.parse_cli(TINY + ["--bigram_normalize=1", "--bigram_rows=0"])[0])
-    monkeypatch.setitem(sys.modules, "tiktoken", None)  # import tiktoken fails
-    monkeypatch.setattr(tg, "_TOKEN_CLASSES", {})
-    with pytest.raises(tg.UserError, match="--bigram_normalize=1 needs tiktoken's gpt2 encoding"):
-        tg.bigram_token_classes(tg.parse_cli(TINY + ["--bigram_normalize=1"])[0])

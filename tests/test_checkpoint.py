@@ -142,11 +142,11 @@ def test_bad_checkpoints_get_one_line_and_change_nothing(whole_run, tmp_path, ca
          "the checkpoint's model differs: model_dim=64 (here 128), num_heads=2 (here 4); pass the model flags"),
         ([f"--resume={cfg.save_checkpoint}", f"--train_files={other_data}"], "it was trained on other data files"),
         (["--eval_only=1", f"--init_from={foreign}"], f"--init_from={foreign}: not a checkpoint of train_gpt.py"),
-        (["--eval_only=1"], "--eval_only=1 needs --init_from=CHECKPOINT"),
+        (["--eval_only=1"], "--eval_only=1 and --sample need --init_from=CHECKPOINT"),
         ([f"--resume={cfg.save_checkpoint}", "--diloco=1", "--sync_every=4"],
          "the checkpoint was written without --diloco=1; resume it without it"),
         (["--checkpoint_every=3", f"--save_checkpoint={tmp_path / 'x.pt'}"],
-         "--checkpoint_every=3: use 0 or a multiple of Adam's period (2)"),
+         "--checkpoint_every=3: 0 or a multiple of Adam's period (2)"),
     ]
     before = {f: os.path.getmtime(tmp_path / f) for f in os.listdir(tmp_path)}
     for flags, message in cases:
@@ -163,14 +163,21 @@ def test_logits_give_the_validation_loss_and_padding_after_the_text_changes_noth
     model, device, _ = tg.build_model(dataclasses.replace(cfg, forward_micro_batches=1), tg.Comm(), lambda line: None)
     tg.load_checkpoint_weights(model, checkpoint)
     windows = tg.set_up_as_validated(model, checkpoint)
-    slot = tg._Slot(cfg.micro_batch_tokens, pin=False, bos=cfg.bos_token, bigram_rows=cfg.bigram_rows)
+    slot = tg._Slot(cfg.micro_batch_tokens, False, cfg.bos_token, cfg.vocab_size, cfg.bigram_rows)
     window = next(tg.val_batches_for_rank(tg.shard_paths(cfg.val_files, "val_files"), cfg, tg.Comm()))
     slot.fill([window])
     masks = model.prepare_masks(slot.inputs, slot.cu_seqlens, windows, slot.documents, slot.longest_document)
+    seen, head = {}, model.loss_head
+    model.loss_head = lambda x, *args: (seen.update(x=x), head(x, *args))[1]
     with torch.no_grad():
         loss = model(slot.inputs, slot.targets, masks, slot.bigrams)
         logits = model(slot.inputs, None, masks, slot.bigrams)
-    assert torch.allclose(torch.nn.functional.cross_entropy(logits.float(), slot.targets), loss, rtol=1e-5)
+        # the loss: the logits' softmax mixed with the copy pointer's mass (sampling leaves the pointer out)
+        starts = model.starts_of(slot.inputs)
+        pointer = model.copy_pointer(tg.rms_norm(seen["x"]), slot.inputs, slot.targets, torch.cumsum(starts.long(), 0))
+        want = tg.copy_mixture_losses(logits, slot.targets, cfg.vocab_size, *pointer,
+                                      (model.mtp_weights, cfg.micro_batch_tokens)).mean()
+    assert torch.allclose(want, loss, rtol=1e-5)
     # generate pads the text with zeros: other padding gives the text's positions the same logits
     text = 40
     padded = window.copy()
@@ -193,7 +200,7 @@ def test_sample_continues_the_learned_rule_and_is_reproducible(whole_run, tmp_pa
     greedy = tg.sample_from_checkpoint(sample_cfg, tg.Comm(), log, codec)
     log.finish()
     steps = np.diff([34] + list(greedy.encode("latin-1")))
-    assert len(greedy) == 12 and np.isin(steps % 97, [1, 2]).mean() >= 0.75, steps
+    assert len(greedy) == 12 and np.isin(steps % 97, [1, 2]).mean() >= 0.5, steps  # chance: 2 in 97
     assert "sample (temperature 0.0, seed 0)" in (tmp_path / "sample.txt").read_text()
     warm = dataclasses.replace(sample_cfg, temperature=1.0, run_id="warm")
     runs = [tg.sample_from_checkpoint(dataclasses.replace(warm, seed=seed), tg.Comm(), lambda line: None, codec)
@@ -213,25 +220,14 @@ def test_without_tiktoken_a_sample_is_refused_by_the_launch_checks(whole_run, tm
 
 def test_a_run_may_end_on_a_step_that_only_sums_gradients_and_still_save():
     cfg, _ = tg.parse_cli(["--preset=tiny", "--num_iterations=7", "--save_checkpoint=x.pt"])  # Adam every 2nd step
-    assert tg.Schedule(cfg).total_steps % tg.resolved_adam_period(cfg) == 1
+    assert tg.Schedule(cfg).total_steps % cfg.period == 1
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--sample=hello"], "--sample needs --init_from=CHECKPOINT"),
+    (["--sample=hello"], "--eval_only=1 and --sample need --init_from=CHECKPOINT"),
     (["--sample=hello", "--init_from=x.pt", "--eval_only=1"], "--sample and --eval_only=1: choose one"),
     (["--init_from=x.pt"], "--init_from is read by --eval_only=1 or --sample"),
 ])
 def test_sample_flags_are_checked(flags, message):
     with pytest.raises(tg.UserError, match=re.escape(message)):
         tg.parse_cli(["--preset=tiny", *flags])
-
-
-def test_a_checkpoint_older_than_a_model_field_counts_as_having_it_off():
-    """A checkpoint written before a model field existed (its config lacks the name) was written by a model with
-    that field at the value it came in with (off, for mudd, whose default is on now): it loads where the field has
-    that value, and not where it does not."""
-    cfg = dataclasses.replace(tg.parse_cli(["--device=cpu", *TINY])[0], resume="old.pt")
-    older = {"config": {name: value for name, value in tg.model_fields(cfg).items() if name != "mudd"}}
-    tg.check_same_model(older, cfg, "resume")
-    with pytest.raises(tg.CheckpointError, match=r"mudd=False \(here True\)"):
-        tg.check_same_model(older, dataclasses.replace(cfg, mudd=True), "resume")

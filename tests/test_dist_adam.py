@@ -241,61 +241,11 @@ def test_with_period_2_adam_updates_every_other_step_on_two_steps_gradients(merg
 def test_an_accumulating_step_keeps_rows_only_for_the_sparse_exchange():
     """At world size 1 nothing is exchanged sparsely: rows handed over while accumulating must not pile up."""
     params = make_params()
-    opt = tg.DistAdam(groups(params), lr=0.01, **HYPER)
+    opt = tg.DistAdam(groups(params), lr=0.01, sparse_params=[params[0]], row_keys={params[0]: "bigrams"}, **HYPER)
     opt.accumulating = True
     for _ in range(3):
-        opt.before_last_backward({params[0]: [np.arange(5)]})
+        opt.before_last_backward([{"bigrams": np.arange(5)}])
     assert opt.deferred_rows == {}
-
-
-def _bf16_gather_run(rank, world_size):
-    """DistAdam with the two large parameters all-gathered in bf16: the parameters after every step, the dtypes the
-    all-gathers received, and the parameters after exact_params()."""
-    params = make_params()
-    opt = tg.DistAdam(groups(params), lr=0.01, gather_dtypes={params[0]: torch.bfloat16, params[1]: torch.bfloat16},
-                      **HYPER)
-    received = []
-    original = dist.all_gather_into_tensor
-
-    def noting(output, *args, **kwargs):
-        received.append(output.dtype)
-        return original(output, *args, **kwargs)
-    dist.all_gather_into_tensor = noting
-    after_steps = []
-    for step in range(STEPS):
-        for p, g in zip(params, rank_grads(rank, step)):
-            p.grad = g
-        opt.step()
-        opt.zero_grad()
-        after_steps.append([p.detach().clone() for p in params])
-    opt.exact_params()
-    return after_steps, received, [p.detach().clone() for p in params]
-
-
-def test_tables_gathered_in_bf16_keep_each_owners_values_and_round_the_others():
-    """--bf16_table_gathers: each rank's own slice is the full Adam (the reference), the other rank's slice is that
-    rank's own slice rounded to bf16, so both ranks read the same bf16 tables; exact_params() makes them equal."""
-    one = _bf16_gather_run(0, 1)
-    assert one[1] == [] and all(torch.equal(a, b) for a, b in zip(one[0][-1], dist_adam_params(0, 1)[0]))
-    results = run_on_ranks(_bf16_gather_run, 2)
-    want = reference_params(2)
-    received = results[0][1]  # per step the two tables' all-gathers and the merged small buckets', then exact_params
-    assert len(received) == 3 * STEPS + 2 and received[-2:] == [torch.float32] * 2
-    for step in range(STEPS):
-        assert sorted(map(str, received[3 * step: 3 * step + 3])) == ["torch.bfloat16"] * 2 + ["torch.float32"]
-    for step in range(STEPS):
-        for i in (0, 1):
-            flats = [after_steps[step][i].reshape(-1) for after_steps, _, _ in results]
-            half = -(-flats[0].numel() // 2)
-            own = [flats[0][:half], flats[1][half:]]
-            others = [flats[1][:half], flats[0][half:]]  # rank 1's copy of rank 0's slice, rank 0's of rank 1's
-            for mine, copy in zip(own, others):
-                assert torch.equal(copy, mine.to(torch.bfloat16).float())
-                assert not torch.equal(copy, mine)  # rounded: the bf16 gather is what ran
-            assert torch.equal(flats[0].to(torch.bfloat16), flats[1].to(torch.bfloat16))
-    for _, _, exact in results:
-        assert_close(exact, want)
-    assert all(torch.equal(a, b) for a, b in zip(results[0][2], results[1][2]))
 
 
 def test_the_packed_parameters_take_their_new_values_in_one_copy():
@@ -388,11 +338,11 @@ def _row_fetching_run(rank, world_size):
     and 100), the second with none listed, as where the loader's stream ends first. After each: this rank's table and
     the owners' values (a dense all-gather of each rank's own block)."""
     table = make_params()[0]
-    adam = tg.DistAdam([table], lr=0.01, **HYPER, fetch_tables=[[table]])
+    adam = tg.DistAdam([table], lr=0.01, **HYPER, fetch_tables=[[table]], row_keys={table: "tokens"})
     seen = []
-    for step, rows_ahead in enumerate(({table: [np.array([3, 70]), np.array([70, 100])]}, {})):
+    for step, rows_ahead in enumerate(([{"tokens": np.array([3, 70])}, {"tokens": np.array([70, 100])}], [])):
         table.grad = rank_grads(rank, step)[0]
-        adam.before_last_backward({}, rows_ahead)
+        adam.before_last_backward([], rows_ahead)
         adam.step()
         owners = torch.empty_like(table)
         block = table.size(0) // world_size

@@ -53,9 +53,8 @@ def test_longest_matches_agree_with_a_search_over_every_earlier_position():
 def test_the_feature_starts_at_zero_and_learns():
     """With its scales and bucket vectors at zero the model's loss is the one without the feature; the gradient
     reaches both, and a nonzero scale changes the loss."""
-    cfg, _ = tg.parse_cli(["--device=cpu", *TINY])
-    with_match = dataclasses.replace(cfg, longest_match=True)
-    plain, model = random_tiny_model(cfg), random_tiny_model(with_match)
+    with_match, _ = tg.parse_cli(["--device=cpu", *TINY])
+    plain, model = random_tiny_model(dataclasses.replace(with_match, longest_match=False)), random_tiny_model(with_match)
     match = model.longest_match
     with torch.no_grad():
         match.scale.zero_()

@@ -27,8 +27,7 @@ def normuon_reference(update, moment, beta2):
 def default_model_shapes():
     with torch.device("meta"):  # shapes only: the 491M parameters are never allocated
         model = tg.GPT(tg.Config(), tg.SdpaAttention(), torch.float32)
-    matrices = model.matrix_params()
-    return [tuple(p.shape) for p in matrices["attn"] + matrices["mlp_in"] + matrices["mlp_out"]]
+    return [tuple(p.shape) for p in model.parameters() if p.opt.optimizer == "muon"]
 
 
 def test_planner_needs_no_padding_for_the_default_model():
@@ -165,8 +164,8 @@ def _muon_params(rank, from_backward, attn_split, rails, graphs):
     attn, mlp, other = make_params()
     params = attn + mlp + other
     opt = tg.Muon([dict(params=attn, split=attn_split), dict(params=mlp, lr_mul=MLP_LR_MUL), dict(params=other)], lr=LR,
-                  momentum=MOMENTUM, weight_decay=WD, beta2=BETA2, shape_lr=True,
-                  slow_momentum=rails[0] if rails else 0.0, cuda_graphs=graphs)
+                  momentum=MOMENTUM, weight_decay=WD, beta2=BETA2, slow_momentum=rails[0] if rails else 0.0,
+                  cuda_graphs=graphs)
     calls = {"all_reduce": 0, "reduce_scatter_tensor": 0, "all_gather_into_tensor": 0}
     for name in calls:
         if hasattr(dist, name):
@@ -193,7 +192,7 @@ def _muon_params(rank, from_backward, attn_split, rails, graphs):
             p.grad = None
         assert launched_early == from_backward
     buffers = sum(s["momentum_buffer"].numel() for s in opt.state.values())
-    assert all("second_moment" in s for s in opt.state.values())
+    assert all("second_moment_0" in s for s in opt.state.values())
     if graphs:  # each group's two parts: run at the first step, captured at the second, replayed from the third
         assert (ReplayedGraph.captures, ReplayedGraph.replays) == (2 * len(opt.groups), 2 * len(opt.groups) * (STEPS - 2))
     return [p.detach() for p in params], buffers, calls, len(opt.groups)
@@ -225,8 +224,7 @@ def test_two_ranks_match_single_process_on_the_full_gradient(from_backward, attn
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_two_momentum_rails_match_the_reference_at_one_and_two_ranks(world_size):
-    """--muon_slow_momentum (ANVIL2's two rails): the slow buffer runs from the first step and joins the momentum at
-    its step, the usual buffer's beta changing then; one and two ranks give the plain reference's weights, and the
+    """ANVIL2's two rails: the slow buffer runs from the first step and joins the momentum at its step, the usual buffer's beta changing then; one and two ranks give the plain reference's weights, and the
     slow buffers live with their matrices' owners."""
     results = run_on_ranks(muon_params, world_size, False, 4, RAILS) if world_size > 1 else [muon_params(0, 1, False, 4,
                                                                                                       RAILS)]
@@ -237,15 +235,11 @@ def test_two_momentum_rails_match_the_reference_at_one_and_two_ranks(world_size)
 
 
 def test_the_schedule_brings_the_slow_rail_in_at_its_fraction():
-    cfg, _ = tg.parse_cli(["--num_iterations=100", "--muon_slow_momentum=0.98", "--muon_slow_from=0.43",
-                           "--muon_slow_share=0.56", "--muon_momentum_start=0.85", "--muon_momentum_warmup=20"])
-    schedule = tg.Schedule(cfg)
+    """The speedrun's 2026-08-30 record: from 0.43 of the scheduled steps on, the slow buffer's share is 0.56 and the
+    usual buffer's beta 0.85; before, the scheduled momentum alone."""
+    schedule = tg.Schedule(tg.Config(num_iterations=100))
     assert schedule.muon_rails(10) == (schedule.muon_momentum(10), 0.0) and schedule.muon_momentum(10) < 0.95
-    assert schedule.muon_rails(42) == (0.95, 0.0) and schedule.muon_rails(43) == (0.85, 0.56)
-    off = tg.Schedule(tg.parse_cli(["--num_iterations=100", "--muon_slow_momentum=0"])[0])
-    assert off.muon_rails(60) == (off.muon_momentum(60), 0.0)
-    with pytest.raises(tg.UserError, match="--muon_slow_momentum=1.0"):
-        tg.parse_cli(["--muon_slow_momentum=1.0"])
+    assert schedule.muon_rails(42) == (schedule.muon_momentum(42), 0.0) and schedule.muon_rails(43) == (0.85, 0.56)
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
@@ -268,7 +262,7 @@ def test_zeroed_state_under_graphs_steps_as_a_new_optimizer_without_capturing_ag
     params = attn + mlp + other
     initial = [p.detach().clone() for p in params]
     opt = tg.Muon([dict(params=attn, split=4), dict(params=mlp), dict(params=other)], lr=LR, momentum=MOMENTUM,
-                  weight_decay=WD, beta2=BETA2, shape_lr=True, cuda_graphs=True)
+                  weight_decay=WD, beta2=BETA2, cuda_graphs=True)
 
     def steps():
         for step in range(STEPS):

@@ -23,7 +23,7 @@ import train_gpt as tg
 from helpers import (BOS, REPO, TINY, TOKENS, VOCAB, cu_seqlens_of, learnable_documents, random_tiny_model,
                      run_forked, run_on_ranks, train_scheduled_steps, write_shard)
 
-BATCHES = dict(bos=BOS, vocab_size=VOCAB)  # bos_aligned_batches' arguments for these shards
+BATCHES = dict(bos=BOS, vocab_size=VOCAB)  # bos_aligned_batches' and Prefetcher's arguments for these shards
 
 STEP_LINE = re.compile(r"^step:(\d+)/(\d+)( val_loss:(\S+))? train_time:(\d+)ms step_avg:(\S+)ms( train_loss:\S+)?$")
 
@@ -43,69 +43,72 @@ def run_cli(args, cwd, nproc=1, timeout=600):
 
 # ---------------------------------------------------------------------------------------------- config
 
-def test_unknown_option_lists_valid_names():
-    with pytest.raises(tg.UserError, match=r"unknown option --nope\. Valid options: train_files, .*num_iterations"):
+def test_unknown_option_is_named():
+    with pytest.raises(tg.UserError, match=r"unknown option --nope; `python train_gpt.py --help` lists them"):
         tg.parse_cli(["--nope=1"])
 
 
 @pytest.mark.parametrize("arg, message", [
     ("--num_iterations=ten", "bad value for --num_iterations"),
     ("--compile=maybe", "bad value for --compile"),
-    ("--adam_betas=0.9", "bad value for --adam_betas"),
+    ("--final_windows=768", "bad value for --final_windows"),
     ("--attn_layout=SSL", "--attn_layout='SSL'"),
-    ("--batch_schedule=8,12,24", "multiple of 8"),
-    ("--device=tpu", "--device=tpu"),
+    ("--stages=8 1 128:384 896 1; 12 1 128:384 896 1", "batches positive multiples of 8"),
+    ("--stages=8 1 128:384", "bad value for --stages"),
+    ("--device=tpu", "--device=tpu: use one of cuda, cpu"),
     ("--preset=huge", "unknown --preset=huge"),
-    ("--bos_token=50257", "--bos_token=50257 must be a token of the vocabulary (below --vocab_size=50257)"),
-    ("--vocab_size=70000", "--vocab_size=70000: shards hold 16-bit tokens"),
-    ("--adam_period=-1", "--adam_period=-1 must be 0 (auto) or more"),
-    ("--paired_head_layers=0,x", "bad --paired_head_layers='0,x'"),
-    ("--paired_head_layers=11", "--paired_head_layers='11': use distinct layers 0 .. num_layers-1 (10)"),
-    ("--paired_head_layers=6", "--paired_head_layers=6 names a layer without attention"),
+    ("--bos_token=50257", "--vocab_size=50257 --bos_token=50257"),
+    ("--vocab_size=70000", "shards hold 16-bit tokens"),
+    ("--adam_period=-1", "--adam_period at least 0"),
+    ("--paired_head_layers=0,x", "bad value for --paired_head_layers"),
+    ("--paired_head_layers=11", "--paired_head_layers=11: distinct layers with attention, 0 .. 10"),
+    ("--xsa_layers=6", "--xsa_layers=6: distinct layers with attention"),
 ])
 def test_bad_values_are_named(arg, message):
     with pytest.raises(tg.UserError, match=re.escape(message)):
         tg.parse_cli([arg])
 
 
-def test_defaults_hold_the_speedrun_options_and_plain_turns_them_off():
+def test_the_defaults_are_the_records_schedule_and_the_tiny_preset_their_model_scaled_down():
     cfg, _ = tg.parse_cli(["--muon_lr=0.03"])
-    assert cfg.tie_embed and cfg.gates and cfg.normuon_beta2 == 0.9 and cfg.muon_lr == 0.03
+    assert cfg.muon_lr == 0.03 and cfg.stages == tg.STAGES and (cfg.num_iterations, cfg.extension_steps) == (1270, 15)
     assert tg.Schedule(cfg).mtp_weights(0) == [1.0, 0.5, 0.25]
     assert [tg.Schedule(cfg).adam_updates(s) for s in range(4)] == [False, True, False, True]  # the speedrun's odd steps
-    assert cfg.attn_out_scale and cfg.value_embed_scale_init == 1.0 and cfg.paired_head_layers == "0,2,5,9"
-    assert tg.Schedule(dataclasses.replace(cfg, diloco=True)).adam_period == 1  # syncs land between any two steps
-    plain, _ = tg.parse_cli(["--preset=plain"])
-    assert not (plain.tie_embed or plain.gates or plain.smear or plain.key_offset or plain.normuon_beta2
-                or plain.paired_head_layers or plain.attn_out_scale)
-    assert tg.Schedule(plain).adam_period == 1
-    assert plain.backout_from == -1 and tg.Schedule(plain).mtp_weights(0) == [1.0]
-    # the 2026-02 record's set: the later records' ideas, the pointer and the longest match off, its step count
-    for older in (plain, tg.parse_cli(["--preset=record_2026_02"])[0]):
-        assert not (older.mudd or older.token_gates or older.copy_pointer or older.longest_match or older.xsa_layers
-                    or older.sublayer_scales or older.bigram_signs or older.muon_slow_momentum)
-        assert (older.num_iterations, older.extension_steps, older.normuon_beta2 or 0.95) == (1515, 40, 0.95)
+    assert dataclasses.replace(cfg, diloco=True).period == 1  # syncs land between any two steps
+    tiny, _ = tg.parse_cli(["--preset=tiny"])
+    model_fields = {f.name for f in dataclasses.fields(tg.Config) if f.metadata["group"] == "model"}
+    # the tiny preset changes sizes and layer numbers, never turns a part off
+    assert all(tiny.copy_pointer and tiny.longest_match and tiny.bigram_rows for _ in [0])
+    assert {name for name in model_fields if getattr(tiny, name) != getattr(cfg, name)} <= {
+        "num_layers", "model_dim", "num_heads", "head_dim", "attn_layout", "value_embed_layout", "paired_head_layers",
+        "xsa_layers", "skip_from", "skip_to", "attn_input_from", "backout_from", "bigram_rows"}
+    assert [len(stage.mtp) for stage in tiny.stages] == [len(stage.mtp) for stage in cfg.stages]
 
 
 def test_the_defaults_build_the_full_size_record_model():
     cfg, _ = tg.parse_cli(["--device=cpu"])
-    assert cfg.stage_doc_lens == [896, 2048, 2048] and cfg.muon_qk_blocks == 3
-    assert (cfg.num_iterations, cfg.extension_steps) == (1270, 15)  # the speedrun's 2026-07 record's step count
-    with torch.device("meta"):  # shapes only: the 12-layer model without its memory
+    assert [stage.doc_len for stage in cfg.stages] == [896, 2048, 2048, 2048]
+    with torch.device("meta"):  # shapes only
         model = tg.GPT(cfg, tg.SdpaAttention(), torch.float32)
     # XSA on the record's layers, its strengths per token from the gates; MUDD into the last layer and the head
     assert [i for i, lanes in enumerate(model.token_gates.lanes) if "xsa" in lanes] == [1, 3, 4, 7]
-    assert model.mudd_layer is not None and model.mudd_head is not None
     assert model.bigram_embed.weight.shape == (3 * 5 * 50304, 192) and model.bigram_signs.shape == (8192, 192)
-    # the pull requests' copy pointer at its full band, and the longest-match feature
     assert model.copy_pointer is not None and model.copy_pointer.band == 2048 and model.longest_match is not None
+    # Muon takes Q and K per head pair, V and O whole; the MLP's output projection at twice the lr
+    assert model.blocks[0].attn.qkvo_w.opt.split == ((256, 6), (768, 2)) and model.blocks[0].mlp.proj_w.opt.lr == 2
 
 
 def test_preset_and_overrides():
-    cfg, flags = tg.parse_cli(["--preset=tiny", "--num_iterations=3", "--adam_betas=0.9,0.99", "--compile=1"])
-    assert (cfg.model_dim, cfg.num_iterations, cfg.adam_betas, cfg.compile) == (64, 3, (0.9, 0.99), True)
+    cfg, flags = tg.parse_cli(["--preset=tiny", "--num_iterations=3", "--muon_lr=0.01", "--compile=1",
+                               "--paired_head_layers=0,1", "--final_windows=32:64"])
+    assert (cfg.model_dim, cfg.num_iterations, cfg.muon_lr, cfg.compile) == (64, 3, 0.01, True)
+    assert (cfg.paired_head_layers, cfg.final_windows) == ((0, 1), (32, 64))
     assert flags == {"preset": "tiny"}
-    assert tg.Config().model_dim == 768  # the default is the full record config
+    assert tg.Config().model_dim == 768
+    stages = "8 1 16:32 64 1,0.5>0; 16 0.15 32:64 64 1"
+    assert tg.parse_cli(["--preset=tiny", f"--stages={stages}"])[0].stages == (
+        tg.Stage(8, 1.0, (16, 32), 64, ((1.0, 1.0), (0.5, 0.0))), tg.Stage(16, 0.15, (32, 64), 64, ((1.0, 1.0),)))
+    assert tg.format_value(tg.parse_stages(stages), "stages") == stages
 
 
 def test_bad_input_is_one_line_without_traceback(tmp_path):
@@ -204,7 +207,8 @@ def test_shards_without_documents_are_named(tmp_path):
 def test_doc_len_schedule_cuts_documents_per_stage(tiny_data, world_size):
     """Documents cut at 16 tokens in the first stage's micro-batches, 64 in the second's, 128 after (the tiny
     schedule: 24 steps of 8, 8 and 16 micro-batches: 64, 64, then 128 micro-batches), at any world size."""
-    cfg = tiny_config(*tiny_data, micro_batch_tokens=128, max_doc_len=128, doc_len_schedule="16,64,128")
+    cfg = tiny_config(*tiny_data, micro_batch_tokens=128)
+    cfg = dataclasses.replace(cfg, stages=tuple(s._replace(doc_len=n) for s, n in zip(cfg.stages, (16, 64, 128, 128))))
     assert tg.Schedule(cfg).stage_starts == [64, 128, 256]
     longest = {0: 0, 1: 0, 2: 0}
     for rank in range(world_size):
@@ -216,18 +220,16 @@ def test_doc_len_schedule_cuts_documents_per_stage(tiny_data, world_size):
             assert starts[0] == 0
             longest[stage] = max(longest[stage], max(np.diff(starts)))
     assert longest[0] == 16 and longest[1] == 64 and longest[2] > 64  # the data's documents reach 121 tokens
-    with pytest.raises(tg.UserError, match=re.escape("--doc_len_schedule=16,64: one length per stage")):
-        tiny_config(*tiny_data, doc_len_schedule="16,64")
 
 
 def test_closing_the_prefetcher_stops_the_loaders_threads(tiny_data):
     """No loader thread outlives close(): a thread still in numpy or torch when the interpreter exits aborts the
-    process ("terminate called without an active exception"), which a two-process run once did at its end."""
+    process ("terminate called without an active exception")."""
     cfg = tiny_config(*tiny_data, micro_batch_tokens=128)
     paths = tg.shard_paths(cfg.train_files, "train_files")
     assert len(paths) > 1  # so the next shard is being indexed on the helper thread
     batches = tg.Prefetcher(tg.drop(3, tg.train_batches_for_rank(paths, cfg, tg.Comm())), 128, torch.device("cpu"),
-                            bos=BOS)
+                            **BATCHES)
     batches.next()
     assert any(t.name.startswith("shard-index") for t in threading.enumerate())
     batches.close()
@@ -237,7 +239,7 @@ def test_closing_the_prefetcher_stops_the_loaders_threads(tiny_data):
 
 def test_ranks_split_the_global_batch_sequence(tmp_path):
     path = str(write_shard(tmp_path / "s.bin", learnable_documents(20_000, seed=6)))
-    cfg = tg.Config(micro_batch_tokens=128, max_doc_len=64, **TOKENS)
+    cfg = tg.Config(micro_batch_tokens=128, **TOKENS)
     single = list(tg.train_batches_for_rank([path], cfg, tg.Comm(0, 1)))
     ranks = [list(tg.train_batches_for_rank([path], cfg, tg.Comm(r, 2))) for r in range(2)]
     assert all(np.array_equal(single[2 * i + r], ranks[r][i]) for r in range(2) for i in range(len(ranks[1])))
@@ -321,16 +323,15 @@ def test_too_little_validation_data(tiny_data):
 
 def test_running_out_of_training_data(tmp_path):
     path = str(write_shard(tmp_path / "s.bin", learnable_documents(2_000, seed=7)))
-    cfg = tg.Config(micro_batch_tokens=256, max_doc_len=128, **TOKENS)
-    batches = tg.Prefetcher(tg.train_batches_for_rank([path], cfg, tg.Comm()), 256, torch.device("cpu"), bos=BOS)
+    cfg = tg.Config(micro_batch_tokens=256, **TOKENS)
+    batches = tg.Prefetcher(tg.train_batches_for_rank([path], cfg, tg.Comm()), 256, torch.device("cpu"), **BATCHES)
     with pytest.raises(tg.DataError, match="training data ran out"):
         for _ in range(100):
             batches.next()
     batches.close()
     passes = []
     repeating = tg.Prefetcher(tg.train_batches_for_rank([path], dataclasses.replace(cfg, train_repeat=True), tg.Comm(),
-                                                        on_new_pass=passes.append),
-                              256, torch.device("cpu"), bos=BOS)
+                                                        on_new_pass=passes.append), 256, torch.device("cpu"), **BATCHES)
     for _ in range(100):
         repeating.next()
     repeating.close()
@@ -342,7 +343,7 @@ def test_prefetcher_delivers_every_window_intact(tmp_path):
     windows = [rng.integers(0, BOS, 129).astype(np.uint16) for _ in range(20)]
     for w in windows:
         w[[0, 50, 51]] = BOS
-    batches = tg.Prefetcher(iter(windows), 128, torch.device("cpu"), slots=2, bos=BOS)
+    batches = tg.Prefetcher(iter(windows), 128, torch.device("cpu"), slots=2, **BATCHES)
     for w in windows:
         b = batches.next()
         assert torch.equal(b.inputs, torch.from_numpy(w[:-1].astype(np.int32)))
@@ -350,11 +351,10 @@ def test_prefetcher_delivers_every_window_intact(tmp_path):
         assert b.cu_seqlens[:5].tolist() == [0, 50, 51, 128, 128]
     batches.close()
     # forwards of differing counts (a stage each): each holds its windows in order, its own length's document
-    # starts (a short forward after a long one in the same slot shows no stale tokens), and its bigram rows and tokens
-    # read only
+    # starts (a short forward after a long one in the same slot shows no stale tokens), and the rows it reads
     sizes = [3, 1, 2, 3, 1, 2]
-    batches = tg.Prefetcher(iter(windows), 128, torch.device("cpu"), slots=2, bos=BOS, packed=3, sizes=sizes,
-                            bigram_rows=4096, token_rows=BOS + 1)
+    batches = tg.Prefetcher(iter(windows), 128, torch.device("cpu"), slots=2, packed=3, sizes=sizes, bigram_rows=4096,
+                            **BATCHES)
     taken = 0
     for size in sizes:
         b = batches.next()
@@ -366,30 +366,27 @@ def test_prefetcher_delivers_every_window_intact(tmp_path):
         starts = [s + 128 * i for i in range(size) for s in (0, 50, 51)]
         assert b.cu_seqlens.tolist() == starts + [128 * size] * (len(b.cu_seqlens) - len(starts))
         assert b.documents == len(starts)
-        assert b.bigram_rows_used.tolist() == np.unique(b.bigrams.numpy()).tolist()
-        assert b.token_rows_used.tolist() == np.unique(b.inputs.numpy()).tolist()
+        assert b.rows["bigrams"].tolist() == np.unique(b.bigrams.numpy()).tolist()
+        assert b.rows["tokens"].tolist() == np.unique(b.inputs.numpy()).tolist()
     batches.close()
 
 
-
 def test_prefetcher_peeks_at_the_forwards_it_hands_out_next(tmp_path):
-    """peek(n): the next n forwards' row lists (what --table_row_fetch fetches for), not consumed: next() then hands
-    out those forwards, in order. Past the stream's end peek gives None and next() still names the end; n must leave
-    a slot free."""
+    """peek(n): the next n forwards' row lists (what the row fetch fetches), not consumed: next() then hands out those
+    forwards, in order. Past the stream's end peek gives None and next() still names the end; n must leave a slot."""
     rng = np.random.default_rng(1)
     windows = [rng.integers(0, BOS, 129).astype(np.uint16) for _ in range(7)]
-    batches = tg.Prefetcher(iter(windows), 128, torch.device("cpu"), slots=4, bos=BOS, bigram_rows=4096,
-                            token_rows=BOS + 1)
+    batches = tg.Prefetcher(iter(windows), 128, torch.device("cpu"), slots=4, bigram_rows=4096, **BATCHES)
     try:
         first = batches.next()
-        assert first.token_rows_used.tolist() == np.unique(windows[0][:-1]).tolist()
-        peeked = [(s.token_rows_used.tolist(), s.bigram_rows_used.tolist()) for s in batches.peek(3)]
+        assert first.rows["tokens"].tolist() == np.unique(windows[0][:-1]).tolist()
+        peeked = [(s.rows["tokens"].tolist(), s.rows["bigrams"].tolist()) for s in batches.peek(3)]
         assert [tokens for tokens, _ in peeked] == [np.unique(w[:-1]).tolist() for w in windows[1:4]]
-        assert [(s.token_rows_used.tolist(), s.bigram_rows_used.tolist()) for s in batches.peek(2)] == peeked[:2]
+        assert [(s.rows["tokens"].tolist(), s.rows["bigrams"].tolist()) for s in batches.peek(2)] == peeked[:2]
         for index, (tokens, bigrams) in enumerate(peeked, 1):
             b = batches.next()
             assert torch.equal(b.inputs, torch.from_numpy(windows[index][:-1].astype(np.int32)))
-            assert (b.token_rows_used.tolist(), b.bigram_rows_used.tolist()) == (tokens, bigrams)
+            assert (b.rows["tokens"].tolist(), b.rows["bigrams"].tolist()) == (tokens, bigrams)
         with pytest.raises(ValueError, match="peeking 4 forwards ahead needs more than 4 loader slots"):
             batches.peek(4)
         assert len(batches.peek(3)) == 3 and batches.peek(3)[0] is not None
@@ -511,7 +508,7 @@ def test_flex_masks_of_another_length_are_that_lengths_own():
 
 
 def test_flex_needs_whole_blocks():
-    with pytest.raises(tg.UserError, match="micro_batch_tokens=1000 must be a multiple of 128"):
+    with pytest.raises(tg.UserError, match="micro_batch_tokens=1000: flex attention needs a multiple of 128"):
         tg.FlexAttention(1000, torch.device("cpu"))
 
 
@@ -567,7 +564,7 @@ def test_fa3_path_passes_documents_window_and_length():
     gave no facts), as ints, with the output and gradients of SDPA's."""
     T = 2048
     tokens, q, k, v = random_attention_inputs(T=T, seed=2)
-    slot = tg._Slot(T, pin=False, bos=BOS)
+    slot = tg._Slot(T, False, BOS, VOCAB)
     slot.fill([np.concatenate([tokens.numpy(), [0]]).astype(np.uint16)])
     longest, entries = slot.longest_document, T // 256 + 1
     assert slot.documents < entries and longest < T and len(slot.cu_seqlens) > entries
@@ -595,26 +592,20 @@ def test_fa3_path_passes_documents_window_and_length():
 def test_fa3_compiles_one_graph_for_every_window_and_length():
     """The window, max_seqlen and the count of document starts reach FA3 as ints that FA3_HOST_INT_SOURCES marks
     symbolic: compiled as the trainer compiles (dynamic=False), one graph, forward and backward, serves three windows,
-    both max_seqlen cases and the cut and uncut document starts, in the whole model's `masks` and in a block's
-    `mask` (--compile_scope=regional), each equal to eager. (Constants would make a graph per value; under CUDA
-    graphs the op is then captured with the step, one recorded graph per value.)"""
+    both max_seqlen cases and the cut and uncut document starts, each equal to eager."""
     from torch._dynamo.testing import CompileCounterWithBackend
     T = 1024  # 4 documents, fewer than the 5 starts the cut keeps (one per 256 tokens)
     tokens, q, k, v = random_attention_inputs(T=T, seed=3, starts=3)
-    slot = tg._Slot(T, pin=False, bos=BOS)
+    slot = tg._Slot(T, False, BOS, VOCAB)
     slot.fill([np.concatenate([tokens.numpy(), [0]]).astype(np.uint16)])
     kernels = StandInFA3()
     fa3 = tg.FlashAttention3(kernels, slot.longest_document)
     torch._dynamo.reset()
-    counter, block_counter = CompileCounterWithBackend("aot_eager"), CompileCounterWithBackend("aot_eager")
+    counter = CompileCounterWithBackend("aot_eager")
 
     def whole(q, k, v, masks):
         return fa3(q, k, v, masks["S"]).square().sum()
-
-    def block(q, k, v, mask):
-        return fa3(q, k, v, mask).square().sum()
     whole = torch.compile(whole, backend=counter, fullgraph=True, dynamic=False)
-    block = torch.compile(block, backend=block_counter, fullgraph=True, dynamic=False)
     handed = set()
     entries = T // 256 + 1
     for window in (9, 130, 700):
@@ -624,42 +615,48 @@ def test_fa3_compiles_one_graph_for_every_window_and_length():
             mask = fa3.prepare(tokens.numel(), slot.cu_seqlens, {"S": window}, documents, longest)["S"]
             handed.add(mask[2:])
             results = []
-            for run, arg in ((lambda q, k, v, m: fa3(q, k, v, m).square().sum(), mask), (block, mask),
-                             (whole, {"S": mask})):
+            for run, arg in ((lambda q, k, v, m: fa3(q, k, v, m).square().sum(), mask), (whole, {"S": mask})):
                 qkv = [t.clone().requires_grad_() for t in (q, k, v)]
                 with torch.compiler.config.patch(dynamic_sources=tg.FA3_HOST_INT_SOURCES):
                     loss = run(*qkv, arg)
                 results.append((loss, *torch.autograd.grad(loss, qkv)))
                 assert kernels.calls[-1] == mask[2:]  # what the kernels were handed, the backward's too
-            for other in results[1:]:
-                for got, expected in zip(other, results[0]):
-                    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5)
+            for got, expected in zip(results[1], results[0]):
+                assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5)
     assert handed == {(slot.longest_document, entries), (T, entries), (slot.longest_document, len(slot.cu_seqlens))}
-    assert counter.frame_count == block_counter.frame_count == 1
+    assert counter.frame_count == 1
 
 
 # --------------------------------------------------------------------------------------- model pieces
 
-def test_key_offset_gives_each_key_the_still_half_of_the_previous_one():
-    """With shift_keys, the key dims Rotary leaves unrotated come from the previous position, except where a document
-    or micro-batch starts; the rotated dims, the queries and the values are untouched."""
-    torch.manual_seed(0)
-    T, heads, head_dim = 12, 2, 16
-    rotary = tg.Rotary(head_dim, T)
-    seen = {}
+NO_GATES = tg.LayerGates(None, None, None)
 
-    def attend(q, k, v, mask):
-        seen.setdefault("k", []).append(k)
-        return v
-    x = torch.randn(T, heads * head_dim)
+
+def attention_layer(i: int, heads: int = 2, head_dim: int = 8, **overrides):
+    """Layer i's attention of the tiny model at a smaller width, with random weights."""
+    cfg = dataclasses.replace(tg.parse_cli(TINY)[0], model_dim=heads * head_dim, num_heads=heads, head_dim=head_dim,
+                              **overrides)
+    torch.manual_seed(0)
+    attn = tg.CausalSelfAttention(cfg, i)
+    attn.qkvo_w.data.normal_()
+    return cfg, attn
+
+
+def test_key_offset_gives_each_key_the_still_half_of_the_previous_one():
+    """On a long-window layer the key dims Rotary leaves unrotated come from the previous position, except where a
+    document or micro-batch starts; the rotated dims, the queries and the values are untouched."""
+    T, head_dim = 12, 16
+    _, attn = attention_layer(1, head_dim=head_dim)  # the tiny model's layer 1: a long window
+    assert attn.shift_keys
+    rotary = tg.Rotary(head_dim, T, T, 0.1, False)
+    seen = []
+    x = torch.randn(T, 2 * head_dim)
     starts = torch.zeros(T, dtype=torch.bool)
     starts[[0, 5]] = True
-    plain = tg.CausalSelfAttention(heads * head_dim, heads, head_dim)
-    shifted = tg.CausalSelfAttention(heads * head_dim, heads, head_dim, shift_keys=True)
-    shifted.qkvo_w.data.copy_(plain.qkvo_w.data.normal_())
-    for attn in (plain, shifted):
-        attn(x, torch.zeros(T, heads * head_dim), torch.ones(2), rotary.tables(), None, attend, starts)
-    k, got = seen["k"]
+    for shift in (False, True):
+        attn.shift_keys = shift
+        attn(x, None, rotary.tables(), None, lambda q, k, v, mask: seen.append(k) or v, starts, None, NO_GATES)
+    k, got = seen
     assert (rotary.base_freqs[head_dim // 4:] == 0).all() and (rotary.base_freqs[: head_dim // 4] != 0).all()
     still = torch.zeros(head_dim, dtype=torch.bool)
     still[head_dim // 4: head_dim // 2] = still[3 * head_dim // 4:] = True
@@ -670,31 +667,22 @@ def test_key_offset_gives_each_key_the_still_half_of_the_previous_one():
     assert torch.equal(got, want) and not torch.equal(got, k)
 
 
-def plain_and_variant_attention(**variant):
-    """A plain attention layer and one with `variant`'s options and the same random weights, an input, and the
-    rest of their arguments, with an attention that returns each token's own value."""
-    heads, head_dim, T = 2, 8, 6
-    rotary = tg.Rotary(head_dim=head_dim, max_len=16)
-    x = torch.randn(T, heads * head_dim)
-    plain = tg.CausalSelfAttention(heads * head_dim, heads, head_dim)
-    other = tg.CausalSelfAttention(heads * head_dim, heads, head_dim, **variant)
-    other.qkvo_w.data.copy_(plain.qkvo_w.data.normal_())
-    args = (torch.zeros(T, heads * head_dim), torch.ones(2), rotary.tables(), None, lambda q, k, v, mask: v,
-            torch.zeros(T, dtype=torch.bool))
-    return x, plain, other, args
+def own_value_inputs(T=6, dim=16):
+    """An input and the rest of an attention layer's arguments, with an attention that returns each token's value."""
+    starts = torch.zeros(T, dtype=torch.bool)
+    return torch.randn(T, dim), (None, tg.Rotary(dim // 2, 16, 16, 0.1, False).tables(), None,
+                                 lambda q, k, v, mask: v, starts, None)
 
 
 def test_attention_output_scale_multiplies_the_output_and_learns():
-    x, plain, scaled, args = plain_and_variant_attention(out_scale=True)
-    assert torch.equal(scaled(x, *args), plain(x, *args))  # starts at 1
-    scaled.out_scale.data.fill_(2.0)
-    y = scaled(x, *args)
-    torch.testing.assert_close(y, 2 * plain(x, *args))
+    _, attn = attention_layer(1)
+    x, args = own_value_inputs()
+    plain = attn(x, *args, NO_GATES)
+    attn.out_scale.data.fill_(2.0)
+    y = attn(x, *args, NO_GATES)
+    torch.testing.assert_close(y, 2 * plain)
     y.square().sum().backward()
-    assert scaled.out_scale.grad.abs().item() > 0
-    model = tg.GPT(dataclasses.replace(tg.parse_cli(TINY)[0], attn_out_scale=True), tg.SdpaAttention(), torch.float32)
-    adam_params = {id(p) for group in tg.build_optimizers(model, model.cfg)[1].param_groups for p in group["params"]}
-    assert all(id(b.attn.out_scale) in adam_params for b in model.blocks if b.attn is not None)
+    assert attn.out_scale.grad.abs().item() > 0 and attn.out_scale.opt == tg.Opt(lr=5.0)  # Adam, the scalars' lr
 
 
 def paired_attention_reference(attn, x, freqs, tokens, window, scale):
@@ -731,14 +719,14 @@ def paired_attention_reference(attn, x, freqs, tokens, window, scale):
 def test_paired_head_attention_matches_reference(window):
     heads, head_dim, T = 4, 8, 24
     tokens, _, _, _ = random_attention_inputs(T=T, seed=window)
-    rotary = tg.Rotary(head_dim=head_dim, max_len=T, paired=True, attn_scale=0.3)
-    attn = tg.CausalSelfAttention(heads * head_dim, heads, head_dim, paired=True)
-    attn.qkvo_w.data.normal_()
+    _, attn = attention_layer(0, heads=heads, head_dim=head_dim)  # the tiny model's layer 0: paired, short
+    assert attn.paired and not attn.shift_keys
+    attn.value_scales.data.fill_(1.0)
+    rotary = tg.Rotary(head_dim, T, T, 0.3, True)
     x = torch.randn(T, heads * head_dim)
     sdpa = tg.SdpaAttention()
     mask = sdpa.prepare(2 * T, 2 * cu_seqlens_of(tokens, BOS), {"S": window})["S"]
-    got = attn(x, torch.zeros_like(x), torch.tensor([1.0, 0.0]), rotary.paired_tables(), mask, sdpa,
-               torch.zeros(T, dtype=torch.bool))
+    got = attn(x, None, rotary.tables(True), mask, sdpa, torch.zeros(T, dtype=torch.bool), None, NO_GATES)
     ref = paired_attention_reference(attn, x, rotary.base_freqs, tokens, window, scale=0.3)
     torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-4)
 
@@ -746,7 +734,7 @@ def test_paired_head_attention_matches_reference(window):
 def test_paired_head_layers_give_one_loss_on_sdpa_and_flex():
     """A tiny model with paired heads on a short and a long layer: the same loss whichever backend builds the
     doubled sequence's masks (flex has no backward on the CPU); and paired heads change the function."""
-    cfg = dataclasses.replace(tg.parse_cli(["--device=cpu", *TINY])[0], paired_head_layers="0,1")
+    cfg = dataclasses.replace(tg.parse_cli(["--device=cpu", *TINY])[0], paired_head_layers=(0, 1))
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, VOCAB - 1, (cfg.micro_batch_tokens,), generator=g, dtype=torch.int32)
     tokens[torch.randint(0, tokens.numel(), (5,), generator=g)] = BOS
@@ -756,9 +744,10 @@ def test_paired_head_layers_give_one_loss_on_sdpa_and_flex():
     for paired, attend in [(True, tg.SdpaAttention()), (True, tg.FlexAttention(cfg.micro_batch_tokens, torch.device("cpu"))),
                            (False, tg.SdpaAttention())]:
         torch.manual_seed(0)
-        model = tg.GPT(cfg if paired else dataclasses.replace(cfg, paired_head_layers=""), attend, torch.float32)
+        model = tg.GPT(cfg if paired else dataclasses.replace(cfg, paired_head_layers=()), attend, torch.float32)
         for p in model.parameters():
-            p.data.normal_(std=0.1)
+            if p.ndim >= 2:  # matrices, tables and gate weights
+                p.data.normal_(std=0.1)
         masks = model.prepare_masks(tokens, cu_seqlens_of(tokens, BOS), (4, 8))
         assert set(masks) == ({"S", "L", "PS", "PL"} if paired else {"S", "L"})
         with torch.no_grad():
@@ -768,17 +757,17 @@ def test_paired_head_layers_give_one_loss_on_sdpa_and_flex():
 
 
 def test_exclusive_self_attention_removes_the_own_value_direction():
-    """With an attention that returns each token's own value, XSA leaves (1 - tanh(alpha)) of it; alpha starts at 0
-    (no change), learns, and trains in its own Adam group."""
-    x, plain, xsa, args = plain_and_variant_attention(xsa=True)
+    """XSA's strengths come per token and head (TokenGates): with an attention that returns each token's own value,
+    XSA leaves (1 - tanh(alpha)) of it; with real attention, the output less its part along the own value."""
+    _, xsa = attention_layer(1)
+    x, args = own_value_inputs()
     T, dim = x.shape
-    assert torch.equal(xsa(x, *args), plain(x, *args))
-    xsa.xsa_alpha.data.fill_(math.atanh(0.25))
-    y = xsa(x, *args)
-    torch.testing.assert_close(y, 0.75 * plain(x, *args))
+    alpha = torch.full((T, 2), math.atanh(0.25), requires_grad=True)
+    plain = xsa(x, *args, NO_GATES)
+    y = xsa(x, *args, tg.LayerGates(None, alpha, None))
+    torch.testing.assert_close(y, 0.75 * plain)
     y.square().sum().backward()
-    assert xsa.xsa_alpha.grad.abs().min() > 0
-    # with real attention: the output minus its projection on the normalised own value
+    assert alpha.grad.abs().min() > 0
     sdpa = tg.SdpaAttention()
     tokens = torch.full((T,), 3, dtype=torch.int32)
     mask = sdpa.prepare(T, cu_seqlens_of(tokens, BOS), {"S": T})["S"]
@@ -787,71 +776,54 @@ def test_exclusive_self_attention_removes_the_own_value_direction():
     def attend(q, k, v, mask):
         captured["v"], captured["y"] = v, sdpa(q, k, v, mask)
         return captured["y"]
-    got = xsa(x, args[0], args[1], args[2], mask, attend, args[5])
+    got = xsa(x, None, args[1], mask, attend, args[4], None, tg.LayerGates(None, alpha.detach(), None))
     unit = captured["v"] / captured["v"].norm(dim=-1, keepdim=True)
     want_y = captured["y"] - 0.25 * (captured["y"] * unit).sum(-1, keepdim=True) * unit
     torch.testing.assert_close(got, want_y.reshape(T, -1) @ xsa.qkvo_w[3 * dim:].T)
-    model = tg.GPT(dataclasses.replace(tg.parse_cli(TINY)[0], xsa_layers="1,3"), tg.SdpaAttention(), torch.float32)
-    groups = [g for g in tg.build_optimizers(model, model.cfg)[1].param_groups
-              if any(p is model.blocks[1].attn.xsa_alpha for p in g["params"])]
-    assert len(groups) == 1 and groups[0]["betas"] == (0.9, 0.95) and len(groups[0]["params"]) == 2
+    model = tg.GPT(tg.parse_cli(TINY)[0], tg.SdpaAttention(), torch.float32)
+    assert [i for i, lanes in enumerate(model.token_gates.lanes) if "xsa" in lanes] == [1]  # the tiny preset's
 
 
-def test_value_gate_can_read_the_value_embedding():
-    heads, head_dim, T, gate_dims = 2, 8, 5, 6
+def test_value_gate_reads_the_stream_and_the_value_embedding():
+    """2 sigmoid of a per-head gate of the stream's first 6 channels and the value embedding's first 6 scales the
+    embedding into v (speedrun 2026-02-03)."""
+    heads, head_dim, T = 2, 8, 5
     dim = heads * head_dim
-    rotary = tg.Rotary(head_dim=head_dim, max_len=16)
-    layer = tg.CausalSelfAttention(dim, heads, head_dim, gate_dims=gate_dims, value_gate_reads_embed=True)
-    layer.qkvo_w.data.normal_()
+    _, layer = attention_layer(0, paired_head_layers=())
     layer.gate_w.data.normal_()
     x, ve = torch.randn(T, dim), torch.randn(T, dim)
-    mix = torch.tensor([0.5, 1.0])
-    got = layer(x, ve, mix, rotary.tables(), None, lambda q, k, v, mask: v, torch.zeros(T, dtype=torch.bool))
+    _, args = own_value_inputs(T, dim)
+    got = layer(x, ve, *args[1:], NO_GATES)
     v = (x @ layer.qkvo_w[2 * dim: 3 * dim].T).view(T, heads, head_dim)
-    out_gate = torch.sigmoid(x[:, :gate_dims] @ layer.gate_w[0].T)[..., None]
-    value_gate = torch.sigmoid(torch.cat([x[:, :3], ve[:, :3]], dim=-1) @ layer.gate_w[1].T)[..., None]
-    want = (out_gate * (0.5 * v + 2 * value_gate * ve.view(T, heads, head_dim))).reshape(T, dim) @ layer.qkvo_w[3 * dim:].T
+    gate = torch.sigmoid(torch.cat([x[:, :6], ve[:, :6]], dim=-1) @ layer.gate_w.T)[..., None]
+    want = (0.5 * v + 2 * gate * ve.view(T, heads, head_dim)).reshape(T, dim) @ layer.qkvo_w[3 * dim:].T
     torch.testing.assert_close(got, want)
 
 
-@pytest.mark.parametrize("sublayer_scales", [False, True])
-def test_block_residual_forms(sublayer_scales):
-    """The two residual forms of Block, from its own attention and MLP: one scale per layer with x0 and the bigram
-    added first, or per-sublayer residual and output scales with x0 and the bigram added after attention; the
-    attention reads attn_input (normed) when given."""
-    cfg = dataclasses.replace(tg.parse_cli(TINY)[0], sublayer_scales=sublayer_scales)
+def test_block_adds_its_sublayers_with_per_token_x0_and_bigram_scales():
+    """x = r_a x + o_a attention(norm a) + x0_scale x0 + bigram_scale bigram, then r_m x + o_m MLP(norm x), the x0
+    and bigram scales per token (LayerGates), the attention reading attn_input when given."""
+    cfg = tg.parse_cli(TINY)[0]
     torch.manual_seed(0)
-    block = tg.Block(cfg, has_attention=True)
+    block = tg.Block(cfg, 1, False)
     block.attend = tg.SdpaAttention()
     for p in block.parameters():
         p.data.normal_(std=0.3)
     T, dim = 12, cfg.model_dim
-    x, x0, bigram, source, ve = (torch.randn(T, dim) for _ in range(5))
-    rotary = tg.Rotary(cfg.head_dim, max_len=T)
+    x, x0, bigram, source = (torch.randn(T, dim) for _ in range(4))
+    token = tg.LayerGates((torch.randn(T, 1), torch.randn(T, 1)), None, None)
+    rope = tg.Rotary(cfg.head_dim, T, T, 0.1, False).tables()
     tokens = torch.full((T,), 3, dtype=torch.int32)
     mask = block.attend.prepare(T, cu_seqlens_of(tokens, BOS), {"S": T})["S"]
     starts = torch.zeros(T, dtype=torch.bool)
-    got = block(x, x0, ve, rotary.tables(), mask, bigram, starts, attn_input=source)
-
-    def attention(inp):
-        return block.attn(tg.rms_norm(inp), ve, block.value_scales, rotary.tables(), mask, block.attend, starts)
-    if sublayer_scales:
-        r, o, (a, b) = block.residual_scales, block.output_scales, block.injection
-        mid = r[0] * x + o[0] * attention(source) + a * x0 + b * bigram
-        want = r[1] * mid + o[1] * block.mlp(tg.rms_norm(mid))
-    else:
-        r, a, b = block.lambdas
-        mid = r * x + a * x0 + b * bigram
-        mid = mid + attention(source)
-        want = mid + block.mlp(tg.rms_norm(mid))
-    torch.testing.assert_close(got, want)
-    if sublayer_scales:
-        model = tg.GPT(cfg, tg.SdpaAttention(), torch.float32)
-        groups = tg.build_optimizers(model, cfg)[1].param_groups
-        residual = [g for g in groups if any(p is model.blocks[0].residual_scales for p in g["params"])]
-        mixing = [g for g in groups if any(p is model.blocks[0].injection for p in g["params"])]
-        assert residual[0]["betas"] == mixing[0]["betas"] == (0.9, 0.95)
-        assert residual[0]["lr"] == cfg.adam_lr * cfg.scalar_lr_mul and mixing[0]["lr"] == cfg.adam_lr
+    got = block(x, x0, None, rope, mask, bigram, starts, source, None, token)
+    r, o = block.residual_scales, block.output_scales
+    attention = block.attn(tg.rms_norm(source), None, rope, mask, block.attend, starts, None, token)
+    mid = r[0] * x + o[0] * attention + token.inject[0] * x0 + token.inject[1] * bigram
+    torch.testing.assert_close(got, r[1] * mid + o[1] * block.mlp(tg.rms_norm(mid)))
+    # the speedrun's 2026-03-06 settings: the residual scales at the scalars' lr, both with betas 0.9 and 0.95
+    assert block.residual_scales.opt == tg.Opt(lr=5.0, betas=(0.9, 0.95))
+    assert block.output_scales.opt == tg.Opt(betas=(0.9, 0.95))
 
 
 def test_yarn_keeps_fast_frequencies_and_slows_slow_ones():
@@ -862,7 +834,7 @@ def test_yarn_keeps_fast_frequencies_and_slows_slow_ones():
 
 
 def test_rotary_tables_follow_window_history():
-    rotary = tg.Rotary(head_dim=16, max_len=64)
+    rotary = tg.Rotary(16, 64, 64, 0.12, False)
     fresh = rotary.cos.clone(), rotary.attn_scale.item()
     rotary.set_window_history([8, 32])
     assert rotary.attn_scale.item() > fresh[1] and not torch.equal(rotary.cos, fresh[0])
@@ -871,7 +843,7 @@ def test_rotary_tables_follow_window_history():
 
 
 def test_rotary_rotates_half_pairs_and_keeps_relative_positions():
-    rotary = tg.Rotary(head_dim=16, max_len=64)
+    rotary = tg.Rotary(16, 64, 64, 0.12, False)
     rotary.set_window_history([8, 32])
     cos, sin, _ = rotary.tables()
     x = torch.randn(64, 2, 16, generator=torch.Generator().manual_seed(0))
@@ -893,54 +865,42 @@ def test_orthogonalize_gives_near_orthogonal_matrices():
 
 
 def test_schedule_is_a_function_of_the_step():
-    cfg = tg.Config(num_iterations=90, extension_steps=0, muon_momentum_warmup=10, muon_momentum_cooldown=5)
-    s = tg.Schedule(cfg)
-    assert [s.micro_batches(i) for i in (0, 29, 30, 89)] == [8, 8, 16, 24]
-    assert s.windows(0) == (128, 384) and s.windows(60) == (640, 1408) and s.windows(90) == (768, 2560)
-    assert s.long_window_history(45) == [384, 896] and s.long_window_history(90) == [384, 896, 1408, 2560]
-    assert s.lr_multiplier(0) == 1.0 and math.isclose(s.lr_multiplier(90), cfg.final_lr_frac)
-    assert s.muon_momentum(0) == 0.85 and s.muon_momentum(50) == 0.95 and s.muon_momentum(89) < 0.95
+    s = tg.Schedule(tg.Config(num_iterations=900, extension_steps=0))
+    assert [s.micro_batches(i) for i in (0, 299, 300, 899)] == [8, 8, 16, 24]
+    assert s.windows(0) == (128, 384) and s.windows(600) == (640, 1408) and s.windows(900) == (768, 2560)
+    assert s.long_window_history(450) == [384, 896] and s.long_window_history(900) == [384, 896, 1408, 2560]
+    assert s.lr_multiplier(0) == 1.0 and math.isclose(s.lr_multiplier(900), 0.15)  # the extension row's lr
+    # Muon's momentum: 0.85 rising to 0.95 over 300 steps, down again over the last 50
+    assert [s.muon_momentum(i) for i in (0, 150, 300, 849)] == [0.85, pytest.approx(0.9), 0.95, 0.95]
+    assert s.muon_momentum(899) < 0.86
 
 
 def test_the_lr_cools_down_linearly():
-    """Cooldown over steps 40 .. 100 of 100, from 1.0 to 0.1: a quarter of the way through it (step 55) the lr has
-    gone a quarter of the way down (0.775); the extension keeps 0.1."""
-    s = tg.Schedule(tg.Config(num_iterations=100, extension_steps=5, batch_schedule="8", lr_schedule="1.0",
-                              window_schedule="1:3", cooldown_frac=0.6, final_lr_frac=0.1))
+    """Cooldown over steps 40 .. 100 of 100, from 1.0 to the extension row's 0.1: a quarter of the way through it
+    (step 55) the lr has gone a quarter of the way down (0.775); the extension keeps 0.1."""
+    stages = (tg.Stage(8, 1.0, (128, 384), 896, ((1, 1),)), tg.Stage(8, 0.1, (128, 384), 896, ((1, 1),)))
+    s = tg.Schedule(tg.Config(num_iterations=100, extension_steps=5, stages=stages, cooldown_frac=0.6))
     assert math.isclose(s.lr_multiplier(55), 0.775)
     for step in (0, 40, 41, 55, 70, 99, 100, 104):
         t = min(max((step - 40) / 60, 0.0), 1.0)
         assert math.isclose(s.lr_multiplier(step), 1.0 - 0.9 * t)
 
 
-def test_the_final_validation_may_keep_the_last_rotary_tables():
-    """--final_yarn=0: the final validation reads the final windows with the rotary tables (and attention scale) the
-    extension trained with, as the speedrun's code does; by default YaRN rescales them to the final long window."""
-    cfg = tg.Config(num_iterations=480, extension_steps=40)
-    for final_yarn, history in ((True, [384, 896, 1408, 1664, 2560]), (False, [384, 896, 1408, 1664])):
-        s = tg.Schedule(dataclasses.replace(cfg, final_yarn=final_yarn))
-        assert s.windows(520) == (768, 2560) and s.long_window_history(520) == history
-        assert s.long_window_history(519) == [384, 896, 1408, 1664]
-    rotary = [tg.Rotary(128, 64, period=64, attn_scale=0.1) for _ in range(2)]
-    rotary[0].set_window_history([384, 896, 1408, 1664, 2560])
-    rotary[1].set_window_history([384, 896, 1408, 1664])
-    assert rotary[0].attn_scale.item() > rotary[1].attn_scale.item() and not torch.equal(rotary[0].cos, rotary[1].cos)
-
-
 def test_scheduled_steps_then_extension_steps():
     """480 scheduled steps in three stages and 40 extension steps: the stages split the scheduled steps, the lr
-    reaches final_lr_frac at their end and stays there, the extension keeps the last batch with its own windows
-    (YaRN replays them), the momentum cools down over the last steps of all, and the run validates at its end."""
-    cfg = tg.Config(num_iterations=480, extension_steps=40, val_loss_every=160, muon_momentum_cooldown=50)
-    s = tg.Schedule(cfg)
+    reaches the extension row's at their end and stays there, the extension keeps the last batch with its own windows
+    (YaRN replays them, and the final validation's longer window), the momentum cools down over the last steps of
+    all, and the run validates at its end."""
+    s = tg.Schedule(tg.Config(num_iterations=480, extension_steps=40, val_loss_every=160))
     assert s.total_steps == 520
     assert [s.stage(i) for i in (0, 159, 160, 320, 479, 480, 519)] == [0, 0, 1, 2, 2, 3, 3]
     assert [s.micro_batches(i) for i in (0, 160, 479, 480, 519)] == [8, 16, 24, 24, 24]
     assert s.micro_batches_before(0) == 0 and s.micro_batches_before(162) == 160 * 8 + 2 * 16
     assert s.lr_multiplier(144) == 1.0 and s.lr_multiplier(145) < 1.0  # cooldown from 480 * 0.3 = 144
-    assert math.isclose(s.lr_multiplier(480), cfg.final_lr_frac) and math.isclose(s.lr_multiplier(519), cfg.final_lr_frac)
+    assert math.isclose(s.lr_multiplier(480), 0.15) and math.isclose(s.lr_multiplier(519), 0.15)
     assert s.windows(479) == (640, 1408) and s.windows(480) == (768, 1664) and s.windows(520) == (768, 2560)
     assert s.long_window_history(500) == [384, 896, 1408, 1664]
+    assert s.long_window_history(520) == [384, 896, 1408, 1664, 2560]
     assert s.muon_momentum(470) == 0.95 and s.muon_momentum(471) < 0.95 and s.muon_momentum(519) < 0.86
     assert [step for step in range(600) if s.validates(step)] == [0, 160, 320, 480, 520]
     # validation scores the model with the windows it was trained with up to then; the last with final_windows
@@ -948,35 +908,34 @@ def test_scheduled_steps_then_extension_steps():
                                                                                   (640, 1408), (768, 2560)]
     # the warm-up runs each pair of windows at each forward size the timed region meets: one size on one GPU, and
     # at 8 ranks 1, 2, 3 micro-batches per forward by stage and 2 in validation, each twice under CUDA graphs
-    assert tg.warm_up_forwards(s, tg.Packing((8, 8, 8), 8), 1, cuda_graphs=False) == {
+    assert tg.warm_up_forwards(s, tg.Packing((8, 8, 8, 8), 8), 1, cuda_graphs=False) == {
         ((128, 384), 8): 1, ((384, 896), 8): 1, ((640, 1408), 8): 1, ((768, 1664), 8): 1, ((768, 2560), 8): 1}
-    assert tg.warm_up_forwards(s, tg.Packing((1, 2, 3), 2), 8, cuda_graphs=True) == {
+    assert tg.warm_up_forwards(s, tg.Packing((1, 2, 3, 3), 2), 8, cuda_graphs=True) == {
         ((128, 384), 1): 2, ((128, 384), 2): 2, ((384, 896), 2): 2, ((640, 1408), 2): 2, ((640, 1408), 3): 2,
         ((768, 1664), 3): 2, ((768, 2560), 2): 2}
-    assert tg.warm_up_forwards(s, tg.Packing((1, 1, 1), 1), 8, cuda_graphs=True)[(640, 1408), 1] == 3
-    with pytest.raises(tg.UserError, match="--extension_steps=-1 must be 0 or more"):
-        tg.parse_cli(["--preset=tiny", "--extension_steps=-1"])
+    assert tg.warm_up_forwards(s, tg.Packing((1, 1, 1, 1), 1), 8, cuda_graphs=True)[(640, 1408), 1] == 3
 
 
-@pytest.mark.parametrize("adam_period, want", [(1, [True, True, False, False]),
-                                               (2, [True, True, True, False])])  # step 2 only adds gradients up
+@pytest.mark.parametrize("adam_period, want", [(1, [True, True, False]),
+                                               (2, [True, True, True])])  # step 2 only adds gradients up
 def test_tied_embedding_follows_the_head_until_the_untie_step(tiny_data, adam_period, want):
-    cfg = tiny_config(*tiny_data, num_iterations=4, tie_embed=1, untie_frac=0.5, adam_period=adam_period)
+    cfg = tiny_config(*tiny_data, num_iterations=3, adam_period=adam_period)
     schedule = tg.Schedule(cfg)
-    assert schedule.untie_step == 2
+    assert schedule.untie_step == 2  # two thirds of the steps
     torch.manual_seed(0)
     model = tg.GPT(cfg, tg.SdpaAttention(), torch.float32)
     assert torch.equal(model.embed.weight, model.lm_head.weight) and model.lm_head.weight.std() < 0.01
     optimizers = tg.build_optimizers(model, cfg)
     same = []
-    train_scheduled_steps(model, optimizers, cfg, 4,
+    train_scheduled_steps(model, optimizers, cfg, 3,
                           after_step=lambda step: same.append(torch.equal(model.embed.weight, model.lm_head.weight)))
     assert same == want
 
 
 def test_an_untie_before_adams_first_update_starts_both_states_fresh(tiny_data):
     """Untied at step 1, before Adam's first update (it steps on odd steps): the embedding gets a state of its own."""
-    cfg = tiny_config(*tiny_data, num_iterations=2, tie_embed=1, untie_frac=0.5, adam_period=2)
+    cfg = tiny_config(*tiny_data, num_iterations=2, adam_period=2)
+    assert tg.Schedule(cfg).untie_step == 1
     torch.manual_seed(0)
     model = tg.GPT(cfg, tg.SdpaAttention(), torch.float32)
     optimizers = tg.build_optimizers(model, cfg)
@@ -987,17 +946,14 @@ def test_an_untie_before_adams_first_update_starts_both_states_fresh(tiny_data):
 
 
 def test_multi_token_weights_follow_the_stages():
-    cfg = tg.Config(num_iterations=480, extension_steps=40, mtp_schedule="1,0.5,0.25>0/1,0.5>0/1")
-    s = tg.Schedule(cfg)
+    s = tg.Schedule(tg.Config(num_iterations=480, extension_steps=40))
     assert s.mtp_offsets == 3
     got = {step: s.mtp_weights(step) for step in (0, 80, 159, 160, 240, 320, 519)}
     assert got[0] == [1, 0.5, 0.25] and got[80] == [1, 0.5, 0.125] and 0 < got[159][2] < 0.002
     assert got[160] == [1, 0.5, 0] and got[240] == [1, 0.25, 0] and got[320] == [1, 0, 0] and got[519] == [1, 0, 0]
-    assert tg.Schedule(tg.Config(mtp_schedule="")).mtp_weights(0) == [1.0]
-    for bad, message in (("1,0.5/1", "one entry per stage"), ("1,x/1/1", "bad --mtp_schedule"),
-                         ("0,1/1/1", "the next token's above 0")):
-        with pytest.raises(tg.UserError, match=message):
-            tg.parse_cli(["--preset=tiny", f"--mtp_schedule={bad}"])
+    for bad in ("8 1 16:32 64 1,-1; 8 1 16:32 64 1", "8 1 16:32 64 0,1; 8 1 16:32 64 1"):
+        with pytest.raises(tg.UserError, match="mtp weights not negative, the next token's above 0"):
+            tg.parse_cli(["--preset=tiny", f"--stages={bad}"])
 
 
 def test_loss_watch_names_step_and_rank():
@@ -1043,7 +999,7 @@ def test_warm_up_restores_the_initial_model(tiny_data):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     optimizers = tg.build_optimizers(model, cfg)
     lines = []
-    schedule, packing = tg.Schedule(cfg), tg.Packing((1, 1, 1), 1)
+    schedule, packing = tg.Schedule(cfg), tg.Packing((1, 1, 1, 1), 1)
     tg.warm_up(model, optimizers, cfg, tg.Comm(), schedule, torch.device("cpu"), packing, lines.append)
     # a progress line per (windows, forward size) pair, in the order they ran
     runs = tg.warm_up_forwards(schedule, packing, 1, cuda_graphs=False)
@@ -1095,8 +1051,8 @@ def test_closed_optimizers_are_freed(tiny_data):
 def test_two_process_gloo_smoke_run(tiny_data, tmp_path):
     train, val = tiny_data
     result = run_cli(["--device=cpu", *TINY, f"--train_files={train}", f"--val_files={val}",
-                      "--num_iterations=4", "--extension_steps=2", "--extension_windows=3:6", "--val_loss_every=2",
-                      "--run_id=smoke"], cwd=tmp_path, nproc=2)
+                      "--num_iterations=4", "--extension_steps=2", "--val_loss_every=2", "--run_id=smoke"],
+                     cwd=tmp_path, nproc=2)
     assert result.returncode == 0, result.stderr[-3000:]
     log = (tmp_path / "logs" / "smoke.txt").read_text()
     lines = log.splitlines()
@@ -1111,23 +1067,21 @@ def test_two_process_gloo_smoke_run(tiny_data, tmp_path):
     val = {int(m.group(1)): float(m.group(4)) for m in steps if m.group(3)}
     assert sorted(val) == [0, 2, 4, 6] and all(math.isfinite(x) for x in val.values())
     assert val[6] < val[0] - 0.3  # it trained (Adam stepped on 3 of the 6 steps)
-    assert re.search(r"^compile_time:[\d.]+s graphs:\d+ cache_hits:\d+ cache_misses:\d+ cache_bypasses:\d+"
-                     r"( since_process_start:[\d.]+s)?$", log, re.M)
+    assert not re.search(r"^compile_time:", log, re.M)  # nothing compiled
     assert "\ngraphs compiled in the timed region: 0\n" in log
     # 4 scheduled steps over the tiny preset's 3 stages, steps 1-2, 3 and 4, then the 2 extension steps
-    counts = re.findall(r"^step times, stage (\d): (\d) steps, wall median [\d.]+ ms, slowest [\d.]+ ms at step \d", log, re.M)
+    counts = re.findall(r"^step times, stage (\d): (\d) steps, wall median [\d.]+ ms, slowest [\d.]+ ms at step \d", log,
+                        re.M)
     assert counts == [("0", "2"), ("1", "1"), ("2", "1"), ("3", "2")]
     assert re.findall(r"^rank 1: step times, stage (\d): (\d) steps, wall median", log, re.M) == counts
 
 
 def test_step_times_flag_slow_steps_per_stage_and_time_garbage_collections():
-    cfg = tg.Config(num_iterations=30, batch_schedule="8,16,24")  # stages: steps 1-10, 11-20, 21-30
-    times = tg.StepTimes(tg.Schedule(cfg))
+    times = tg.StepTimes(tg.Schedule(tg.Config(num_iterations=30, extension_steps=0)))  # steps 1-10, 11-20, 21-30
     try:
         for step in range(1, 31):
             stage = (step - 1) // 10
-            times.add(step, 100.0 * (stage + 1) + (50.0 * (stage + 1) if step in (7, 25) else 0.0),
-                      launch_ms=40.0 if step == 25 else 10.0)
+            times.add(step, 100.0 * (stage + 1) + (50.0 * (stage + 1) if step in (7, 25) else 0.0))
         gc.collect()
         gc.collect(0)
     finally:
@@ -1136,19 +1090,17 @@ def test_step_times_flag_slow_steps_per_stage_and_time_garbage_collections():
     gpu_ms = {step: 90.0 * ((step - 1) // 10 + 1) + (45.0 if step == 7 else 0.0) for step in range(2, 31)}
     wall_lines = times.summary({})  # no GPU: judged by wall time
     assert wall_lines[0] == ("step times, stage 0: 10 steps, wall median 100.0 ms, slowest 150.0 ms at step 7 (1.50x); "
-                             "1 over 1.2x the median; median launch 10.0 ms")
+                             "1 over 1.2x the median")
     assert wall_lines[1] == ("step times, stage 1: 10 steps, wall median 200.0 ms, slowest 200.0 ms at step 11 "
-                             "(1.00x); 0 over 1.2x the median; median launch 10.0 ms")
-    assert wall_lines[3] == "slow step 25: 1.50x its stage's wall median; wall 450.0 ms, launch 40.0 ms"
-    lines = times.summary(gpu_ms)  # judged by GPU time: step 25's long wall time was the host's, step 7's the GPU's
+                             "(1.00x); 0 over 1.2x the median")
+    lines = times.summary(gpu_ms)  # by GPU time: step 25's long wall time was the host's, step 7's the GPU's
     assert lines[0] == ("step times, stage 0: 10 steps, GPU median 90.0 ms, slowest 135.0 ms at step 7 (1.50x); "
-                        "1 over 1.2x the median; wall median 100.0 ms, slowest 1.50x; median launch 10.0 ms")
-    assert lines[2].startswith("step times, stage 2: 10 steps, GPU median 270.0 ms, slowest 270.0 ms at step 21 "
-                               "(1.00x); 0 over 1.2x the median; wall median 300.0 ms, slowest 1.50x")
-    assert lines[3] == "slow step 7: 1.50x its stage's GPU median; wall 150.0 ms, launch 10.0 ms, GPU 135.0 ms"
+                        "1 over 1.2x the median")
+    assert lines[2] == ("step times, stage 2: 10 steps, GPU median 270.0 ms, slowest 270.0 ms at step 21 (1.00x); "
+                        "0 over 1.2x the median")
     collections = re.fullmatch(r"garbage collections after the warm-up: (\d+), [\d.]+ ms in all; longest [\d.]+ ms "
-                               r"\(generation [012], step 31\)", lines[4])
-    assert collections and int(collections.group(1)) >= 2, lines[4]  # two explicit ones, maybe automatic ones
+                               r"\(generation [012], step 30\)", lines[3])
+    assert collections and int(collections.group(1)) >= 2, lines[3]  # two explicit ones, maybe automatic ones
 
 
 def _train_on_rank(rank, world_size, cfg):
@@ -1158,72 +1110,17 @@ def _train_on_rank(rank, world_size, cfg):
 
 # The tiny model's defaults are compared at 1, 2, 4 and 8 processes below; these options at 1 and 2 (the later
 # records' ideas, defaults of the full model, among them)
-@pytest.mark.parametrize("extras", [tg.PLAIN, dict(adam_period=3, num_iterations=4, muon_slow_momentum=0.98),
-                                    dict(paired_head_layers="0,1"),
-                                    dict(xsa_layers="1,3", value_gate_reads_embed=1, doc_len_schedule="32,64,128"),
-                                    dict(sublayer_scales=1, attn_input_from=1, muon_qk_blocks=2, mudd=1, token_gates=1,
-                                         xsa_layers="1,3", bigram_dims=24, bigram_signs=16),
-                                    dict(copy_pointer=1, copy_band=128, fp8_head=1, copy_sink_key=1, longest_match=1,
-                                         head_wgrad_rows=4),
-                                    # the gradients' dtype on the wire, not the fetched tables' rows (fp32)
-                                    dict(bf16_grad_comms=1, table_row_fetch=0),
-                                    dict(sparse_value_comms=1, num_iterations=4)],
-                         ids=["plain", "adam_period_3_slow_momentum", "paired_short_and_long", "xsa_ve_gate_doc_lens",
-                              "sublayer_scales_mudd_token_gates_bigram_signs",
-                              "copy_pointer_fp8_head_longest_match_head_wgrad_rows",
-                              "bf16_grad_comms", "sparse_value_comms"])
+@pytest.mark.parametrize("extras", [dict(adam_period=3, num_iterations=4), dict(paired_head_layers="0,1"),
+                                    dict(copy_pointer=0, longest_match=0, bigram_rows=0), dict(table_row_fetch=0)],
+                         ids=["adam_period_3", "paired_short_and_long", "ablations_off", "tables_gathered_whole"])
 def test_world_size_1_and_2_give_the_same_losses(tiny_data, tmp_path, extras):
-    """Also what the gradients travel as: fp32, or bf16 with --bf16_grad_comms (the reduce-scatters, and the bigram
-    rows in the sparse exchange), where gloo sums the two ranks' bf16 gradients in bf16: 7e-6 apart from one rank's
-    losses, within the same rtol."""
     cfg = tiny_config(*tiny_data, **{**dict(num_iterations=3), **extras}, val_loss_every=0, log_dir=str(tmp_path),
                       run_id="w1", micro_batch_tokens=128)
     single = tg.train(cfg, tg.Comm(), tg.RunLog(cfg, tg.Comm())).train_losses
-    (two, sent), (two_again, _) = run_on_ranks(_train_noting_gradient_dtypes_on_rank, 2,
-                                               dataclasses.replace(cfg, run_id="w2"))
+    two, two_again = run_on_ranks(_train_on_rank, 2, dataclasses.replace(cfg, run_id="w2"))
     assert len(single) == cfg.num_iterations and two == two_again
-    assert sent == {torch.bfloat16 if cfg.bf16_grad_comms else torch.float32}, sent
     assert single[0] > single[-1]  # it trained
     np.testing.assert_allclose(two, single, rtol=1e-5)
-
-
-def test_one_rank_rounds_its_gradients_as_they_would_travel():
-    """--bf16_grad_comms at world size 1: Muon's and Adam's updates start from the bf16-rounded gradients, as on
-    several ranks, so a one-GPU run learns as a multi-GPU one."""
-    grad = torch.full((4, 8), 1 + 2 ** -10)  # between two bf16 values
-    rounded = grad.to(torch.bfloat16).float()
-    assert not torch.equal(rounded, grad)
-    for grad_dtype, want in ((None, grad), (torch.bfloat16, rounded)):
-        matrix, table = torch.nn.Parameter(torch.zeros(4, 8)), torch.nn.Parameter(torch.zeros(4, 8))
-        matrix.grad, table.grad = grad.clone(), grad.clone()
-        muon = tg.Muon([dict(params=[matrix])], lr=0.01, momentum=0.9, grad_dtype=grad_dtype)
-        adam = tg.DistAdam([dict(params=[table])], lr=0.01, grad_dtype=grad_dtype)
-        muon._launch_reduce(muon.groups[0])
-        adam._launch_reduce(adam.units[0])
-        assert torch.equal(muon.groups[0].pending[1].float()[0], want)
-        assert torch.equal(adam.units[0].pending().view(4, 8), want)
-
-
-def _table_gather_dtypes_on_rank(rank, world_size, cfg, compute_dtype):
-    model = tg.GPT(cfg, tg.SdpaAttention(), compute_dtype)
-    _, adam = tg.build_optimizers(model, cfg)
-    names = {p: name for name, p in model.named_parameters()}
-    return {names[b.params[0]]: b.gather_dtype for b in adam.buckets if b.gather_dtype is not None}
-
-
-def test_bf16_table_gathers_send_the_value_and_bigram_tables_in_the_compute_dtype(tiny_data, tmp_path):
-    """Only the tables the forward reads as rows cast to the compute dtype, and only where that is narrower than
-    their fp32 (a GPU's bf16; on the CPU's fp32 nothing changes)."""
-    cfg = tiny_config(*tiny_data, bf16_table_gathers=1, log_dir=str(tmp_path))
-    assert cfg.bigram_rows and cfg.value_embed_layout.strip(".")
-    tables = {f"value_embeds.{i}.weight" for i in range(len(tg.GPT(cfg, tg.SdpaAttention(), torch.float32).value_embeds))}
-    for compute_dtype, want in ((torch.bfloat16, tables | {"bigram_embed.weight"}), (torch.float32, set())):
-        for gathered in run_on_ranks(_table_gather_dtypes_on_rank, 2, cfg, compute_dtype):
-            assert gathered == dict.fromkeys(want, compute_dtype)
-    assert _table_gather_dtypes_on_rank(0, 1, cfg, torch.bfloat16) == {}  # one rank gathers nothing
-    for refused in (dict(diloco=1), dict(tail_ema_from=0.5, tail_ema_all=1)):
-        with pytest.raises(tg.UserError, match="--bf16_table_gathers"):
-            tg.validate_config(dataclasses.replace(cfg, **refused))
 
 
 def _train_noting_row_fetches_on_rank(rank, world_size, cfg):
@@ -1255,45 +1152,29 @@ def test_tables_fetched_by_rows_train_as_tables_gathered_whole(tiny_data, tmp_pa
         for fetch in (0, 1)}
     dense_losses, dense_val, no_fetches = runs[0][0]
     assert not no_fetches and dense_losses[-1] < dense_losses[0]
+    rows = {VOCAB + 128, cfg.bigram_rows}  # the vocabulary and the pointer's gate, padded to 256; the bigram table
     for rank, (losses, val, fetches) in enumerate(runs[1]):
         assert (losses, val) == (dense_losses, dense_val), rank
         # two updates fetch (after steps 1 and 3), each for two groups: the value tables' rows and the bigram table's
-        assert sorted({rows for rows, _ in fetches}) == sorted({VOCAB, cfg.bigram_rows}) and len(fetches) == 4, fetches
-        # the tiny vocabulary's other ranks' rows are all read in two steps; most of the bigram table's are not
-        assert all(0 < asked <= rows // 2 and (rows == VOCAB or asked < rows // 4) for rows, asked in fetches), (
-            rank, fetches)
+        assert sorted({n for n, _ in fetches}) == sorted(rows) and len(fetches) == 4, fetches
+        # the tokens' rows (all below 128: rank 0's block of the value tables) are asked by rank 1 only; a few of the
+        # bigram table's other block
+        assert all(0 < asked < n // 4 if n == cfg.bigram_rows else (asked == 0) == (rank == 0) and asked <= VOCAB
+                   for n, asked in fetches), fetches
     weights = [torch.load(tmp_path / f"f{fetch}.pt", weights_only=True)["model"] for fetch in (0, 1)]
     assert sorted(weights[0]) == sorted(weights[1])
     assert all(torch.equal(weights[0][name], weights[1][name]) for name in weights[0])
-    # runs that read whole tables between updates gather them whole
-    assert tg.fetches_table_rows(dataclasses.replace(cfg, table_row_fetch=1))
-    for whole in (dict(diloco=1), dict(tail_ema_from=0.5, tail_ema_all=1), dict(tail_ema_from=0.5, tail_ema_kinds=1)):
-        assert not tg.fetches_table_rows(dataclasses.replace(cfg, table_row_fetch=1, **whole)), whole
-
-
-def _train_noting_gradient_dtypes_on_rank(rank, world_size, cfg):
-    """Train, noting the dtypes of the floating-point tensors this rank sent in reduce-scatters and all-to-alls."""
-    sent = set()
-
-    def noting(collective):
-        def noted(output, tensor, *args, **kwargs):
-            if tensor.is_floating_point():
-                sent.add(tensor.dtype)
-            return collective(output, tensor, *args, **kwargs)
-        return noted
-    tg.dist.reduce_scatter_tensor = noting(tg.dist.reduce_scatter_tensor)
-    tg.dist.all_to_all_single = noting(tg.dist.all_to_all_single)
-    return _train_on_rank(rank, world_size, cfg), sent
 
 
 def assert_same_tensors(got, want, rtol: float, where: str, looser: dict | None = None):
     """Nested dicts of tensors (and plain values) with the same keys: each tensor within rtol of its counterpart
-    in norm (||got - want|| <= rtol ||want||), each plain value equal. looser: {key: rtol} for what is under those
-    keys."""
+    in norm (||got - want|| <= rtol ||want||), each plain value equal. looser: {key suffix: rtol} for what is under
+    keys ending so."""
     if isinstance(want, dict):
         assert isinstance(got, dict) and sorted(got) == sorted(want), (where, sorted(got), sorted(want))
         for key in want:
-            assert_same_tensors(got[key], want[key], (looser or {}).get(key, rtol), f"{where}, {key}", looser)
+            tolerance = next((r for suffix, r in (looser or {}).items() if str(key).endswith(suffix)), rtol)
+            assert_same_tensors(got[key], want[key], tolerance, f"{where}, {key}", looser)
     elif isinstance(want, torch.Tensor):
         assert got.shape == want.shape and got.dtype == want.dtype, where
         error = (got.double() - want.double()).norm().item()
@@ -1335,9 +1216,9 @@ def test_world_sizes_1_2_4_and_8_give_the_same_losses_and_states(tiny_data, tmp_
 
     At 8 ranks every distributed piece has something to do on every rank: DistAdam's reduce-scatters and
     all-gathers (each table 1/8 a rank, the scalars' bucket padded), the bigram table's sparse exchange (each
-    rank owns 512 of its 4096 rows and receives some in every exchange), and Muon's sharding, whose 12 matrices of one
-    shape make one group padded to 16 at 8 ranks: ranks 0-5 own 2 each, ranks 6 and 7 only padding (they
-    orthogonalise nothing and still join the all-gather)."""
+    rank owns 512 of its 4096 rows and receives some in every exchange), and Muon's sharding, whose 11 matrices of one
+    shape make one group padded to 16 at 8 ranks: ranks 0-4 own 2 each, rank 5 one, ranks 6 and 7 only padding
+    (they orthogonalise nothing and still join the all-gather)."""
     cfg = tiny_config(*tiny_data, num_iterations=4, val_loss_every=0, log_dir=str(tmp_path), run_id="w1",
                       micro_batch_tokens=128, save_checkpoint=tmp_path / "w1.pt")
     single = tg.train(cfg, tg.Comm(), tg.RunLog(cfg, tg.Comm()))
@@ -1352,14 +1233,14 @@ def test_world_sizes_1_2_4_and_8_give_the_same_losses_and_states(tiny_data, tmp_
     # 1, 1, 2 at 8 (2 in validation), as 1, 2, 3 at 8 GPUs with the default schedule. At 2 one a forward: auto's 4
     # there left block 0's MLP weights 1.3e-5 apart (its momentum 7.4e-6, every other matrix's under 2e-6), a
     # summation order's difference grown in one matrix; test_packed_forwards_train_as_separate_ones packs at 2.
-    packing = {2: "1 micro-batch(es)", 4: "2, 2, 4 micro-batches by stage (4 in validation)",
-               8: "1, 1, 2 micro-batches by stage (2 in validation)"}
+    packing = {2: "1, 1, 1, 1 by stage, 1 in validation", 4: "2, 2, 4, 4 by stage, 4 in validation",
+               8: "1, 1, 2, 2 by stage, 2 in validation"}
     for world_size in (2, 4, 8):
         ranks = run_on_ranks(_train_and_note_ownership_on_rank, world_size, dataclasses.replace(
             cfg, run_id=f"w{world_size}", save_checkpoint=str(tmp_path / f"w{world_size}.pt"),
             forward_micro_batches=0 if world_size > 2 else 1))
         log = (tmp_path / f"w{world_size}.txt").read_text()
-        assert f"world size {world_size}, {packing[world_size]} of 128 tokens" in log
+        assert f"world size {world_size}; micro-batches of 128 tokens per forward: {packing[world_size]}" in log
         (train_losses, val_losses), _ = ranks[0]
         assert all(losses == (train_losses, val_losses) for losses, _ in ranks)
         np.testing.assert_allclose(train_losses, single.train_losses, rtol=1e-5, err_msg=f"world size {world_size}")
@@ -1369,15 +1250,16 @@ def test_world_sizes_1_2_4_and_8_give_the_same_losses_and_states(tiny_data, tmp_
         # Weights and states per tensor at 1e-5 too (measured up to 2.2e-6), but the smear gate's 12 weights: they
         # start at zero, and one's gradient is far below Adam's eps (root of exp_avg_sq 5e-11, eps 1e-8), where the
         # update is proportional to the gradient itself, a sum that cancels down to 1e-11 and whose last digits
-        # follow the summation order (measured 1.4e-5 at 2 processes, 7e-6 at 4 and 8).
+        # follow the summation order (measured 1.4e-5 at 2 processes, 7e-6 at 4 and 8). So do the attention output
+        # scales' moments: each gradient a sum over every token that cancels to about 1e-5 (measured 1.5e-5 at 2).
         checkpoint = torch.load(tmp_path / f"w{world_size}.pt", weights_only=True)
         for part in ("adam", "muon", "model"):  # the moments first: they name the tensor a lost average scaled
             assert_same_tensors(checkpoint[part], reference[part], 1e-5, f"world size {world_size}, {part}",
-                                looser={"smear_gate_w": 1e-4})
+                                looser={"smear_gate_w": 1e-4, "attn.out_scale": 1e-4})
         for rank, (_, owned) in enumerate(ranks):
             assert owned["bigram_rows"] and min(owned["bigram_rows"]) > 0, (world_size, rank, owned)
         if world_size == 8:
-            assert [set(owned["muon_matrices"]) for _, owned in ranks] == [{2}] * 6 + [{0}] * 2
+            assert [set(owned["muon_matrices"]) for _, owned in ranks] == [{2}] * 5 + [{1}] + [{0}] * 2
 
 
 def _launched_before_step_on_rank(rank, world_size, cfg):
@@ -1405,27 +1287,27 @@ def test_every_reduce_scatter_is_on_the_wire_before_the_optimizers_step(tiny_dat
 
 
 def test_packed_forwards_train_as_separate_ones(tiny_data, tmp_path):
-    """Micro-batches packed into one forward (--forward_micro_batches; auto packs up to 4, or 8 on a large GPU,
-    per stage as the counts allow) give the training and validation losses of one forward each, at 1 process, at 2
-    and at 4 with a different size by stage, and the logs say how many were packed. Validation chunks do not start at a BOS: packed, each must still see only its own
-    tokens."""
+    """Micro-batches packed into one forward (--forward_micro_batches; auto packs up to 4, or 8 on a large GPU, per
+    stage as the counts allow) give the training and validation losses of one forward each, at 1 process, at 2 and
+    at 4 with a different size by stage. Validation chunks do not start at a BOS: packed, each must still see only its
+    own tokens."""
     cfg = tiny_config(*tiny_data, num_iterations=3, val_loss_every=3, log_dir=str(tmp_path), micro_batch_tokens=128)
     results = {}
     for packed in (1, 2, 4):
         run_cfg = dataclasses.replace(cfg, forward_micro_batches=packed, run_id=f"packed{packed}")
         results[packed] = tg.train(run_cfg, tg.Comm(), tg.RunLog(run_cfg, tg.Comm()))
         log = (tmp_path / f"packed{packed}.txt").read_text()
-        assert f"{packed} micro-batch(es) of 128 tokens per forward" in log
+        assert f"forward: {', '.join([str(packed)] * 4)} by stage, {packed} in validation" in log
     two = run_on_ranks(_train_and_validate_on_rank, 2, dataclasses.replace(cfg, forward_micro_batches=0, run_id="two"))
-    assert "world size 2, 4 micro-batch(es) of 128 tokens per forward" in (tmp_path / "two.txt").read_text()
+    assert "world size 2; micro-batches of 128 tokens per forward: 4, 4, 4, 4 by stage, 4 in validation" in (
+        tmp_path / "two.txt").read_text()
     # at 4 ranks auto packs each stage as its micro-batches per rank allow, 2, 2 and 3 (of 2, 2 and 6), and the
     # validation's 4 at 2, a training size
-    mixed = dataclasses.replace(cfg, batch_schedule="8,8,24")
+    mixed = dataclasses.replace(cfg, stages=tuple(s._replace(batch=b) for s, b in zip(cfg.stages, (8, 8, 24, 24))))
     one_each = tg.train(dataclasses.replace(mixed, run_id="one_each"), tg.Comm(), tg.RunLog(mixed, tg.Comm()))
     four = run_on_ranks(_train_and_validate_on_rank, 4, dataclasses.replace(mixed, forward_micro_batches=0,
                                                                              run_id="four"))
-    assert ("world size 4, 2, 2, 3 micro-batches by stage (2 in validation) of 128 tokens per forward"
-            in (tmp_path / "four.txt").read_text())
+    assert "forward: 2, 2, 3, 3 by stage, 2 in validation" in (tmp_path / "four.txt").read_text()
     runs = [(results[1], [(r.train_losses, r.val_losses) for r in (results[2], results[4])] + [two[0]]),
             (one_each, [four[0]])]
     for separate, packed_runs in runs:
@@ -1436,14 +1318,11 @@ def test_packed_forwards_train_as_separate_ones(tiny_data, tmp_path):
             np.testing.assert_allclose([v for _, v in val_losses], [v for _, v in separate.val_losses], rtol=1e-5)
 
 
-@pytest.mark.parametrize("extras", [{}, tg.PLAIN, dict(paired_head_layers="0,1"),
-                                    dict(sublayer_scales=1, attn_input_from=1, xsa_layers="1,3", mudd=1, bigram_dims=24,
-                                         bigram_signs=16)],
-                         ids=["defaults", "plain", "paired_heads", "sublayer_scales_xsa_mudd_bigram_signs"])
+@pytest.mark.parametrize("extras", [{}, dict(paired_head_layers="0,1")], ids=["defaults", "paired_heads"])
 def test_a_packed_forward_computes_the_losses_of_separate_ones(tiny_data, extras):
     """Two validation chunks (the second starts mid-document) in one forward against one forward each, with random
-    weights so that attention carries signal: the same mean loss. A packed forward must not let the second
-    chunk attend to the first."""
+    weights so that every path carries signal: the same mean loss. A packed forward must not let the second chunk
+    see the first (attention, smear, key offset, the pointer, the longest matches, multi-token targets)."""
     cfg = tiny_config(*tiny_data, micro_batch_tokens=128, **extras)
     torch.manual_seed(0)
     model = tg.GPT(cfg, tg.SdpaAttention(), torch.float32, forward_micro_batches=2)
@@ -1451,16 +1330,15 @@ def test_a_packed_forward_computes_the_losses_of_separate_ones(tiny_data, extras
         for p in model.parameters():
             if p.ndim >= 2:  # matrices, tables and gate weights
                 p.normal_(0, 0.1)
-        if model.smear_scale is not None:  # the smear on, so that a packed forward could leak through it
-            model.smear_scale.fill_(1.0)
-        if model.mtp_weights.numel() > 1:  # predictions of later tokens too, which must stay in their micro-batch
-            model.set_mtp_weights([1.0, 0.5, 0.25])
+        model.smear_scale.fill_(1.0)
+        model.longest_match.scale.fill_(1.0)
+        model.set_mtp_weights([1.0, 0.5, 0.25])  # predictions of later tokens too, which must stay in their batch
     windows = list(tg.val_batches_for_rank(tg.shard_paths(cfg.val_files, "val_files"), cfg, tg.Comm()))[:2]
     assert windows[1][0] != BOS  # the second chunk starts mid-document
     losses = {}
     for packed in (1, 2):
         batches = tg.Prefetcher(iter(windows), 128, torch.device("cpu"), bigram_rows=cfg.bigram_rows, packed=packed,
-                                 bos=BOS)
+                                **BATCHES)
         try:
             with torch.no_grad():
                 losses[packed] = sum(tg.forward_loss(model, batches.next(), (64, 128)).item()
@@ -1479,25 +1357,24 @@ def _train_and_validate_on_rank(rank, world_size, cfg):
 def test_forward_micro_batches_must_divide_the_counts_and_auto_packs_each_stage(tiny_data):
     cfg = tiny_config(*tiny_data, forward_micro_batches=3)
     with pytest.raises(tg.UserError, match=r"--forward_micro_batches=3 must divide the micro-batches per rank at 1 "
-                                           r"process\(es\) \(stage 0: 8, stage 1: 8, stage 2: 16, validation: 8\)"):
+                                           r"process\(es\) \(stage 0: 8, stage 1: 8, stage 2: 16, stage 3: 16, "
+                                           r"validation: 8\)"):
         tg.resolve_packing(cfg, 1)
-    assert tg.resolve_packing(dataclasses.replace(cfg, forward_micro_batches=2), 2) == tg.Packing((2, 2, 2), 2)
+    assert tg.resolve_packing(dataclasses.replace(cfg, forward_micro_batches=2), 2) == tg.Packing((2, 2, 2, 2), 2)
     auto = dataclasses.replace(cfg, forward_micro_batches=0)
-    assert tg.resolve_packing(auto, 1) == tg.Packing((4, 4, 4), 4)  # no GPU memory known: up to 4
-    assert tg.resolve_packing(auto, 1, device_memory_gib=40.0) == tg.Packing((4, 4, 4), 4)
-    assert tg.resolve_packing(auto, 1, device_memory_gib=79.6) == tg.Packing((8, 8, 8), 8)  # an 80 GB H100
-    assert tg.resolve_packing(auto, 2, device_memory_gib=79.6) == tg.Packing((4, 4, 8), 4)  # 4, 4, 8 per rank
-    # the default schedule (8, 16, 24) on 4 and on 8 GPUs: each stage in one forward; validation (bench2's 128
-    # micro-batches) at the largest stage size that divides its share, so it runs a training graph
-    default = dataclasses.replace(auto, batch_schedule="8,16,24", val_tokens=128 * auto.micro_batch_tokens)
-    assert tg.resolve_packing(default, 4, device_memory_gib=79.6) == tg.Packing((2, 4, 6), 4)
-    assert tg.resolve_packing(default, 8, device_memory_gib=79.6) == tg.Packing((1, 2, 3), 2)
-    assert tg.resolve_packing(default, 8, device_memory_gib=79.6).describe() == (
-        "1, 2, 3 micro-batches by stage (2 in validation)")
+    assert tg.resolve_packing(auto, 1) == tg.Packing((4, 4, 4, 4), 4)  # no GPU memory known: up to 4
+    assert tg.resolve_packing(auto, 1, device_memory_gib=40.0) == tg.Packing((4, 4, 4, 4), 4)
+    assert tg.resolve_packing(auto, 1, device_memory_gib=79.6) == tg.Packing((8, 8, 8, 8), 8)  # an 80 GB H100
+    assert tg.resolve_packing(auto, 2, device_memory_gib=79.6) == tg.Packing((4, 4, 8, 8), 4)  # 4, 4, 8 per rank
+    # the default schedule on 4 and on 8 GPUs: each stage in one forward; validation (bench2's 128 micro-batches) at
+    # the largest stage size that divides its share, so it runs a training graph
+    default = dataclasses.replace(auto, stages=tg.STAGES, val_tokens=128 * auto.micro_batch_tokens)
+    assert tg.resolve_packing(default, 4, device_memory_gib=79.6) == tg.Packing((2, 4, 6, 6), 4)
+    assert tg.resolve_packing(default, 8, device_memory_gib=79.6) == tg.Packing((1, 2, 3, 3), 2)
     # no stage size divides the validation's 5 per rank: its own, the most that does
     odd = dataclasses.replace(default, val_tokens=20 * auto.micro_batch_tokens)
-    assert tg.resolve_packing(odd, 4, device_memory_gib=79.6) == tg.Packing((2, 4, 6), 5)
-    assert tg.resolve_packing(odd, 4) == tg.Packing((2, 4, 3), 1)
+    assert tg.resolve_packing(odd, 4, device_memory_gib=79.6) == tg.Packing((2, 4, 6, 6), 5)
+    assert tg.resolve_packing(odd, 4) == tg.Packing((2, 4, 3, 3), 1)
 
 
 def test_out_of_memory_in_the_warm_up_names_the_flags(tiny_data, tmp_path, monkeypatch, capsys):
@@ -1512,43 +1389,61 @@ def test_out_of_memory_in_the_warm_up_names_the_flags(tiny_data, tmp_path, monke
         "memory. Tried to allocate 2.00 GiB): lower --forward_micro_batches or --micro_batch_tokens")
 
 
-def table_grads_after_two_forwards(cfg, device, dtype, windows):
-    """Losses of two forwards (each followed by its backward) of a model whose matrices are random, and the
-    embedding tables' gradients accumulated over both."""
+def dense_lookup(indices, use_triton, dtypes, *tables):
+    """What _RowLookup computes, through autograd's dense embedding gradients."""
+    return tuple(torch.nn.functional.embedding(indices, table).to(dtype) for table, dtype in zip(tables, dtypes))
+
+
+def table_grads_after_two_forwards(cfg, dense: bool):
+    """Two forwards' losses (each with its backward) of a model whose matrices are random, and the embedding tables'
+    gradients accumulated over both."""
     torch.manual_seed(0)
-    model = tg.GPT(cfg, tg.SdpaAttention(), dtype, kernels=tg.choose_kernels(cfg, device)).to(device)
+    model = tg.GPT(cfg, tg.SdpaAttention(), torch.float32)
+    if dense:
+        model.forward = types.MethodType(_dense_forward, model)
     with torch.no_grad():  # leave the zero init, so that gradients reach the tables
         for p in model.parameters():
             if p.ndim == 2:
                 p.normal_(0, 0.02)
-    batches = tg.prefetch(tg.dummy_batches(cfg, seed=1), cfg, device, packed=1)
+    batches = tg.prefetch(tg.dummy_batches(cfg, seed=1), cfg, torch.device("cpu"), packed=1)
     model.prepare_grads()
     losses = []
     try:
         for _ in range(2):
-            loss = tg.forward_loss(model, batches.next(), windows)
+            loss = tg.forward_loss(model, batches.next(), (32, 64))
             loss.backward()
             losses.append(loss.item())
     finally:
         batches.close()
-    return losses, [p.grad.clone() for p in model.embedding_tables()]
+    tables = [model.embed.weight, *(t.weight for t in model.value_embeds), model.bigram_embed.weight]
+    return losses, [p.grad.clone() for p in tables]
+
+
+def _dense_forward(model, *args):
+    lookup = tg._RowLookup.apply
+    tg._RowLookup.apply = dense_lookup
+    try:
+        return tg.GPT.forward(model, *args)
+    finally:
+        tg._RowLookup.apply = lookup
+
+
+def _train_with_dense_lookups_on_rank(rank, world_size, cfg):
+    tg._RowLookup.apply = dense_lookup
+    return _train_on_rank(rank, world_size, cfg)
 
 
 def test_row_embedding_grads_equal_dense_ones(tiny_data, tmp_path):
-    """--row_embedding_grads=1 (looked-up rows' gradients added into a kept dense .grad) against the dense
-    gradients: the same table gradients after two forwards, and the same losses over three steps at world
-    size 2."""
+    """The looked-up rows' gradients added into a kept dense .grad (_RowLookup) against autograd's dense embedding
+    gradients: the same table gradients after two forwards, and the same losses over three steps at world size 2."""
     cfg = tiny_config(*tiny_data, num_iterations=3, val_loss_every=0, log_dir=str(tmp_path), micro_batch_tokens=128)
-    grads, losses = {}, {}
-    for rows in (False, True):
-        run_cfg = dataclasses.replace(cfg, row_embedding_grads=rows, run_id=f"rows{int(rows)}")
-        _, grads[rows] = table_grads_after_two_forwards(run_cfg, torch.device("cpu"), torch.float32, (32, 64))
-        assert all(not g.is_sparse for g in grads[rows])
-        losses[rows] = run_on_ranks(_train_on_rank, 2, run_cfg)[0]
-    assert any(g.abs().sum() > 0 for g in grads[False])
-    for dense, rows in zip(grads[False], grads[True]):
-        torch.testing.assert_close(rows, dense, rtol=1e-5, atol=1e-7)
-    np.testing.assert_allclose(losses[True], losses[False], rtol=1e-5)
+    (_, dense), (_, rows) = (table_grads_after_two_forwards(cfg, dense) for dense in (True, False))
+    assert all(g.abs().sum() > 0 for g in dense) and all(not g.is_sparse for g in rows)
+    for want, got in zip(dense, rows):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    losses = [run_on_ranks(target, 2, dataclasses.replace(cfg, run_id=name))[0]
+              for target, name in ((_train_with_dense_lookups_on_rank, "dense"), (_train_on_rank, "rows"))]
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
 
 
 def test_check_and_help_flags(tiny_data, tmp_path, monkeypatch, capsys):
@@ -1629,23 +1524,22 @@ def test_run_sh_checks_before_launching(tmp_path, tiny_data):
         "error: NPROC=3: use 1, 2, 4 or 8 (every stage's batch splits evenly over those)")
 
 
-def test_cuda_graph_modes_give_every_parameter_a_kept_gradient_and_mark_each_forward(tiny_data, monkeypatch):
-    """Under CUDA graphs (compile_mode reduce-overhead or max-autotune) a first micro-batch's gradient must not
-    become .grad itself (the next replay would overwrite it): every parameter starts the step with zeros. Each
-    forward marks a new step for the graphs there, and only there (elsewhere the mark would import inductor's graph
-    trees into a CPU run)."""
-    cfg = tiny_config(*tiny_data, row_embedding_grads=1)
+def test_cuda_graphs_give_every_parameter_a_kept_gradient_and_mark_each_forward(tiny_data, monkeypatch):
+    """Under CUDA graphs a first micro-batch's gradient must not become .grad itself (the next replay would overwrite
+    it): every parameter starts the step with zeros, the tables always do. Each forward marks a new step for the graphs
+    there, and only there (elsewhere the mark would import inductor's graph trees into a CPU run)."""
+    cfg = tiny_config(*tiny_data)
     marks = []
     monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
     batches = tg.prefetch(tg.dummy_batches(cfg, seed=1), cfg, torch.device("cpu"), packed=1)
-    for replays, expected in ((True, "all"), (False, "tables")):
+    for replays in (True, False):
         model = tg.GPT(cfg, tg.SdpaAttention(), torch.float32)
         model.replays_cuda_graphs = replays
         model.prepare_grads()
-        tables = {id(p) for p in model.embedding_tables()}
+        tables = {id(p) for p in [model.embed.weight, model.bigram_embed.weight, *(t.weight for t in model.value_embeds)]}
         for p in model.parameters():
             has_zeros = p.grad is not None and not p.grad.any()
-            assert has_zeros == (expected == "all" or id(p) in tables), (replays, p.shape)
+            assert has_zeros == (replays or id(p) in tables), (replays, p.shape)
         marks.clear()
         with torch.no_grad():
             tg.forward_loss(model, batches.next(), (64, 128))
@@ -1654,80 +1548,40 @@ def test_cuda_graph_modes_give_every_parameter_a_kept_gradient_and_mark_each_for
 
 
 def test_every_parameter_reaches_the_loss(tiny_data):
-    """One forward and backward give every parameter a gradient (the tables get theirs from prepare_grads, which
-    the row gradients add into), in the tiny model with a layer without attention, MUDD's last layer and the token
-    gates: a parameter the loss never reads would only weigh on the optimizers, their communication and the
-    checkpoints. Its gradient is not None, not necessarily non-zero: at the first step some factor of it is zero."""
-    cfg = tiny_config(*tiny_data, attn_layout="S-SL", sublayer_scales=1, attn_input_from=1, mudd=1, token_gates=1,
-                      xsa_layers="0,3")
+    """One forward and backward give every parameter a gradient, in the tiny model with its layer without attention,
+    MUDD's last layer and the token gates: a parameter the loss never reads would only weigh on the optimizers, their
+    communication and the checkpoints. Not None, not necessarily non-zero: at the first step some factor is zero."""
+    cfg = tiny_config(*tiny_data)
     model = tg.GPT(cfg, tg.SdpaAttention(), torch.float32)
     batches = tg.prefetch(tg.dummy_batches(cfg, seed=1), cfg, torch.device("cpu"), packed=1)
     model.prepare_grads()
-    tables = {id(p) for p in model.embedding_tables()}
-    assert all(p.grad is None for p in model.parameters() if id(p) not in tables)
     tg.forward_loss(model, batches.next(), (64, 128)).backward()
     batches.close()
     assert [name for name, p in model.named_parameters() if p.grad is None] == []
 
 
-def test_auto_compile_mode_uses_cuda_graphs_where_they_paid(tiny_data):
-    """CUDA graphs on a GPU where a stage runs one micro-batch per forward (all of the run then), with any attention;
-    never where every forward is bigger, on a CPU or under DiLoCo; an explicit mode as asked."""
-    cfg = tiny_config(*tiny_data)
+def test_cuda_graphs_where_they_paid_and_as_asked(tiny_data):
+    """auto: the model's graphs where a stage runs one micro-batch per forward (8 GPUs' first stage), never where every
+    forward is bigger, on a CPU or under DiLoCo; Muon's on several CUDA ranks. 1 takes both (compiled), 0 neither;
+    1 on a CPU is one line."""
+    cfg = tiny_config(*tiny_data, compile=1)
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
-    assert cfg.compile_mode == "auto"
 
-    def mode(packed, config=cfg, device=cuda):
-        return tg.resolve_compile_mode(config, device, tg.Packing((packed,) * 3, packed))
-
-    assert mode(1) == "reduce-overhead"
-    assert tg.resolve_compile_mode(cfg, cuda, tg.Packing((1, 2, 3), 2)) == "reduce-overhead"  # 8 GPUs' stages
-    assert mode(2) == mode(8) == "default"
-    assert tg.resolve_compile_mode(cfg, cuda, tg.Packing((2, 4, 6), 4)) == "default"  # 4 GPUs' stages
-    assert mode(1, device=cpu) == "default"
-    assert mode(1, config=dataclasses.replace(cfg, diloco=True)) == "default"
-    assert mode(1, config=dataclasses.replace(cfg, attn_backend="fa3")) == "reduce-overhead"
-    explicit = dataclasses.replace(cfg, compile_mode="max-autotune-no-cudagraphs")
-    assert mode(1, config=explicit) == "max-autotune-no-cudagraphs"
-    for asked in tg.CUDA_GRAPH_MODES:
-        graphs = dataclasses.replace(cfg, compile=True, compile_mode=asked)
-        assert mode(8, config=graphs) == asked
-
-
-@pytest.mark.parametrize("mode", tg.CUDA_GRAPH_MODES)
-def test_fa3_under_cuda_graphs_is_taken_and_auto_takes_graphs_with_fa3_at_one_micro_batch_per_forward(tiny_data, mode):
-    """An explicit CUDA-graph --compile_mode with --attn_backend=fa3 is taken as asked (FA3 takes its window and
-    lengths as ints); auto takes graphs with FA3 as with flex: at one micro-batch per forward, not at two."""
+    def graphs(packing, config=cfg, device=cuda, world_size=8):
+        return tg.cuda_graphs_for(config, device, tg.Packing(packing, min(packing)), world_size)
+    assert graphs((1, 2, 3, 3)) == (True, True)  # 8 GPUs' stages
+    assert graphs((2, 4, 6, 6), world_size=4) == (False, True)
+    assert graphs((8, 8, 8, 8), world_size=1) == (False, False)
+    assert graphs((1, 1, 1, 1), device=cpu) == (False, False)
+    assert graphs((1, 1, 1, 1), config=dataclasses.replace(cfg, diloco=True)) == (False, True)
+    assert graphs((8, 8, 8, 8), config=dataclasses.replace(cfg, cuda_graphs="1"), world_size=1) == (True, True)
+    assert graphs((1, 1, 1, 1), config=dataclasses.replace(cfg, cuda_graphs="0")) == (False, False)
+    assert graphs((1, 1, 1, 1), config=dataclasses.replace(cfg, compile=False)) == (False, True)
     train, val = tiny_data
-    cfg, _ = tg.parse_cli([*TINY, f"--train_files={train}", f"--val_files={val}", "--compile=1", "--attn_backend=fa3",
-                           f"--compile_mode={mode}"])
-    cuda = torch.device("cuda", 0)
-
-    def replays(config, device, packed):  # as compile_model marks the model
-        packing = tg.Packing((packed,) * 3, packed)
-        return config.compile and tg.resolve_compile_mode(config, device, packing) in tg.CUDA_GRAPH_MODES
-
-    assert replays(cfg, cuda, 2)
-    auto = dataclasses.replace(cfg, compile_mode="auto")
-    assert replays(auto, cuda, 1)
-    assert not replays(auto, cuda, 2)
-    assert not replays(auto, torch.device("cpu"), 1)
-
-
-def test_muon_graphs_on_a_cpu_is_refused_in_one_line_and_auto_takes_them_on_several_cuda_ranks(tiny_data):
-    """--muon_graphs=1 needs CUDA graphs: on a CPU one line names the flag and the device; on CUDA it is taken.
-    auto, the default, takes them on CUDA at more than one rank only; an unknown value is refused in one line."""
-    train, val = tiny_data
-    args = [*TINY, f"--train_files={train}", f"--val_files={val}"]
-    with pytest.raises(tg.UserError, match=r"^--muon_graphs=1 needs --device=cuda .*on cpu pass --muon_graphs=0"):
-        tg.parse_cli([*args, "--muon_graphs=1", "--device=cpu"])
-    with pytest.raises(tg.UserError, match=r"^--muon_graphs=yes: use auto, 1 or 0$"):
-        tg.parse_cli([*args, "--muon_graphs=yes", "--device=cpu"])
-    cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    for flag, device, world_size, want in [("auto", cpu, 8, False), ("auto", cuda, 1, False), ("auto", cuda, 2, True),
-                                           ("auto", cuda, 8, True), ("0", cuda, 8, False), ("1", cuda, 1, True)]:
-        cfg, _ = tg.parse_cli([*args, f"--muon_graphs={flag}", f"--device={device.type}"])
-        assert tg.uses_muon_graphs(cfg, device, world_size) == want, (flag, device, world_size)
+    with pytest.raises(tg.UserError, match=r"^--cuda_graphs=1 needs --device=cuda$"):
+        tg.parse_cli([*TINY, f"--train_files={train}", f"--val_files={val}", "--cuda_graphs=1", "--device=cpu"])
+    with pytest.raises(tg.UserError, match=r"^--cuda_graphs=yes: use one of auto, 1, 0$"):
+        tg.parse_cli([*TINY, "--cuda_graphs=yes", "--device=cpu"])
 
 
 def test_auto_attention_takes_fa3_where_it_imports_else_flex_on_cuda_and_sdpa_on_a_cpu(tiny_data, monkeypatch):
@@ -1765,120 +1619,6 @@ print(before, mapped_bytes_with_a_64mb_buffer())
     assert out.returncode == 0, out.stderr
     before, after = map(int, out.stdout.split())
     assert before >= 64 * 2**20 > after  # glibc mapped the buffer by itself (freed: unmapped), then no longer
-
-
-def test_triton_jit_watch_times_first_launch_compiles_and_keeps_other_hooks():
-    """TritonJitWatch counts what Triton's JIT hooks report (a compile between the hook before and the hook after),
-    passes each call on to hooks set before it, and puts those back when closed."""
-    knobs = pytest.importorskip("triton").knobs
-    seen = []
-    before = lambda **info: seen.append(("before", info["repr"]))  # noqa: E731
-    after = lambda **info: seen.append(("after", info["repr"]))  # noqa: E731
-    was = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
-    knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = before, after
-    try:
-        watch = tg.TritonJitWatch()
-        for name, qualified in (("rows[num_warps=4]", "rows"), ("newton_schulz[num_warps=8]", "kernels.<locals>.ns")):
-            fn = types.SimpleNamespace(name=qualified)  # Triton passes the kernel's qualified name so
-            assert not knobs.runtime.jit_cache_hook(key=name, repr=name, fn=fn, compile={}, is_manual_warmup=False,
-                                                    already_compiled=False)
-            time.sleep(0.05)
-            knobs.runtime.jit_post_compile_hook(key=name, repr=name, fn=fn, compile={}, is_manual_warmup=False,
-                                                already_compiled=False)
-        assert watch.kernels == 2 and 0.1 <= watch.seconds < 5
-        assert watch.names == {"rows", "ns"}  # as Triton's cache names them
-        assert watch.summary() == f"Triton JIT outside the graphs: 2 kernels, {watch.seconds:.1f}s"
-        assert [which for which, _ in seen] == ["before", "after"] * 2
-        watch.close()
-        assert (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook) == (before, after)
-    finally:
-        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = was
-
-
-def test_compile_cache_file_carries_our_triton_kernels_and_launchers_into_an_empty_triton_cache(tmp_path):
-    """Of Triton's cache, the file keeps the entries of the kernels named and those holding a launcher (.so), not
-    inductor's (its artifacts hold those); loading writes each missing entry whole and leaves present ones alone."""
-    source = tmp_path / "source"
-    entries = {"aa": {"__grp__rows.json": b"{}", "rows.cubin": b"\x01rows"},
-               "bb": {"__grp__triton_poi_fused_add_0.json": b"{}", "triton_poi_fused_add_0.cubin": b"\x02"},
-               "cc": {"__triton_launcher.cpython-312-x86_64-linux-gnu.so": b"\x7fELF"},
-               "dd": {"__grp__ns.json": b"{}", "ns.cubin": b"\x03ns", "ns.json": b"{\"name\": \"ns\"}"}}
-    for entry, files in entries.items():
-        (source / entry).mkdir(parents=True)
-        for name, data in files.items():
-            (source / entry / name).write_bytes(data)
-    bundle_path = tmp_path / "cache.zip"
-    with zipfile.ZipFile(bundle_path, "w") as bundle:
-        assert tg.CompileCache.add_triton_entries(bundle, source, {"rows", "ns"}) == 3
-        bundle.writestr("triton/../escape/x", b"not a cache entry")  # never written outside the cache
-    target = tmp_path / "target"
-    (target / "dd").mkdir(parents=True)  # present already: left as it is
-    (target / "dd" / "ns.cubin").write_bytes(b"mine")
-    with zipfile.ZipFile(bundle_path) as bundle:
-        assert tg.CompileCache.restore_triton_entries(bundle, target) == 2
-    assert sorted(p.name for p in target.iterdir()) == ["aa", "cc", "dd"]
-    for entry in ("aa", "cc"):
-        assert {f.name: f.read_bytes() for f in (target / entry).iterdir()} == entries[entry]
-    assert [f.name for f in (target / "dd").iterdir()] == ["ns.cubin"]
-    assert (target / "dd" / "ns.cubin").read_bytes() == b"mine"
-    assert not (tmp_path / "escape").exists()
-    with zipfile.ZipFile(bundle_path) as bundle:  # a second load finds everything in place
-        assert tg.CompileCache.restore_triton_entries(bundle, target) == 0
-    with zipfile.ZipFile(tmp_path / "none.zip", "w") as bundle:  # no Triton cache yet: nothing to add
-        assert tg.CompileCache.add_triton_entries(bundle, tmp_path / "absent", {"rows"}) == 0
-    with zipfile.ZipFile(tmp_path / "tuned.zip", "w") as bundle:  # an entry named (a tuned config's): kept whole
-        assert tg.CompileCache.add_triton_entries(bundle, source, set(), {"bb", "zz"}) == 2  # bb, and cc's launcher
-        assert {"triton/bb/triton_poi_fused_add_0.cubin", "triton/bb/__grp__triton_poi_fused_add_0.json"} <= set(
-            bundle.namelist())
-
-
-def test_a_triton_entry_from_the_file_is_found_where_the_writers_cache_folder_is_not(tmp_path, monkeypatch):
-    """Triton's group file names the entry's files by the writing machine's paths, and Triton's lookup misses where
-    one does not exist (the kernel then compiles again). Restored, it names the files in the entry's folder here, and
-    Triton's own cache manager finds the group; a group file of another shape is written as it is."""
-    writer = tmp_path / "writer" / "aa"  # the writing run's Triton cache entry; gone by the time the file loads
-    child_paths = {name: str(writer / name) for name in ("ns.cubin", "ns.json")}
-    bundle_path = tmp_path / "cache.zip"
-    with zipfile.ZipFile(bundle_path, "w") as bundle:
-        bundle.writestr("triton/aa/__grp__ns.json", json.dumps({"child_paths": child_paths}))
-        bundle.writestr("triton/aa/ns.cubin", b"\x01ns")
-        bundle.writestr("triton/aa/ns.json", b'{"name": "ns"}')
-        bundle.writestr("triton/bb/__grp__rows.json", b"{}")
-    target = tmp_path / "target"
-    with zipfile.ZipFile(bundle_path) as bundle:
-        assert tg.CompileCache.restore_triton_entries(bundle, target) == 2
-    group = json.loads((target / "aa" / "__grp__ns.json").read_text())
-    assert group == {"child_paths": {name: str(target / "aa" / name) for name in child_paths}}
-    assert (target / "bb" / "__grp__rows.json").read_bytes() == b"{}"
-    cache = pytest.importorskip("triton.runtime.cache")
-    from triton import knobs
-    monkeypatch.setattr(knobs.cache, "dir", str(target))
-    assert cache.FileCacheManager("aa").get_group("ns.json") == group["child_paths"]
-
-
-def test_tuned_kernel_entries_are_the_binaries_that_coordinate_descent_chose():
-    """Of the process's autotuners, the launchers whose config coordinate descent found name their binaries' Triton
-    cache entries (as torch names them from the hash); launchers of untuned configs, and objects that merely look
-    like launchers, do not."""
-    heuristics = pytest.importorskip("torch._inductor.runtime.triton_heuristics")
-    from torch._inductor.runtime.runtime_utils import triton_hash_to_path_key
-
-    def launcher(binary_hash, tuned, static=False):  # a static launcher keeps no binary, only its entry's name
-        config = types.SimpleNamespace(found_by_coordesc=tuned)
-        if static:
-            return types.SimpleNamespace(cache_hash=triton_hash_to_path_key(binary_hash), config=config)
-        return types.SimpleNamespace(bin=types.SimpleNamespace(hash=binary_hash), config=config)
-    tuned = object.__new__(heuristics.CachingAutotuner)  # the attributes the search reads, nothing compiled
-    tuned.launchers = [launcher("aa11" * 16, True)]
-    tuned_static = object.__new__(heuristics.CachingAutotuner)
-    tuned_static.launchers = [launcher("dd44" * 16, True, static=True)]
-    untuned = object.__new__(heuristics.CachingAutotuner)
-    untuned.launchers = [launcher("bb22" * 16, False), launcher("ee55" * 16, False, static=True)]
-    not_an_autotuner = types.SimpleNamespace(launchers=[launcher("cc33" * 16, True)])
-    entries = tg.tuned_kernel_entries()
-    assert {triton_hash_to_path_key(h * 16) for h in ("aa11", "dd44")} <= entries
-    assert not {triton_hash_to_path_key(h * 16) for h in ("bb22", "cc33", "ee55")} & entries
-    del tuned, tuned_static, untuned, not_an_autotuner
 
 
 def test_optimizers_stepped_together_give_one_after_the_other_and_run_their_hooks_once():

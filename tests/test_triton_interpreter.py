@@ -59,33 +59,6 @@ def interpreter(tmp_path_factory):
     return run
 
 
-CHECK = textwrap.dedent("""
-    import torch, train_gpt as tg
-    g = torch.Generator().manual_seed(0)
-    for rows, vocab in ((37, 1001), (5, 2048)):
-        logits = (torch.randn(rows, vocab, generator=g) * 8).to(torch.bfloat16)
-        targets = torch.randint(0, vocab, (rows,), generator=g)
-        x = logits.clone().requires_grad_()
-        (2.5 * tg.softcapped_cross_entropy(x, targets, (30.0, 0.0, 7.5), use_triton=True)).backward()
-        ref_x = logits.double().requires_grad_()
-        ref = torch.nn.functional.cross_entropy(30.0 * torch.sigmoid(ref_x / 7.5), targets)
-        (2.5 * ref).backward()
-        loss = tg.softcapped_cross_entropy(logits, targets, (30.0, 0.0, 7.5), use_triton=True)
-        grad_error = ((x.grad.double() - ref_x.grad).norm() / ref_x.grad.norm()).item()
-        print(rows, vocab, loss.item(), ref.item(), grad_error)
-""")
-
-
-def test_softcapped_cross_entropy_kernels_match_float64_in_the_interpreter(interpreter):
-    stdout = interpreter(CHECK)
-    lines = stdout.split("\n")[:2]
-    for line in lines:
-        rows, vocab, loss, ref, grad_error = line.split()
-        assert abs(float(loss) - float(ref)) < 1e-5 * float(ref), line
-        assert float(grad_error) < 1e-2, line  # the gradient is stored in bf16
-    assert len(lines) == 2
-
-
 FP8_GRAD_CHECK = textwrap.dedent("""
     import torch, train_gpt as tg
     g = torch.Generator().manual_seed(0)
@@ -104,19 +77,16 @@ FP8_GRAD_CHECK = textwrap.dedent("""
     quantised = (torch.randn(rows, vocab, generator=g) * 100).to(torch.float8_e5m2)
     print(((losses.double() - ref.detach()).abs().max() / ref.detach().abs().max()).item(),
           ((grad.double() / tg.GRAD_E5M2_MAX - x.grad).norm() / x.grad.norm()).item(),
-          tg.transpose_fp8(quantised).view(torch.uint8).equal(quantised.view(torch.uint8).t().contiguous()),
-          tg.transpose_fp8(quantised, row_step=3).view(torch.uint8).equal(
-              quantised.view(torch.uint8)[::3].t().contiguous()))
+          tg.transpose_fp8(quantised).view(torch.uint8).equal(quantised.view(torch.uint8).t().contiguous()))
 """)
 
 
 def test_fp8_loss_and_gradient_kernel_matches_float64_and_the_transpose_keeps_the_bits_in_the_interpreter(interpreter):
     stdout = interpreter(FP8_GRAD_CHECK)
-    loss_error, grad_error, same, same_sampled = stdout.split()
+    loss_error, grad_error, same = stdout.split()
     assert float(loss_error) < 1e-5, stdout
     assert float(grad_error) < 1e-5, stdout
     assert same == "True", "transpose_fp8 must give the bits of torch's transpose"
-    assert same_sampled == "True", "transpose_fp8(row_step=3) must give the bits of torch's transpose of x[::3]"
 
 
 MTP_CHECK = textwrap.dedent("""

@@ -23,7 +23,7 @@ def test_a_resumed_compiled_run_trains_as_one_never_stopped(tiny_data, tmp_path)
     train, val = tiny_data
     cfg, _ = tg.parse_cli(["--device=cuda", *TINY, f"--train_files={train}", f"--val_files={val}",
                            "--micro_batch_tokens=128", "--num_iterations=8", "--val_loss_every=4", "--compile=1",
-                           "--compile_mode=reduce-overhead", "--tune_kernels=0", f"--log_dir={tmp_path}",
+                           "--cuda_graphs=1", f"--log_dir={tmp_path}",
                            "--run_id=whole", f"--save_checkpoint={tmp_path / 'final.pt'}", "--checkpoint_every=4"])
     whole = run(cfg)
     resumed = run(dataclasses.replace(cfg, run_id="resumed", resume=str(tmp_path / "final_step000004.pt"),

@@ -1,6 +1,5 @@
-"""The later records' ideas (defaults of the full model, off in the tiny one) on the GPU, compiled into the
-whole-model graph with CUDA graphs, on the tiny model: a few steps train, nothing compiles in the timed region, and
-the compiled losses follow the eager ones. Skipped without CUDA."""
+"""The tiny model on the GPU, compiled into the whole-model graph with CUDA graphs: a few steps train, nothing compiles
+in the timed region, and the compiled losses follow the eager ones. Skipped without CUDA."""
 import numpy as np
 import pytest
 import torch
@@ -11,16 +10,9 @@ from helpers import TINY
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 FLAG_SETS = {
-    "later_records": ["--sublayer_scales=1", "--attn_input_from=1", "--xsa_layers=1,3", "--value_gate_reads_embed=1",
-                     "--doc_len_schedule=64,128,128", "--muon_qk_blocks=2", "--mudd=1", "--bigram_dims=24",
-                     "--bigram_signs=16", "--token_gates=1"],
-    "copy_pointer_with_later_records": ["--copy_pointer=1", "--copy_band=128", "--fp8_head=1", "--longest_match=1",
-                                       "--copy_sink_key=1", "--sublayer_scales=1",
-                                       "--mudd=1", "--token_gates=1", "--xsa_layers=1,3", "--bigram_dims=24",
-                                       "--bigram_signs=16"],
-    "token_gates_without_mudd": ["--sublayer_scales=1", "--token_gates=1", "--xsa_layers=1,3"],
-    "later_records_in_two_graphs": ["--sublayer_scales=1", "--attn_input_from=1", "--xsa_layers=1,3", "--mudd=1",
-                                   "--token_gates=1", "--compile_scope=split"],
+    "defaults_with_the_fp8_head": ["--fp8_head=1"],
+    "paired_heads_on_both_windows": ["--fp8_head=1", "--paired_head_layers=0,1"],
+    "ablations_off": ["--copy_pointer=0", "--longest_match=0", "--bigram_rows=0"],
 }
 
 
@@ -32,7 +24,7 @@ def test_flag_set_trains_compiled_with_cuda_graphs_as_eager(tiny_data, tmp_path,
         run_id = f"{name}_{'compiled' if compiled else 'eager'}"
         cfg, _ = tg.parse_cli(["--device=cuda", *TINY, f"--train_files={train}", f"--val_files={val}",
                                "--micro_batch_tokens=128", "--num_iterations=6", "--val_loss_every=0",
-                               f"--compile={int(compiled)}", "--compile_mode=reduce-overhead", "--tune_kernels=0",
+                               f"--compile={int(compiled)}", "--cuda_graphs=1",
                                f"--log_dir={tmp_path}", f"--run_id={run_id}", *FLAG_SETS[name]])
         log = tg.RunLog(cfg, tg.Comm())
         losses[compiled] = tg.train(cfg, tg.Comm(), log).train_losses

@@ -55,60 +55,30 @@ def six_steps_config(tiny_data, tmp_path, *flags: str):
     return cfg
 
 
-def test_tables_gathered_in_bf16_train_as_tables_gathered_in_fp32(tiny_data, tmp_path):
-    """--bf16_table_gathers: the value and bigram tables' all-gathers travel in bf16 over NCCL, and the forward,
-    which reads the tables as bf16 rows, is unchanged: the same losses as with fp32 gathers, up to the order in which
-    the row-gradient kernel's atomic adds land (rtol 1e-5, as the CPU tests across world sizes)."""
-    cfg = six_steps_config(tiny_data, tmp_path, "--compile=0", "--adam_period=1", "--table_row_fetch=0", "--run_id=fp32")
-    fp32_losses, fp32_gathers = train_on_two_gpus(cfg)
-    bf16_losses, bf16_gathers = train_on_two_gpus(dataclasses.replace(cfg, bf16_table_gathers=True, run_id="bf16"))
-    # Muon's all-gathers are bf16 in both; the tables' are the new bf16 ones, one per table size. Tables under
-    # DistAdam.MERGE values leave the fp32 all-gather they shared with the small parameters, so what remains of
-    # that one is new too, and smaller than any table.
-    tables = tg.GPT(cfg, tg.SdpaAttention(), torch.float32)
-    sizes = {t.weight.numel() for t in list(tables.value_embeds) + [tables.bigram_embed]}
-    new = bf16_gathers - fp32_gathers
-    assert {n for dtype, n in new if dtype == "torch.bfloat16"} == sizes
-    assert all(dtype == "torch.float32" and n < min(sizes) for dtype, n in new if dtype != "torch.bfloat16")
-    assert len(bf16_losses) == cfg.num_iterations and bf16_losses[-1] < bf16_losses[0]
-    np.testing.assert_allclose(bf16_losses, fp32_losses, rtol=1e-5)
-
-
 def test_cuda_graphs_on_two_ranks_train_as_without(tiny_data, tmp_path):
-    """--compile_mode=reduce-overhead on two ranks replays the compiled forward and backward as CUDA graphs, which at
+    """--cuda_graphs=1 on two ranks replays the compiled forward and backward as CUDA graphs, which at
     one micro-batch per forward (8 GPUs' size, where auto takes them) cut the host's launches that set the step
     (docs/performance.md): the same losses as the same graphs launched kernel by kernel, up to the order of the
     row-gradient kernel's atomic adds (rtol 1e-5, as above). An input that a graph kept from its recording instead of
     reading anew would show. Flex: at this tiny size FA3 between partitioned graphs, which trained wrong at full
-    size, passed; FA3 under graphs is checked at full size by bench/graph_check.py (docs/performance.md)."""
-    cfg = six_steps_config(tiny_data, tmp_path, "--compile=1", "--attn_backend=flex", "--tune_kernels=0",
-                           "--adam_period=1", "--compile_mode=default", "--run_id=default")
+    size, passed; FA3 under graphs is checked by the training losses of full-size runs."""
+    cfg = six_steps_config(tiny_data, tmp_path, "--compile=1", "--attn_backend=flex", "--adam_period=1",
+                           "--cuda_graphs=0", "--run_id=default")
     plain_losses, _ = train_on_two_gpus(cfg)
-    graph_losses, _ = train_on_two_gpus(dataclasses.replace(cfg, compile_mode="reduce-overhead", run_id="graphs"))
+    graph_losses, _ = train_on_two_gpus(dataclasses.replace(cfg, cuda_graphs="1", run_id="graphs"))
     assert len(graph_losses) == cfg.num_iterations and graph_losses[-1] < graph_losses[0]
     np.testing.assert_allclose(graph_losses, plain_losses, rtol=1e-5)
 
 
 def test_muon_parts_as_cuda_graphs_on_two_ranks_train_as_without(tiny_data, tmp_path):
-    """--muon_graphs on two ranks: Muon's compute between its NCCL collectives and its weight update replay as CUDA
+    """Muon's CUDA graphs (auto on two ranks): its compute between its NCCL collectives and its weight update replay as CUDA
     graphs, the collectives launched around them; the same losses as the same steps launched kernel by kernel, up
     to the order of the row-gradient kernel's atomic adds (rtol 1e-5, as above)."""
-    cfg = six_steps_config(tiny_data, tmp_path, "--compile=0", "--run_id=eager", "--muon_graphs=0")
+    cfg = six_steps_config(tiny_data, tmp_path, "--compile=0", "--run_id=eager", "--cuda_graphs=0")
     eager_losses, _ = train_on_two_gpus(cfg)
-    graph_losses, _ = train_on_two_gpus(dataclasses.replace(cfg, muon_graphs="1", run_id="muon_graphs"))
+    graph_losses, _ = train_on_two_gpus(dataclasses.replace(cfg, cuda_graphs="auto", run_id="muon_graphs"))
     assert len(graph_losses) == cfg.num_iterations and graph_losses[-1] < graph_losses[0]
     np.testing.assert_allclose(graph_losses, eager_losses, rtol=1e-5)
-
-
-def test_value_tables_exchanged_sparsely_train_as_reduce_scattered(tiny_data, tmp_path):
-    """--sparse_value_comms over NCCL: the value tables' gradient rows go to their owners, and training follows the
-    dense reduce-scatters (rtol 1e-5). At a vocabulary of 16,384 each value table holds DistAdam.MERGE values, so both
-    runs update it alone, not with the merged small parameters (whose bias corrections are computed apart)."""
-    cfg = six_steps_config(tiny_data, tmp_path, "--compile=0", "--vocab_size=16384", "--run_id=dense")
-    dense_losses, _ = train_on_two_gpus(cfg)
-    sparse_losses, _ = train_on_two_gpus(dataclasses.replace(cfg, sparse_value_comms=True, run_id="sparse"))
-    assert len(sparse_losses) == cfg.num_iterations and sparse_losses[-1] < sparse_losses[0]
-    np.testing.assert_allclose(sparse_losses, dense_losses, rtol=1e-5)
 
 
 def test_tables_fetched_by_rows_train_as_tables_gathered_whole(tiny_data, tmp_path):
