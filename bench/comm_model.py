@@ -7,15 +7,14 @@ Builds the default Config's model (or the flags' one) on the meta device and the
 bucketing (DistAdam's _AdamBucket rules and its merged small buckets, plan_muon_groups). A reduce-scatter or
 all-gather of an N-byte buffer sends (W-1)/W * N bytes from each rank (ring); an all-to-all sends what each rank
 holds for the other owners. With shards, the bigram rows each rank touches per Adam update (its micro-batches of
-adam_period steps, unioned, as DistAdam does) are replayed from the trainer's loader and hash, as
-bench_bigram_bytes.py does, and with them the rows of the value and bigram tables its forwards read before the next
+adam_period steps, unioned, as DistAdam does) are replayed from the trainer's loader and hash, and with
+them the rows of the value and bigram tables its forwards read before the next
 update: what fetching only those rows from their owners would receive, against the dense all-gathers of those
 tables (with --table_row_fetch, a default, the value and bigram tables' fetch replaces their all-gathers in the
-totals); with --sparse_value_comms the value tables' gradient rows at those tokens go to their owners in one exchange;
-without shards the sparse exchanges are left out. Times are bytes per rank / busbw, an
-assumed NCCL bus bandwidth (default: 360 and 450 GB/s), with no latency term. train_gpt.py flags (e.g.
---adam_period=1 --tie_embed=0) change the config the model is built from. The step-time model divides ONE_GPU_MS by
-8 and adds the per-step average communication.
+totals); without shards the sparse exchanges are left out. Times are bytes per rank / busbw, an assumed NCCL bus
+bandwidth (default: 360 and 450 GB/s), with no latency term. train_gpt.py flags (e.g. --adam_period=1) change the
+config the model is built from. The step-time model divides ONE_GPU_MS by 8 and adds the per-step average
+communication.
 """
 import sys
 from pathlib import Path
@@ -62,10 +61,10 @@ def rows_per_update(cfg, pattern, updates, worlds, vocab_rows):
     (rows of the vocabulary tables) its forwards read of other owners' shards}. The bigram rows a rank's forwards
     read between two Adam updates are the ones they touch; vocab_rows is the vocabulary tables' (padded) row count."""
     paths = tg.shard_paths(pattern, "train_files")
-    period = tg.resolved_adam_period(cfg)
+    period = cfg.period
     rows_per_rank_block = {w: cfg.bigram_rows // w for w in worlds}
     out = {}
-    for stage, micro in enumerate(cfg.stage_batches):
+    for stage, micro in enumerate(s.batch for s in cfg.scheduled_stages):
         batches = tg.bos_aligned_batches(paths, cfg.micro_batch_tokens + 1, cfg.max_doc_len, repeat=True,
                                           bos=cfg.bos_token, vocab_size=cfg.vocab_size)
         per_update = micro * period  # the global micro-batches of one Adam update, in order
@@ -100,14 +99,13 @@ def main():
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     busbws = [float(a.split("=")[1]) for a in sys.argv[1:] if a.startswith("--busbw=")] or [360.0, 450.0]
     cfg, _ = tg.parse_cli([a for a in sys.argv[1:] if a.startswith("--") and not a.startswith("--busbw=")])
-    period = tg.resolved_adam_period(cfg)
+    period = cfg.period
     model, muon, adam = model_and_optimizers(cfg)
-    follower = model.embed.weight if cfg.tie_embed else None
-    bigram = model.bigram_embed.weight if cfg.sparse_bigram_comms and model.bigram_embed is not None else None
+    follower = model.embed.weight
+    bigram = model.bigram_embed.weight if model.bigram_embed is not None else None
     schedule = tg.Schedule(cfg)
-    stages = len(cfg.stage_batches)
-    tie = (f"embedding tied to the head until step {schedule.untie_step} (stage {schedule.stage(schedule.untie_step)})"
-           if cfg.tie_embed else "embedding untied")
+    stages = schedule.scheduled
+    tie = f"embedding tied to the head until step {schedule.untie_step} (stage {schedule.stage(schedule.untie_step)})"
     print(f"{sum(p.numel() for p in model.parameters()):,} parameters; Adam every {period} steps; {tie}")
     vocab_rows = model.embed.weight.size(0)
     rows = rows_per_update(cfg, args[0], int(args[1]) if len(args) > 1 else 20, WORLDS, vocab_rows) if args else None
@@ -116,15 +114,14 @@ def main():
     value_tables = [table.weight for table in model.value_embeds]
 
     def gather_bytes(p) -> int:
-        """Bytes a value of parameter p travels as in its all-gather: its own dtype, or --bf16_table_gathers' bf16."""
-        return adam.gather_dtypes.get(p, p.dtype).itemsize
-    grad_bytes, grad_name = (2, "bf16") if cfg.bf16_grad_comms else (4, "fp32")  # what a gradient value travels as
+        """Bytes a value of parameter p travels as in its all-gather: its own dtype's."""
+        return p.dtype.itemsize
+    grad_bytes, grad_name = 4, "fp32"  # what a gradient value travels as
     per_step = {}  # (world, stage) -> MB per rank per step, averaged over Adam's period
     for w in WORLDS:
         f = (w - 1) / w
         print(f"\n=== world size {w}: MB each rank sends ((W-1)/W = {f:.4f} of each dense buffer)")
-        # Muon: each group is a stack of same-shape gradients (reduce-scatter, fp32 or with --bf16_grad_comms bf16)
-        # and of bf16 updates on CUDA (all-gather: orthogonalize works in bf16 there), padded to a multiple of W.
+        # Muon: each group is a stack of same-shape gradients (reduce-scatter, fp32) and of bf16 updates on CUDA (all-gather: orthogonalize works in bf16 there), padded to a multiple of W.
         muon_rs = muon_ag = 0.0
         for group in tg.plan_muon_groups([tuple(p.shape) for p in matrices], w):
             count = -(-len(group) // w) * w
@@ -135,12 +132,10 @@ def main():
                   f"{f * numel * 2 / MB:.1f}")
         rs_tied = rs_untied = ag_tied = ag_untied = 0.0
         sparse_params = [bigram] if bigram is not None else []
-        sparse_params += value_tables if cfg.sparse_value_comms else []
         apart = sparse_params + [q for q in (follower, model.lm_head.weight if follower is not None else None)
                                  if q is not None]
         for p, numel, padded in adam_buckets(adam, w, apart):
             name = p if isinstance(p, str) else names[id(p)]
-            # fp32 parameters, or what the trainer all-gathers them in (--bf16_table_gathers: bf16 tables)
             item_bytes = 4 if isinstance(p, str) else gather_bytes(p)
             dense = f * padded * item_bytes
             sparse = any(p is q for q in sparse_params) and w > 1
@@ -156,7 +151,7 @@ def main():
         print(f"  Adam per update, dense: reduce-scatter {rs_tied / MB:.1f} tied, {rs_untied / MB:.1f} untied; "
               f"all-gather {ag_tied / MB:.1f} tied, {ag_untied / MB:.1f} untied")
         for stage in range(stages):
-            tied = cfg.tie_embed and (stage + 1) * cfg.num_iterations // stages <= schedule.untie_step
+            tied = (stage + 1) * cfg.num_iterations // stages <= schedule.untie_step
             adam_rs, ag = (rs_tied, ag_tied) if tied else (rs_untied, ag_untied)
             a2a = 0.0
             if rows is not None and w > 1 and bigram is not None:
@@ -166,13 +161,6 @@ def main():
                 print(f"  stage {stage}: bigram rows per rank and Adam update: {touched:,.0f} touched, {sent:,.0f} "
                       f"owned by others; all-to-all {a2a / MB:.1f} (dense reduce-scatter {dense_rs / MB:.1f}, "
                       f"{dense_rs / a2a:.1f}x more)")
-                if cfg.sparse_value_comms:  # the rows read are the tokens: an index each, then each table's row
-                    values = others_tokens * (8 + sum(t.size(1) for t in value_tables) * grad_bytes)
-                    dense_values = f * sum(t.numel() for t in value_tables) * grad_bytes
-                    a2a += values
-                    print(f"  stage {stage}: value tables' rows per rank and Adam update owned by others: "
-                          f"{others_tokens:,.0f}; all-to-all {values / MB:.1f} (dense reduce-scatters "
-                          f"{dense_values / MB:.1f}, {dense_values / values:.1f}x more)")
                 # What the tables' all-gathers would receive if each rank fetched from their owners only the rows its
                 # forwards read until the next update (an int64 index and a row each; the value tables and the
                 # untied embedding share the token indices): the dense all-gathers receive as much as they send.
@@ -187,7 +175,7 @@ def main():
                 print(f"  stage {stage}: rows read until the next update, of other owners: {others_tokens:,.0f} of the "
                       f"vocabulary, {sent:,.0f} bigram rows; the value{'' if tied else ', embedding'} and bigram "
                       f"tables' all-gathers {dense_ag / MB:.1f}, a fetch of those rows {fetch / MB:.1f}")
-                if tg.fetches_table_rows(cfg):  # --table_row_fetch: the value and bigram tables' rows fetched, the
+                if cfg.table_row_fetch and not cfg.diloco:  # --table_row_fetch: the value and bigram tables' rows fetched, the
                     # embedding still gathered whole (the longest matches read it elsewhere)
                     ag += fetched(value_tables) - gathered(value_tables + [bigram])
             update = adam_rs + a2a + ag

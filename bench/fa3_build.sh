@@ -10,8 +10,8 @@
 #                                    through .git/info/exclude)
 #   OUT=$OUT bash bench/fa3_build.sh build    on the device, carrying .fa3src: compiles, imports the module,
 #                                    and packs it into $OUT/fa3/fa3.tar.xz.part* (copy those into .fa3/)
-#   source bench/fa3_build.sh site   on the device, carrying .fa3: unpacks to /tmp/fa3site and puts it on
-#                                    PYTHONPATH, so that `import flash_attn_interface` works
+# Carried as .fa3/, bench/common.sh unpacks it to /tmp/fa3site and puts it on PYTHONPATH: `import
+# flash_attn_interface` works, and --attn_backend=auto takes FA3.
 set -uo pipefail
 FA_REPO=${FA_REPO:-/work/.mirror/Dao-AILab+flash-attention/repo}
 CUTLASS_REPO=${CUTLASS_REPO:-/work/.mirror/NVIDIA+cutlass/repo}
@@ -53,15 +53,8 @@ fa3_build() {
     du -sh "$site" /tmp/fa3.tar.xz
 }
 
-fa3_site() {
-    rm -rf /tmp/fa3site && mkdir -p /tmp/fa3site
-    cat .fa3/fa3.tar.xz.part* | tar -xJ -C /tmp/fa3site
-    export PYTHONPATH="/tmp/fa3site${PYTHONPATH:+:$PYTHONPATH}"
-}
-
 case "${1:-}" in
     pack) fa3_pack ;;
     build) fa3_build ;;
-    site) fa3_site ;;
-    *) echo "usage: bash bench/fa3_build.sh pack|build, or source it with: site" >&2; return 2 2>/dev/null || exit 2 ;;
+    *) echo "usage: bash bench/fa3_build.sh pack|build" >&2; exit 2 ;;
 esac

@@ -13,10 +13,9 @@
 # carried to the device; the inductor cache comes from .cache/inductor.tar.xz.part* when carried (PACK_CACHE=1
 # packs it back under $OUT/cache).
 set -uo pipefail
-source bench/prelude.sh
-python3 bench/unpack_bench.py .bench2 /tmp/bench2
+source bench/common.sh
 restore_inductor_cache
-schedule=(--train_files='/tmp/bench2/docs_train_*.bin' --val_files=/tmp/bench2/docs_val_000000.bin
+schedule=(--train_files="$BENCH2/docs_train_*.bin" --val_files="$BENCH2/docs_val_000000.bin"
           --val_tokens=2097152 --train_repeat=1 --num_iterations=480 --extension_steps=40 --val_loss_every=160)
 # PARALLEL=1 runs the sets at the same time, at most PER_GPU (default 1) to a GPU, each packing 2 micro-batches per
 # forward (two warm-ups at 8 ran out of an H200's memory, three runs at 4 out of an H100's; at 2 a run reserves about
@@ -73,7 +72,7 @@ n=0
 for flags in "$@"; do
     n=$((n + 1))
     echo "== [$n] $flags ($(tail -1 "$OUT/ml_$n.txt"))"
-    grep -E "val_loss|^compile_time|step times|peak memory|graphs compiled|error|Error" "$OUT/ml_$n.txt" | cut -c1-200
+    grep -E "val_loss|^compile_time|step times|peak memory|error|Error" "$OUT/ml_$n.txt" | cut -c1-200
 done
 # One table of the validation losses, each run's difference to the first run's at the same step after it.
 python3 - "$OUT" "$#" "$sets" <<'TABLE'
