@@ -24,7 +24,6 @@ import math
 import os
 import platform
 import queue
-import random
 import subprocess
 import sys
 import threading
@@ -48,10 +47,8 @@ LOG_FORMAT_VERSION = 1
 # ----------------------------------------------------------------------------------------------------
 # Config
 
-
 class UserError(Exception):
     """Bad input (flag, value, file): main() prints it as one line and exits non-zero."""
-
 
 class Stage(typing.NamedTuple):
     """A schedule row. mtp: loss weights of the tokens 1, 2, ... ahead, each (at start, at end), normalised."""
@@ -60,7 +57,6 @@ class Stage(typing.NamedTuple):
     windows: tuple[int, int]  # short and long attention windows, in tokens
     doc_len: int  # tokens kept of each training document
     mtp: tuple[tuple[float, float], ...]
-
 
 # The speedrun's stages: batch (2025-11), windows (2024-11) and lr (2025-12) grow; documents cut at 896 tokens first
 # (2026-02-10); far MTP tokens dropped (2025-12-22). The scheduled steps split over all rows but the extension's.
@@ -72,13 +68,10 @@ STAGES = (
 )
 CONFIG_GROUPS = ("data", "schedule", "run", "model", "optimizers", "speed", "DiLoCo")
 
-
 def _field(group: str):
     return lambda default, help: dataclasses.field(default=default, metadata=dict(group=group, help=help))
 
-
 _data, _schedule, _run, _model, _optim, _speed, _diloco = map(_field, CONFIG_GROUPS)
-
 
 @dataclass(frozen=True)
 class Config:
@@ -156,7 +149,6 @@ class Config:
         """--adam_period, or 2 (speedrun 2025-09-30), or 1 under DiLoCo, whose syncs land between any two steps."""
         return self.adam_period or (1 if self.diloco else 2)
 
-
 PRESETS = {
     # The default model scaled down to train on two CPU processes in seconds, every part kept, on 4 layers of width 64
     "tiny": dict(
@@ -171,7 +163,6 @@ PRESETS = {
 }
 CLI_ONLY_FLAGS = ("preset", "check", "help")
 
-
 def format_value(value, name: str = "") -> str:
     """A field's value as its flag writes it."""
     if isinstance(value, bool):
@@ -184,7 +175,6 @@ def format_value(value, name: str = "") -> str:
         return (":" if name == "final_windows" else ",").join(map(str, value))
     return str(value)
 
-
 def parse_stages(text: str) -> tuple:
     rows = []
     for row in text.split(";"):
@@ -193,7 +183,6 @@ def parse_stages(text: str) -> tuple:
         weights = tuple((float(w.split(">")[0]), float(w.split(">")[-1])) for w in mtp.split(","))
         rows.append(Stage(int(batch), float(lr), (int(short), int(long)), int(doc_len), weights))
     return tuple(rows)
-
 
 def parse_value(name: str, kind, text: str):
     if kind in (bool, "bool"):
@@ -212,7 +201,6 @@ def parse_value(name: str, kind, text: str):
         short, long = text.split(":")
         return int(short), int(long)
     return tuple(int(item) for item in text.split(",")) if text else ()  # layer lists
-
 
 def parse_cli(argv: list[str]) -> tuple[Config, dict]:
     """`--name=value` overrides on top of an optional `--preset=NAME`. Returns (config, cli-only flags)."""
@@ -239,7 +227,6 @@ def parse_cli(argv: list[str]) -> tuple[Config, dict]:
     cfg = Config(**{**PRESETS.get(preset, {}), **overrides})
     validate_config(cfg)
     return cfg, flags
-
 
 def validate_config(cfg: Config) -> None:
     """One line naming the flag for each setting the run cannot use."""
@@ -305,7 +292,6 @@ def validate_config(cfg: Config) -> None:
         need(cfg.outer_lr > 0 and 0 <= cfg.replica < cfg.diloco_replicas and cfg.min_replicas >= 1,
              f"--outer_lr={cfg.outer_lr} --replica={cfg.replica} --min_replicas={cfg.min_replicas}: a positive lr, "
              "a replica 0 .. diloco_replicas-1, and at least 1")
-
 
 def config_help() -> str:
     """--help: each group's fields as --name=default, with their one line of help."""
@@ -1171,7 +1157,6 @@ def fp8_softcapped_head(x: Tensor, weight: Tensor, targets: Tensor, cap: tuple, 
 # Optimizers and their communication: both shard their work over the ranks, launch their reduce-scatters from
 # backward hooks as soon as a unit's gradients are complete, and issue no all_reduce.
 
-
 @dataclass(frozen=True)
 class Comm:
     """Who we are in the job; at world size 1 nothing is communicated."""
@@ -1187,16 +1172,13 @@ class Comm:
     def is_main(self) -> bool:
         return self.rank == 0
 
-
 def current_rank_and_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
 
-
 def grads_or_zeros(params: list[Tensor]) -> list[Tensor]:
     return [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-
 
 class _LaunchWhenGradsReady:
     """While armed, launch(unit) runs once a unit's gradients are all in: its reduce-scatter overlaps the backward."""
@@ -1220,7 +1202,6 @@ class _LaunchWhenGradsReady:
     def remove(self):  # the cycle parameter -> hook -> optimizer keeps the gloo group alive into a risky teardown
         while self.handles:
             self.handles.pop().remove()
-
 
 class _AdamBucket:
     """One group's parameters (one, or small ones packed) sharing a reduce-scatter; rank r owns shard r."""
@@ -1250,7 +1231,6 @@ class _AdamBucket:
     def copies(self, flat: Tensor) -> list[tuple[_AdamBucket, Tensor]]:  # the gathered flat forms to copy out
         return [] if self.in_place else [(self, flat)]
 
-
 class _MergedBuckets:
     """Small buckets in one reduce-scatter and all-gather, rank-major: rank r's block holds every member's shard r."""
 
@@ -1271,14 +1251,12 @@ class _MergedBuckets:
         rows = packed.view(self.world_size, self.shard)
         return [(bucket, rows[:, a:b].reshape(-1)) for bucket, a, b in zip(self.members, self.bounds, self.bounds[1:])]
 
-
 def union_of_rows(row_lists: list[np.ndarray], num_rows: int) -> np.ndarray:
     """The sorted union of row indices, through a mask (much faster than np.unique)."""
     touched = np.zeros(num_rows, dtype=bool)
     for rows in row_lists:
         touched[rows] = True
     return np.flatnonzero(touched)
-
 
 class _RowsToOwners:
     """Sorted rows of tables sharded like `table` (rank r owns rows [r*R, (r+1)*R)) sent to their owners: the counts
@@ -1304,7 +1282,6 @@ class _RowsToOwners:
             self.rows = (send_rows, recv_rows, work)
         return send_splits, recv_splits
 
-
 class _RowExchange(_RowsToOwners):
     """Sparse gradient exchange (speedrun 2026-02-06): owners sum the touched rows sent them into their shard."""
 
@@ -1322,7 +1299,6 @@ class _RowExchange(_RowsToOwners):
             shard.index_add_(0, recv_rows - self.rank * self.rows_per_rank, recv_values)
             return shard.div_(self.world_size).view(-1)
         return finish
-
 
 class _RowFetch(_RowsToOwners):
     """Fetches the rows of other ranks' blocks that this rank's forwards read until the next update: the indices
@@ -1350,7 +1326,6 @@ class _RowFetch(_RowsToOwners):
             for table, part in zip(self.tables, received.split([t.size(1) for t in self.tables], dim=1)):
                 table.index_copy_(0, need, part)
         return finish
-
 
 class DistAdam(torch.optim.Optimizer):
     """Adam with cautious weight decay, sharded over the ranks (ZeRO-1; speedrun 2025-05). A step: 1. per bucket a
@@ -1587,7 +1562,6 @@ class DistAdam(torch.optim.Optimizer):
         update_(owned, grad_shard, state["exp_avg"], state["exp_avg_sq"], state["step"], scalars[0], scalars[1],
                 *group["betas"], group["eps"])
 
-
 def adam_update_(p: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: Tensor, lr: Tensor,
                  decay: Tensor, beta1: float, beta2: float, eps: float) -> None:
     """Adam on a flat slice with cautious weight decay (Chen et al. 2025; speedrun 2025-12-18): only where update and
@@ -1598,10 +1572,8 @@ def adam_update_(p: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, s
     update = (lr / bias1) * exp_avg / (exp_avg_sq.sqrt() / bias2.sqrt() + eps)
     p.sub_(update + decay * (update * p > 0) * p)
 
-
 def cautious_decay(group: dict) -> float:
     return group["lr"] ** 2 * group["weight_decay"]
-
 
 def foreach_same_sign(updates: list[Tensor], weights: list[Tensor], strict: bool) -> list[Tensor]:
     """1 where update * weight > 0 (strict) or >= 0, else 0 (multi-tensor ops have no comparison)."""
@@ -1613,7 +1585,6 @@ def foreach_same_sign(updates: list[Tensor], weights: list[Tensor], strict: bool
         torch._foreach_add_(masks, 1.0)
         torch._foreach_clamp_max_(masks, 1.0)
     return masks
-
 
 def adam_update_multi_(ps: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
                        steps: list[int], groups: list[dict]) -> None:
@@ -1639,7 +1610,6 @@ def adam_update_multi_(ps: list[Tensor], grads: list[Tensor], exp_avgs: list[Ten
         torch._foreach_add_([updates[i] for i in decayed], masks)
     torch._foreach_sub_(ps, updates)
 
-
 # Polar Express (Amsel et al. 2025; speedrun 2025-09-29): X <- a X + (b A + c A^2) X with A = X X^T, safety factor
 # 2e-2: singular values from (0, 1] into about [0.7, 1.1].
 POLAR_EXPRESS_COEFFS = (
@@ -1650,10 +1620,8 @@ POLAR_EXPRESS_COEFFS = (
     (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
 )
 
-
 def orthogonalized_dtype(grads: Tensor) -> torch.dtype:
     return torch.bfloat16 if grads.is_cuda else torch.float32
-
 
 def orthogonalize(grads: Tensor, use_triton: bool) -> Tensor:
     """About U V^T of each matrix's SVD, in bf16 on a GPU; use_triton: symmetric products (speedrun 2025-07)."""
@@ -1678,7 +1646,6 @@ def orthogonalize(grads: Tensor, use_triton: bool) -> Tensor:
             X = a * X + B @ X
     return X.mT if transposed else X
 
-
 def plan_muon_groups(shapes: list[tuple[int, ...]], world_size: int,
                      layers: list[int] | None = None) -> list[list[int]]:
     """Groups of one shape each, smaller first, last layer first (the backward's order); a shape's in two halves of
@@ -1694,7 +1661,6 @@ def plan_muon_groups(shapes: list[tuple[int, ...]], world_size: int,
         split = world_size * ((per_rank + 1) // 2) if per_rank >= 2 else len(members)
         groups += [g for g in (members[:split], members[split:]) if g]
     return groups
-
 
 class CapturedSteps:
     """Parts of a step as CUDA graphs: a part runs eagerly until its tensors repeat, then is captured and replayed;
@@ -1731,7 +1697,6 @@ class CapturedSteps:
         graph.replay()
         return graph, result
 
-
 class _MuonGroup:
     def __init__(self, params: list[Tensor], world_size: int, keep: bool):
         self.params, self.keep = params, keep
@@ -1747,7 +1712,6 @@ class _MuonGroup:
         if getattr(self, name) is None:
             setattr(self, name, make())
         return getattr(self, name)
-
 
 class Muon(torch.optim.Optimizer):
     """NorMuon (Jordan et al. 2024; Li et al. 2025; speedrun 2025-10-24): Nesterov momentum (plus a slow buffer by
@@ -1938,14 +1902,12 @@ class Muon(torch.optim.Optimizer):
         rows, cols = row_blocks(p, settings)[0][0], p.size(-1)
         return max(1.0, rows / cols) ** 0.5
 
-
 def row_blocks(p: Tensor, settings: dict) -> list[tuple[int, int]]:
     split = settings["split"]
     runs = [(p.size(-2) // split, split)] if isinstance(split, int) else [tuple(run) for run in split]
     if sum(height * count for height, count in runs) != p.size(-2):
         raise ValueError(f"Muon split {split} does not cover the {p.size(-2)} rows of a {tuple(p.shape)} matrix")
     return runs
-
 
 def normuon_(ortho: Tensor, states: list[dict], split: int, beta2: float, key: str) -> Tensor:
     """NorMuon's rescaling of updates [n * split, rows, cols]: by the inverse root of a running mean (beta2,
@@ -1967,7 +1929,6 @@ def normuon_(ortho: Tensor, states: list[dict], split: int, beta2: float, key: s
     rescaled_norm = (side * (mean_square * inverse_root.square()).sum(dim=(-2, -1), keepdim=True)).sqrt()
     return (update * (inverse_root * (norm / rescaled_norm.clamp_min(1e-10)))).to(ortho.dtype)
 
-
 def muon_momentum_(grad: Tensor, state: dict, momentum, one_minus_fast, slow: float, slow_share) -> Tensor:
     """Nesterov momentum over a mix of the usual and the slow buffer (slow_share; ANVIL2's two rails)."""
     if "momentum_buffer" not in state:
@@ -1985,10 +1946,8 @@ def muon_momentum_(grad: Tensor, state: dict, momentum, one_minus_fast, slow: fl
 # Shards in the llm.c / speedrun layout: 256 int32 (magic, version, token count, ...), then uint16 tokens, each
 # document after a BOS, all little-endian.
 
-
 class DataError(UserError):
     pass
-
 
 def read_shard(path: str) -> np.ndarray:
     size, header_bytes = os.path.getsize(path), SHARD_HEADER_INTS * 4
@@ -2004,7 +1963,6 @@ def read_shard(path: str) -> np.ndarray:
                         "bytes; the file is truncated or corrupt, download or build it again")
     return np.memmap(path, dtype="<u2", mode="r", offset=header_bytes, shape=(num_tokens,))
 
-
 def shard_paths(pattern: str, flag: str) -> list[str]:
     """The shards matching a glob, each header checked before any compiling."""
     paths = sorted(glob.glob(pattern))
@@ -2018,7 +1976,6 @@ def shard_paths(pattern: str, flag: str) -> list[str]:
         read_shard(path)
     return paths
 
-
 def check_vocabulary(tokens: np.ndarray, vocab_size: int, where: str) -> None:
     """A token past the tables is an error naming the data: the GPU's row gather does not check."""
     if len(tokens) and int(tokens.max()) >= vocab_size:
@@ -2027,12 +1984,10 @@ def check_vocabulary(tokens: np.ndarray, vocab_size: int, where: str) -> None:
                         f"--vocab_size={vocab_size}; the data comes from another tokenizer (set --vocab_size and "
                         "--bos_token to its own)")
 
-
 def document_starts(path: str, bos: int, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
     tokens = read_shard(path)
     check_vocabulary(tokens, vocab_size, path)
     return tokens, np.flatnonzero(tokens == bos)
-
 
 def bos_aligned_batches(paths: list[str], length: int, max_doc_len, repeat: bool, on_new_pass=None, *,
                         bos: int, vocab_size: int):
@@ -2070,7 +2025,6 @@ def bos_aligned_batches(paths: list[str], length: int, max_doc_len, repeat: bool
                 on_new_pass(following[0])
             current = following
 
-
 def train_batches_for_rank(paths: list[str], cfg: Config, comm: Comm, on_new_pass=None):
     """Every world_size-th micro-batch of the global sequence (DiLoCo's replica groups interleave too), so that any
     world size trains on the same ones in the same steps; each cut at its stage's doc_len."""
@@ -2089,13 +2043,11 @@ def train_batches_for_rank(paths: list[str], cfg: Config, comm: Comm, on_new_pas
     finally:
         batches.close()  # stops its shard-indexing thread
 
-
 def drop(count: int, batches):
     try:
         yield from itertools.islice(batches, count, None)
     finally:
         batches.close()
-
 
 def val_batches_for_rank(paths: list[str], cfg: Config, comm: Comm):
     """The first val_tokens tokens in consecutive chunks, dealt to the ranks."""
@@ -2109,7 +2061,6 @@ def val_batches_for_rank(paths: list[str], cfg: Config, comm: Comm):
     for index in range(comm.rank, cfg.val_tokens // T, comm.world_size):
         yield np.asarray(stream[index * T: index * T + T + 1])
 
-
 def bigram_hash(tokens: np.ndarray, rows: int, bos: int) -> np.ndarray:
     """Each position's bigram row: a Fibonacci hash of (previous token, token) into rows - 1 buckets, the last row
     where there is no previous token of the document."""
@@ -2121,17 +2072,14 @@ def bigram_hash(tokens: np.ndarray, rows: int, bos: int) -> np.ndarray:
     out[tokens == bos] = rows - 1
     return out
 
-
 def max_documents(seq_len: int) -> int:
     """cu_seqlens' fixed length (one shape for FA3): 16 tokens a document is far below what text has."""
     return seq_len // 16 + 1
-
 
 def micro_batch_document_starts(inputs: np.ndarray, bos: int) -> np.ndarray:
     """At every BOS, and at 0 (a validation chunk begins mid-document)."""
     starts = np.flatnonzero(inputs == bos)
     return starts if len(starts) and starts[0] == 0 else np.insert(starts, 0, 0)
-
 
 @dataclass
 class ForwardBatch:
@@ -2142,7 +2090,6 @@ class ForwardBatch:
     rows: dict | None = None  # the sorted unique rows the forward reads, on the host: {"tokens": ..., "bigrams": ...}
     documents: int | None = None  # how many documents cu_seqlens starts
     longest_document: int | None = None
-
 
 class _Slot:
 
@@ -2178,7 +2125,6 @@ class _Slot:
         cu[: len(starts)] = starts
         cu[len(starts):] = offset
         self.documents, self.longest_document = len(starts), int(np.diff(cu[: len(starts) + 1]).max())
-
 
 class Prefetcher:
     """Builds each forward's inputs (`packed` token windows, or `sizes` in turn) on a thread into pinned slots, which
@@ -2254,7 +2200,6 @@ class Prefetcher:
         if hasattr(self.source, "close"):
             self.source.close()
 
-
 def prefetch(windows, cfg: Config, device: torch.device, packed: int, sizes=None, ahead: int = 0) -> Prefetcher:
     """The one way a run loads its forwards; ahead: the most the loop peeks at."""
     return Prefetcher(windows, cfg.micro_batch_tokens, device, bos=cfg.bos_token, vocab_size=cfg.vocab_size,
@@ -2263,7 +2208,6 @@ def prefetch(windows, cfg: Config, device: torch.device, packed: int, sizes=None
 
 # ----------------------------------------------------------------------------------------------------
 # Schedule
-
 
 class Schedule:
     """What changes with the step. The scheduled steps split evenly over the stages (the rows but the last), the lr
@@ -2347,7 +2291,6 @@ class Schedule:
 # ----------------------------------------------------------------------------------------------------
 # The step and the loop
 
-
 def build_optimizers(model: GPT, cfg: Config, cuda_graphs: bool = False) -> Optimizers:
     """Muon, then DistAdam (Muon computes while Adam's larger communication is on the wire), from each parameter's
     Opt, a param group per setting."""
@@ -2377,7 +2320,6 @@ def build_optimizers(model: GPT, cfg: Config, cuda_graphs: bool = False) -> Opti
             group["initial_lr"] = group["lr"]
     return optimizers
 
-
 def set_hyperparameters(optimizers, schedule: Schedule, step: int):
     muon, adam = optimizers
     if adam.is_tied() and step >= schedule.untie_step:
@@ -2390,7 +2332,6 @@ def set_hyperparameters(optimizers, schedule: Schedule, step: int):
     for group in muon.param_groups:
         group["momentum"] = schedule.muon_momentum(step)
         group["fast_momentum"], group["slow_share"] = schedule.muon_rails(step)
-
 
 class Optimizers(list):
     """[Muon, DistAdam], stepped together: both launches, then both finishes, so that Adam's updates run while Muon's
@@ -2426,13 +2367,11 @@ class Optimizers(list):
         for hook in list(self.post_hooks.values()):
             hook(self, (), {})
 
-
 def forward_loss(model: GPT, batch: ForwardBatch, windows: tuple[int, int]) -> Tensor:
     if model.replays_cuda_graphs:  # the previous forward's outputs are used: the graphs may reuse their memory
         torch.compiler.cudagraph_mark_step_begin()
     masks = model.prepare_masks(batch.inputs, batch.cu_seqlens, windows, batch.documents, batch.longest_document)
     return model(batch.inputs, batch.targets, masks, batch.bigrams)
-
 
 def train_step(model: GPT, optimizers: Optimizers, batches: Prefetcher, windows: tuple[int, int], forwards: int,
                mark=None, ahead: int = 0) -> Tensor:
@@ -2460,7 +2399,6 @@ def train_step(model: GPT, optimizers: Optimizers, batches: Prefetcher, windows:
         opt.zero_grad(set_to_none=True)
     return total / forwards
 
-
 def evaluate(model: GPT, cfg: Config, comm: Comm, val_paths: list[str], windows: tuple[int, int],
              device: torch.device, packed: int) -> float:
     """Mean loss over the validation tokens, autograd on: it reuses the training graphs, no extra compile."""
@@ -2476,7 +2414,6 @@ def evaluate(model: GPT, cfg: Config, comm: Comm, val_paths: list[str], windows:
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
     return total.item() / (count * comm.world_size)
 
-
 def dummy_batches(cfg: Config, seed: int):
     rng = np.random.default_rng(seed)
     while True:
@@ -2487,10 +2424,8 @@ def dummy_batches(cfg: Config, seed: int):
         window[:: cfg.max_doc_len] = cfg.bos_token
         yield window.astype(np.uint16)
 
-
 # Auto packs 8 micro-batches a forward only on GPUs of this many GiB (the defaults' peak with 8: 64 GiB)
 PACK_8_MIN_GIB = 72
-
 
 @dataclass(frozen=True)
 class Packing:
@@ -2505,7 +2440,6 @@ class Packing:
     @property
     def smallest(self) -> int:
         return min(*self.stages, self.validation)
-
 
 def resolve_packing(cfg: Config, world_size: int, device_memory_gib: float | None = None) -> Packing:
     """--forward_micro_batches, or for 0 per stage the most, up to 8 (4 on a GPU under PACK_8_MIN_GIB), that divides
@@ -2528,7 +2462,6 @@ def resolve_packing(cfg: Config, world_size: int, device_memory_gib: float | Non
     shared = [k for k in stages if validation % k == 0]
     return Packing(stages, max(shared) if shared else most_that_divide(validation))
 
-
 def cuda_graphs_for(cfg: Config, device: torch.device, packing: Packing, world_size: int) -> tuple[bool, bool]:
     """(the compiled model replays CUDA graphs, Muon's compute does); auto where they pay: the model's where a stage
     packs one micro-batch a forward (the launches set the pace), Muon's on several GPUs."""
@@ -2537,7 +2470,6 @@ def cuda_graphs_for(cfg: Config, device: torch.device, packing: Packing, world_s
     if cfg.cuda_graphs == "1":
         return cfg.compile, True
     return cfg.compile and packing.smallest == 1 and not cfg.diloco, world_size > 1
-
 
 def check_gpu_features(cfg: Config, device: torch.device, kernels: Kernels) -> None:
     if device.type != "cuda":
@@ -2549,7 +2481,6 @@ def check_gpu_features(cfg: Config, device: torch.device, kernels: Kernels) -> N
     if kernels.fused_mlp and capability < (9, 0):
         raise UserError(f"the fused MLP (--fused_mlp, on by default) needs the TMA copy engine (compute capability "
                         f"9.0 or newer: Hopper); {name} has none: pass --fused_mlp=0")
-
 
 def build_model(cfg: Config, comm: Comm, log) -> tuple[GPT, torch.device, Packing]:
     device = torch.device("cuda", comm.local_rank) if cfg.device == "cuda" else torch.device("cpu")
@@ -2570,10 +2501,8 @@ def build_model(cfg: Config, comm: Comm, log) -> tuple[GPT, torch.device, Packin
         f"forward: {', '.join(map(str, packing.stages))} by stage, {packing.validation} in validation")
     return model, device, packing
 
-
 # The ints of FA3's masks among the compiled function's arguments, symbolic: one graph for every value
 FA3_HOST_INT_SOURCES = r"L\['masks'\]\['P?[SL]'\]\[[123]\]"
-
 
 def compile_model(model: GPT, cfg: Config, model_graphs: bool) -> None:
     """One graph of the whole trunk (faster steps than a graph per block) and one of the longest-match search; the row
@@ -2590,7 +2519,6 @@ def compile_model(model: GPT, cfg: Config, model_graphs: bool) -> None:
     model.trunk = torch.compile(model.trunk, dynamic=False, fullgraph=True,
                                 mode="reduce-overhead" if model_graphs else None)
     model.find_matches = torch.compile(model.find_matches, dynamic=False, fullgraph=True)
-
 
 def load_compile_cache(path: str, log) -> bool:
     """--compile_cache: torch's compile artifacts, which hold code (load only files you made); a bad one is ignored
@@ -2613,7 +2541,6 @@ def load_compile_cache(path: str, log) -> bool:
     log(f"compile cache {path}: loaded {sum(len(keys) for keys in info.artifacts.values())} artifacts")
     return True
 
-
 def save_compile_cache(path: str, comm: Comm, loaded: bool, hits: int, misses: int, log) -> None:
     """By rank 0 after the warm-up, unless it served this run: torch saves only the artifacts a process used."""
     if loaded and hits >= misses:
@@ -2624,13 +2551,11 @@ def save_compile_cache(path: str, comm: Comm, loaded: bool, hits: int, misses: i
         write_atomically(Path(path), lambda temporary: temporary.write_bytes(artifacts[0]))
         log(f"compile cache {path}: saved {os.path.getsize(path):,} bytes")
 
-
 def cache_counts() -> tuple[int, int]:
     from torch._dynamo.utils import counters
     inductor, aot = counters["inductor"], counters["aot_autograd"]
     return (inductor["fxgraph_cache_hit"] + aot["autograd_cache_hit"],
             inductor["fxgraph_cache_miss"] + aot["autograd_cache_miss"])
-
 
 def warm_up_forwards(schedule: Schedule, packing: Packing, world_size: int, cuda_graphs: bool) -> dict:
     """(windows, micro-batches per forward) -> forwards, for each pair the timed region meets; under CUDA graphs as
@@ -2646,7 +2571,6 @@ def warm_up_forwards(schedule: Schedule, packing: Packing, world_size: int, cuda
         if schedule.validates(step):
             runs.setdefault((schedule.windows(schedule.validation_step(step)), packing.validation), 1)
     return {key: max(forwards, 2) if cuda_graphs else forwards for key, forwards in sorted(runs.items())}
-
 
 def warm_up(model: GPT, optimizers, cfg: Config, comm: Comm, schedule: Schedule, device: torch.device,
             packing: Packing, log):
@@ -2668,7 +2592,6 @@ def warm_up(model: GPT, optimizers, cfg: Config, comm: Comm, schedule: Schedule,
     model.load_state_dict(initial)
     optimizers[0].zero_state_()
     optimizers[1].state.clear()
-
 
 @dataclass
 class Trainer:
@@ -2697,7 +2620,6 @@ class Trainer:
         for step in range(start, self.schedule.total_steps):
             yield from [self.per_forward(step)] * self.forwards(step, world_size)
 
-
 def build_and_warm_up(cfg: Config, comm: Comm, log) -> Trainer:
     model, device, packing = build_model(cfg, comm, log)
     schedule, start = Schedule(cfg), time.perf_counter()
@@ -2722,7 +2644,6 @@ def build_and_warm_up(cfg: Config, comm: Comm, log) -> Trainer:
     if cache:
         save_compile_cache(cfg.compile_cache, comm, loaded, hits, misses, log)
     return Trainer(model, optimizers, schedule, device, recompiles, packing)
-
 
 def train(cfg: Config, comm: Comm, log) -> TrainResult:
     """The warm-up, then the timed loop; validation and checkpoints pause the clock."""
@@ -2809,13 +2730,11 @@ def train(cfg: Config, comm: Comm, log) -> TrainResult:
             diloco.close()
     return run.report(step_times)
 
-
 @dataclass
 class TrainResult:
     train_losses: list[float]  # per step, the mean over the ranks
     val_losses: list[tuple[int, float]]  # (step, loss)
     train_time_ms: float
-
 
 class RunState:
     """What the loop keeps between steps besides the model: the clock, the losses, the window history."""
@@ -2875,7 +2794,6 @@ class RunState:
         model, optimizers = self.trainer.model, self.trainer.optimizers
         load_checkpoint_weights(model, checkpoint)
         scatter_optimizer_states(model, optimizers, checkpoint["muon"], checkpoint["adam"], self.comm, self.device)
-        set_rng_states(checkpoint["rng"])
         self.train_time_ms = self.previous_ms = checkpoint["train_time_ms"]
         self.watch.losses, self.reported = list(checkpoint["train_losses"]), checkpoint["reported"]
         self.val_losses = [tuple(entry) for entry in checkpoint["val_losses"]]
@@ -2902,7 +2820,6 @@ class RunState:
         log(weights_checksum(self.trainer.model))
         return TrainResult(self.watch.losses, self.val_losses, self.train_time_ms)
 
-
 def evaluate_checkpoint(cfg: Config, comm: Comm, log) -> float:
     """--eval_only: --init_from's validation loss, as its run validated at its step."""
     checkpoint = read_checkpoint(cfg.init_from, "init_from")
@@ -2917,7 +2834,6 @@ def evaluate_checkpoint(cfg: Config, comm: Comm, log) -> float:
         f"({cfg.val_tokens} tokens of {cfg.val_files})")
     return val_loss
 
-
 def set_up_as_validated(model: GPT, checkpoint: dict) -> tuple[int, int]:
     """The rotary tables and loss of validation at the checkpoint's step; returns its windows."""
     schedule = Schedule(config_from_dict(checkpoint["config"]))
@@ -2925,7 +2841,6 @@ def set_up_as_validated(model: GPT, checkpoint: dict) -> tuple[int, int]:
     model.rotary.set_window_history(schedule.long_window_history(seen))
     model.set_mtp_weights([1.0])
     return schedule.windows(seen)
-
 
 @torch.no_grad()
 def generate(model: GPT, cfg: Config, prompt: list[int], windows: tuple[int, int], count: int, temperature: float,
@@ -2951,7 +2866,6 @@ def generate(model: GPT, cfg: Config, prompt: list[int], windows: tuple[int, int
             break
     return tokens[len(prompt):]
 
-
 def gpt2_encoding():
     try:
         import tiktoken
@@ -2959,7 +2873,6 @@ def gpt2_encoding():
     except Exception as e:  # no package, no network, no cached files
         raise UserError(f"--sample needs tiktoken's gpt2 encoding, which did not load ({type(e).__name__}): "
                         "pip install tiktoken; offline, see data/tokenize_text.py's help") from None
-
 
 def sample_from_checkpoint(cfg: Config, comm: Comm, log, codec=None) -> str:
     """--sample: a continuation of the prompt from --init_from's weights; codec: (encode, decode), GPT-2's."""
@@ -2989,24 +2902,21 @@ def sample_from_checkpoint(cfg: Config, comm: Comm, log, codec=None) -> str:
 # Checkpoints
 #
 # One torch.save file, written by rank 0 through a rename (a crash never leaves a file that looks whole), of whole
-# tensors: it resumes at any world size. Loaded with weights_only=True: nothing in it runs code.
+# tensors: it resumes at any world size. No random state: training draws no random numbers after the init. Loaded
+# with weights_only=True: nothing in it runs code.
 
 CHECKPOINT_KIND, CHECKPOINT_FORMAT = "train_gpt.py checkpoint", 3
 
-
 class CheckpointError(UserError):
     pass
-
 
 def model_fields(cfg: Config) -> dict:
     return {"vocab_size": cfg.vocab_size, **{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
                                              if f.metadata["group"] == "model"}}
 
-
 def config_to_dict(cfg: Config) -> dict:
     return {f.name: format_value(getattr(cfg, f.name), f.name) if isinstance(getattr(cfg, f.name), tuple)
             else getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
-
 
 def config_from_dict(values: dict) -> Config:
     fields = {f.name: f for f in dataclasses.fields(Config)}
@@ -3014,15 +2924,12 @@ def config_from_dict(values: dict) -> Config:
                      if isinstance(value, str) and fields[name].type != "str" else value
                      for name, value in values.items() if name in fields})
 
-
 def checkpoint_path_at(path: str, step: int) -> str:
     base = Path(path)
     return str(base.with_name(f"{base.stem}_step{step:06d}{base.suffix or '.pt'}"))
 
-
 def data_fingerprint(paths: list[str]) -> list[tuple[str, int]]:
     return [(os.path.basename(path), os.path.getsize(path)) for path in paths]
-
 
 def _owner_state_everywhere(state: dict | None, owner: int, comm: Comm, device: torch.device) -> dict:
     if not comm.distributed:
@@ -3035,7 +2942,6 @@ def _owner_state_everywhere(state: dict | None, owner: int, comm: Comm, device: 
         dist.broadcast(tensor, src=owner)
         full[key] = tensor.cpu().clone()
     return full
-
 
 def gather_optimizer_states(model: GPT, optimizers, comm: Comm, device: torch.device) -> tuple[dict, dict]:
     """(Muon's, DistAdam's) state by parameter name, whole, the same at every world size."""
@@ -3065,7 +2971,6 @@ def gather_optimizer_states(model: GPT, optimizers, comm: Comm, device: torch.de
                 offset += p.numel()
     return muon_state, adam_state
 
-
 def scatter_optimizer_states(model: GPT, optimizers, muon_state: dict, adam_state: dict, comm: Comm,
                              device: torch.device) -> None:
     names = {p: name for name, p in model.named_parameters()}
@@ -3086,26 +2991,6 @@ def scatter_optimizer_states(model: GPT, optimizers, muon_state: dict, adam_stat
         if state:
             adam.state[bucket.params[0]] = state
 
-
-def rng_states() -> dict:
-    numpy_state = np.random.get_state()
-    states = {"torch": torch.get_rng_state(), "numpy": (torch.from_numpy(numpy_state[1].astype(np.int64)),
-                                                       *map(int, numpy_state[2:4]), float(numpy_state[4])),
-              "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states["cuda"] = torch.cuda.get_rng_state()
-    return states
-
-
-def set_rng_states(states: dict) -> None:
-    torch.set_rng_state(states["torch"])
-    keys, position, has_gauss, cached = states["numpy"]
-    np.random.set_state(("MT19937", keys.numpy().astype(np.uint32), position, has_gauss, cached))
-    random.setstate(states["python"])
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state(states["cuda"])
-
-
 def write_atomically(target: Path, write):
     """write(temporary) beside target, then a rename: a reader sees the old file or the new one."""
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -3117,7 +3002,6 @@ def write_atomically(target: Path, write):
     finally:
         temporary.unlink(missing_ok=True)
 
-
 def save_checkpoint(path: str, model: GPT, optimizers, cfg: Config, comm: Comm, device: torch.device, step: int,
                     progress: dict) -> None:
     optimizers[1].whole_tables()
@@ -3125,11 +3009,10 @@ def save_checkpoint(path: str, model: GPT, optimizers, cfg: Config, comm: Comm, 
     if comm.rank == 0:
         checkpoint = dict(kind=CHECKPOINT_KIND, format=CHECKPOINT_FORMAT, step=step, config=config_to_dict(cfg),
                           model={name: t.detach().cpu().clone() for name, t in model.state_dict().items()},
-                          muon=muon_state, adam=adam_state, rng=rng_states(), **progress)
+                          muon=muon_state, adam=adam_state, **progress)
         write_atomically(Path(path), lambda temporary: torch.save(checkpoint, temporary))
     if comm.distributed:
         dist.barrier()
-
 
 def read_checkpoint(path: str, flag: str) -> dict:
     if not os.path.isfile(path):
@@ -3146,7 +3029,6 @@ def read_checkpoint(path: str, flag: str) -> dict:
                               f"{CHECKPOINT_FORMAT}")
     return checkpoint
 
-
 def check_same_model(checkpoint: dict, cfg: Config, flag: str) -> None:
     saved = model_fields(config_from_dict(checkpoint["config"]))
     differing = [f"{name}={format_value(saved[name], name)} (here {format_value(value, name)})"
@@ -3154,7 +3036,6 @@ def check_same_model(checkpoint: dict, cfg: Config, flag: str) -> None:
     if differing:
         raise CheckpointError(f"--{flag}={getattr(cfg, flag)}: the checkpoint's model differs: "
                               + ", ".join(differing) + "; pass the model flags it was trained with")
-
 
 def check_resumable(checkpoint: dict, cfg: Config, train_paths: list[str]) -> None:
     check_same_model(checkpoint, cfg, "resume")
@@ -3175,7 +3056,6 @@ def check_resumable(checkpoint: dict, cfg: Config, train_paths: list[str]) -> No
         raise CheckpointError(f"--resume={cfg.resume}: the checkpoint is at step {checkpoint['step']}, past this "
                               f"run's {total} steps")
 
-
 def load_checkpoint_weights(model: GPT, checkpoint: dict) -> None:
     """Into the existing tensors: compiled graphs keep their addresses."""
     with torch.no_grad():
@@ -3190,7 +3070,6 @@ LIGHTHOUSE_MISSING = ("--diloco=1 needs TORCHFT_LIGHTHOUSE=http://host:port, the
                       "(torchft_lighthouse --min_replicas=1)")
 NO_CUDA = "--device=cuda, but torch sees no CUDA GPU; pass --device=cpu to run on the CPU"
 
-
 def import_torchft():
     try:
         import torchft
@@ -3198,7 +3077,6 @@ def import_torchft():
     except ImportError as e:
         raise UserError(f"--diloco=1 needs torchft, which did not import ({e}): pip install torchft") from None
     return torchft
-
 
 def diloco_fragments(model: GPT, count: int) -> list[nn.Module]:
     """`count` contiguous groups of blocks, the input side with the first, the output side with the last."""
@@ -3219,7 +3097,6 @@ def diloco_fragments(model: GPT, count: int) -> list[nn.Module]:
         raise RuntimeError("DiLoCo fragments do not hold each model parameter exactly once")
     return fragments
 
-
 def detached_copy(tree, device: torch.device | str | None = None):
     """Tensors cloned: torchft may serve a checkpoint while training goes on."""
     if isinstance(tree, Tensor):
@@ -3229,7 +3106,6 @@ def detached_copy(tree, device: torch.device | str | None = None):
     if isinstance(tree, (list, tuple)):
         return type(tree)(detached_copy(value, device) for value in tree)
     return tree
-
 
 class StreamingDiLoCo:
     """Streaming DiLoCo (Douillard et al., 2025) on torchft: each replica group (a torchrun job) trains as usual; per
@@ -3356,7 +3232,6 @@ class StreamingDiLoCo:
 # ----------------------------------------------------------------------------------------------------
 # Instrumentation
 
-
 class RunLog:
     """Rank 0 writes log_dir/<run_id>.txt: this file's source, the environment, the config, then a line per step
     (records/tool.py reads this layout back)."""
@@ -3394,7 +3269,6 @@ class RunLog:
             self.file.close()
             self.file = None
 
-
 def environment(cfg: Config, comm: Comm) -> dict[str, str]:
     hardware = (torch.cuda.get_device_name() if cfg.device == "cuda"
                 else f"cpu ({platform.machine()}, {os.cpu_count()} cores)")
@@ -3403,17 +3277,14 @@ def environment(cfg: Config, comm: Comm) -> dict[str, str]:
             "world_size": str(comm.world_size), "hardware": f"{comm.world_size}x {hardware}",
             "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:])}
 
-
 def nvidia_smi() -> str:
     try:
         return subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "not available"
 
-
 class TrainingDiverged(UserError):
     pass
-
 
 class LossWatch:
     """Reads each step's loss one step late, so that its NaN check never stalls the GPU; the event behind it times
@@ -3454,11 +3325,9 @@ class LossWatch:
             raise TrainingDiverged(f"training diverged: loss is {losses[bad[0]]} at step {step + 1} on rank {bad[0]}")
         self.losses.append(sum(losses) / len(losses))
 
-
 def compiled_graph_count() -> int:
     from torch._dynamo.utils import counters
     return int(counters["stats"]["unique_graphs"])
-
 
 class RecompileWatch:
     """What compiled after the warm-up (nothing should): new graphs with the failed guard, lazy backwards, recorded
@@ -3498,7 +3367,6 @@ class RecompileWatch:
             guards += [f"{where}: {failure.splitlines()[0].strip()}" for failure in failures[self.seen.get(code, 0):]]
             self.seen[code] = len(failures)
         return (guards or ["a new graph (no guard failed: first call of a new function)"]) + reasons
-
 
 class StepTimes:
     """Step times per stage (the aim: none over 1.2x the median) and the garbage collections after the warm-up. On a
@@ -3540,7 +3408,6 @@ class StepTimes:
                          f"{generation}, step {step})")
         return lines
 
-
 def seconds_since_process_start() -> float | None:
     """Since this process began (Linux): the whole cold start."""
     try:
@@ -3549,7 +3416,6 @@ def seconds_since_process_start() -> float | None:
         return uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: start time in clock ticks
     except (OSError, ValueError, IndexError, AttributeError):
         return None
-
 
 def weights_checksum(model: nn.Module) -> str:
     """Whether two runs ended with the same weights: float64 sum and sum of squares."""
@@ -3563,7 +3429,6 @@ def weights_checksum(model: nn.Module) -> str:
 # ----------------------------------------------------------------------------------------------------
 # main
 
-
 def keep_freed_cpu_memory() -> bool:
     """glibc maps buffers over its mmap threshold (the logits) afresh each step, page-faulting them in again; CPU
     steps run far faster from the heap."""
@@ -3574,7 +3439,6 @@ def keep_freed_cpu_memory() -> bool:
         return False
     m_trim_threshold, m_mmap_max = -1, -4
     return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
-
 
 def init_distributed(cfg: Config) -> Comm:
     world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
@@ -3598,7 +3462,6 @@ def init_distributed(cfg: Config) -> Comm:
             dist.init_process_group("gloo")
     return Comm(rank, world_size, local_rank)
 
-
 def check_inputs(cfg: Config) -> None:
     """--check: the device, the data and the checkpoints, before anything compiles."""
     if cfg.device == "cuda":
@@ -3619,7 +3482,6 @@ def check_inputs(cfg: Config) -> None:
         import_torchft()
         if not os.environ.get("TORCHFT_LIGHTHOUSE"):
             raise UserError(LIGHTHOUSE_MISSING)
-
 
 def main(argv: list[str] | None = None) -> int:
     comm = None
@@ -4049,13 +3911,11 @@ if triton is not None:
     def _(a: Tensor, b: Tensor, post: Tensor | None = None) -> Tensor:
         return a.new_empty(a.size(0), b.size(0))
 
-
 MUON_APPLY_BLOCK = 4096
 CE_FP8_BLOCK, CE_FP8_WARPS, CE_FP8_TAIL = 16384, 16, 1024  # the fused loss kernel's launch shape (tuned on H100)
 COPY_FWD_BLOCKS, COPY_BWD_BLOCKS, COPY_WARPS = (128, 64), (64, 64), 8  # key tiles; query and key blocks
 ROWS_CHUNK, ROWS_BLOCK_D, ROWS_WARPS = 64, 512, 4
 RELU2_MM_CONFIG = (128, 256, 64, 8, 2, 8, 3)  # BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT, warps, stages (H100)
-
 
 def symmetric_matmul(X: Tensor, out: Tensor, alpha: float = 1.0, beta: float = 0.0, Y: Tensor | None = None):
     """out = alpha X X^T + beta Y over a [batch, M, K] stack."""
@@ -4066,7 +3926,6 @@ def symmetric_matmul(X: Tensor, out: Tensor, alpha: float = 1.0, beta: float = 0
                                     HAS_Y=Y is not None)
     return out
 
-
 def muon_apply_(weight: Tensor, update: Tensor, scalars: Tensor, decay: bool) -> None:
     """Muon._apply's multi-tensor ops for one fp32 matrix in one pass; no fused multiply-adds: bit-equal to them."""
     if not (weight.is_contiguous() and update.is_contiguous()) or update.shape != weight.shape:
@@ -4076,7 +3935,6 @@ def muon_apply_(weight: Tensor, update: Tensor, scalars: Tensor, decay: bool) ->
     _muon_apply_kernel[(triton.cdiv(n, MUON_APPLY_BLOCK),)](weight, update, scalars, n, DECAY=decay,
                                                            BLOCK=MUON_APPLY_BLOCK, enable_fp_fusion=False)
 
-
 def transpose_fp8(x: Tensor, block_m: int = 64, block_n: int = 128, warps: int = 4) -> Tensor:
     """The FP8 logit gradient as [V, T] for the weight gradient (FP8 matmuls take K-major operands)."""
     M, N = x.shape
@@ -4084,7 +3942,6 @@ def transpose_fp8(x: Tensor, block_m: int = 64, block_n: int = 128, warps: int =
     _transpose_kernel[(triton.cdiv(M, block_m), triton.cdiv(N, block_n))](x, out, M, N, BLOCK_M=block_m,
                                                                         BLOCK_N=block_n, num_warps=warps)
     return out
-
 
 def softcapped_ce_fp8(logits: Tensor, targets: Tensor, cap: tuple, losses: Tensor, grad: Tensor,
                       mtp: tuple | None = None, copy: tuple | None = None) -> None:
@@ -4098,7 +3955,6 @@ def softcapped_ce_fp8(logits: Tensor, targets: Tensor, cap: tuple, losses: Tenso
                                        GRAD_EXP=GRAD_E5M2_EXP, BLOCK=CE_FP8_BLOCK, TAIL=min(CE_FP8_TAIL, CE_FP8_BLOCK),
                                        PTX=logits.is_cuda, COPY=copy is not None, FIRST=int(copy is not None),
                                        num_warps=CE_FP8_WARPS)
-
 
 class _CopyScores(torch.autograd.Function):
     """copy_log_probs' kernels: the forward keeps two floats a query; the backward recomputes the scores, once over
@@ -4131,7 +3987,6 @@ class _CopyScores(torch.autograd.Function):
                                                 BLOCK_N=block_n, num_warps=COPY_WARPS)
         return dq, dk, grad_sink + grad_z * torch.exp(sink - log_z), None, None, None, None
 
-
 def gather_rows(table: Tensor, indices: Tensor, dtype: torch.dtype, use_triton: bool) -> Tensor:
     """table[indices] as dtype; the kernel converts as it copies, where torch converts in a second pass."""
     if not use_triton or dtype == table.dtype:
@@ -4141,7 +3996,6 @@ def gather_rows(table: Tensor, indices: Tensor, dtype: torch.dtype, use_triton: 
     _gather_rows_kernel[(triton.cdiv(T, 16), triton.cdiv(dim, 256))](table, indices, out, T, dim, BLOCK_T=16,
                                                                       BLOCK_D=256, num_warps=4)
     return out
-
 
 def add_rows_(tables_grads: list[Tensor], indices: Tensor, row_grads: list[Tensor], use_triton: bool) -> None:
     """tables_grads[i][indices[t]] += row_grads[i][t]. Where index_add_ adds atomically per position (many on one
@@ -4156,7 +4010,6 @@ def add_rows_(tables_grads: list[Tensor], indices: Tensor, row_grads: list[Tenso
         rows, dim = rows.contiguous(), rows.size(1)
         _sorted_rows_add_kernel[(triton.cdiv(T, ROWS_CHUNK), triton.cdiv(dim, ROWS_BLOCK_D))](
             rows, sorted_rows, order, grad, T, dim, CHUNK=ROWS_CHUNK, BLOCK_D=ROWS_BLOCK_D, num_warps=ROWS_WARPS)
-
 
 class _FusedReLU2MLP(torch.autograd.Function):
     """relu(x @ fc_w^T)^2 @ proj_w with the activation in two Triton matmuls' epilogues (speedrun 2025): the forward
@@ -4174,7 +4027,6 @@ class _FusedReLU2MLP(torch.autograd.Function):
         grad_y = grad_y.contiguous()
         grad_h = relu2_matmul(grad_y, proj_w, post)
         return grad_h @ fc_w, grad_h.t() @ x, post.t() @ grad_y
-
 
 if __name__ == "__main__":
     sys.exit(main())
