@@ -115,3 +115,34 @@ def test_offline_error_names_the_files_tiktoken_needs(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "tiktoken", None)  # import fails as if not installed
     with pytest.raises(tokenize.TokenizeError, match=r"vocab\.bpe and encoder\.json .* TIKTOKEN_CACHE_DIR"):
         tokenize.gpt2_encoder()
+
+
+def test_validation_takes_its_fraction_of_a_small_corpus(tmp_path):
+    """--val_fraction (0.05 on the command line) caps validation below --val_tokens on a small corpus: the document
+    that crosses the mark is cut there, its rest (after a BOS of its own) opening the train shard."""
+    docs = [f"{i} " + "x" * 90 for i in range(40)]  # 3,640 tokens with their BOS
+    for i, text in enumerate(docs):
+        (tmp_path / f"{i}.txt").write_text(text)
+    written = tokenize.tokenize_documents(tokenize.read_documents(tokenize.input_files([str(tmp_path)]), None),
+                                          byte_encoder, tmp_path / "out", "t", val_tokens=10_000_000,
+                                          shard_tokens=10_000, seed=3, progress=False, val_fraction=0.05)
+    total = sum(len(t) + 1 for t in docs)
+    val, train = (tg.read_shard(str(path)) for path in written)
+    assert len(val) == int(total * 0.05) and val[0] == BOS and train[0] == BOS
+    assert len(val) + len(train) in (total, total + 1)  # + 1: a cut document's rest
+
+
+def test_files_that_are_not_text_are_skipped_and_named(tmp_path, monkeypatch, capsys):
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "notes.txt").write_text("plain words " * 20)
+    (tmp_path / "in" / "program").write_bytes(b"\x7fELF\x02\x01\x00\x00" + bytes(range(256)) * 4)
+    (tmp_path / "in" / "latin1.txt").write_bytes("caf\xe9 ".encode("latin-1") * 20)
+    monkeypatch.setattr(tokenize, "gpt2_encoder", lambda: byte_encoder)
+    assert tokenize.main([str(tmp_path / "in"), "--out", str(tmp_path / "out")]) == 0
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("skipped")]  # not tqdm's
+    assert sorted(err) == [f"skipped {tmp_path / 'in' / name}: not UTF-8 text" for name in ("latin1.txt", "program")]
+    assert documents_of(tmp_path / "out" / "local_val_000000.bin")[0].startswith("plain")
+    assert tokenize.main([str(tmp_path / "in" / "program"), "--out", str(tmp_path / "out2")]) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == "error: no text documents found in the inputs"
+    assert tokenize.main([str(tmp_path / "in"), "--out", str(tmp_path / "out3"), "--val_fraction=0.9"]) == 1
+    assert "--val_fraction=0.9" in capsys.readouterr().err
