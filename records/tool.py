@@ -112,6 +112,21 @@ def parse_log(path: Path) -> Run:
     return run
 
 
+def data_of(run: Run) -> str:
+    """The training data a run read, by its --train_files: "FineWeb", or the shards' folder and name, starred: its
+    losses are not FineWeb's and say nothing about the 3.28 target."""
+    files = run.config.get("train_files")
+    if files is None:
+        return "?"
+    if "fineweb" in files.lower():
+        return "FineWeb"
+    path = Path(files)
+    return f"*{path.parent.name}/{path.name}" if path.parent.name else f"*{path.name}"
+
+
+NOT_FINEWEB = "* not FineWeb: these losses are not comparable with the 3.28 target"
+
+
 def runs_of(target: str) -> list[Run]:
     """A record directory's logs, or a single log."""
     path = Path(target)
@@ -197,15 +212,17 @@ def cmd_list(args):
     rows = []
     for record in sorted(p for p in directory.iterdir() if p.is_dir() and any(p.glob("*.txt"))):
         runs = runs_of(str(record))
-        rows.append((record.name, runs[0].env.get("hardware", "?"), len(runs),
+        rows.append((record.name, runs[0].env.get("hardware", "?"), data_of(runs[0]), len(runs),
                      np.mean([r.final.val_loss for r in runs]), np.mean([r.final.train_time_ms for r in runs]) / 1000,
                      runs[0].final.total))
     if not rows:
         print(f"no records in {directory}")
         return
-    print(f"{'record':40s} {'hardware':30s} {'runs':>4s} {'val loss':>9s} {'time s':>8s} {'steps':>6s}")
-    for name, hardware, n, loss, seconds, steps in rows:
-        print(f"{name:40s} {hardware[:30]:30s} {n:4d} {loss:9.4f} {seconds:8.1f} {steps:6d}")
+    print(f"{'record':40s} {'hardware':26s} {'data':24s} {'runs':>4s} {'val loss':>9s} {'time s':>8s} {'steps':>6s}")
+    for name, hardware, data, n, loss, seconds, steps in rows:
+        print(f"{name:40s} {hardware[:26]:26s} {data[:24]:24s} {n:4d} {loss:9.4f} {seconds:8.1f} {steps:6d}")
+    if any(row[2].startswith("*") for row in rows):
+        print(NOT_FINEWEB)
 
 
 def cmd_diff(args):
@@ -231,15 +248,18 @@ def cmd_compare(args):
                  for step in sorted(common)}
         curves.append(curve)
     shared = sorted(set.intersection(*(set(c) for c in curves)))
-    print(f"{'run':40s} {'runs':>4s} {'step_avg ms':>11s} {'time s':>8s} {'final val':>9s}")
-    for (target, runs), curve in zip(groups, curves):
-        print(f"{Path(target).name[:40]:40s} {len(runs):4d} {np.mean([r.final.step_avg_ms for r in runs]):11.2f} "
+    print(f"{'':4s} {'run':40s} {'data':24s} {'runs':>4s} {'step_avg ms':>11s} {'time s':>8s} {'final val':>9s}")
+    for number, ((target, runs), curve) in enumerate(zip(groups, curves), 1):
+        print(f"{f'[{number}]':4s} {Path(target).name[:40]:40s} {data_of(runs[0])[:24]:24s} {len(runs):4d} "
+              f"{np.mean([r.final.step_avg_ms for r in runs]):11.2f} "
               f"{np.mean([r.final.train_time_ms for r in runs]) / 1000:8.1f} {np.mean([r.final.val_loss for r in runs]):9.4f}")
+    if any(data_of(runs[0]).startswith("*") for _, runs in groups):
+        print(NOT_FINEWEB)
     if shared:
-        print("\nval loss at common steps")
-        print(f"{'step':>6s} " + " ".join(f"{Path(t).name[:14]:>14s}" for t, _ in groups))
+        print("\nval loss at common steps, by the runs' numbers above")
+        print(f"{'step':>6s} " + " ".join(f"{f'[{n}]':>9s}" for n in range(1, len(groups) + 1)))
         for step in shared:
-            print(f"{step:6d} " + " ".join(f"{c[step]:14.4f}" for c in curves))
+            print(f"{step:6d} " + " ".join(f"{c[step]:9.4f}" for c in curves))
     everything = [v for c in curves for v in c.values()]
     low, high = min(everything), max(everything)
     print(f"\nval loss curves ({low:.3f} .. {high:.3f})")
@@ -265,6 +285,9 @@ def cmd_stats(args):
     print(f"final val loss: {np.mean(losses):.4f} ± {np.std(losses, ddof=1):.4f}")
     print(f"train time: {np.mean(seconds):.2f} ± {np.std(seconds, ddof=1):.2f} s")
     print(f"p-value (mean val loss < {args.target}): {one_sided_p_value(losses, args.target):.4g}")
+    if any(data_of(run).startswith("*") for run in runs):
+        print(f"note: runs on {', '.join(sorted({data_of(run)[1:] for run in runs if data_of(run).startswith('*')}))}"
+              f" are not on FineWeb: the test against {args.target} means nothing for them")
 
 
 def cmd_extract(args):

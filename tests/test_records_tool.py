@@ -15,13 +15,14 @@ CODE = 'print("hello")\n# a line that looks like a section end:\n==== end code =
 
 
 def synthetic_log(path, code=CODE, val_losses=(10.8, 4.0, 3.27), step_ms=50.0, hardware="8x NVIDIA H100 80GB HBM3",
-                  complete=True):
+                  complete=True, train_files="data/fineweb10B/fineweb_train_*.bin"):
     """A log in train_gpt.py's layout: 100 steps, validation every 50."""
     lines = ["#### train_gpt.py log v1 run_id=x",
              f"==== code train_gpt.py sha256={hashlib.sha256(code.encode()).hexdigest()} lines={len(code.splitlines())} ====",
              *code.splitlines(), "==== end code ====", "==== environment ====", "python: 3.12.3",
              f"hardware: {hardware}", "==== nvidia-smi ====", "not available", "==== config ====",
-             'config: {"num_iterations": 100}', "==== training ====", "compile_time:9.4s graphs:12 cache_hits:0"]
+             f'config: {{"num_iterations": 100, "train_files": "{train_files}"}}', "==== training ====",
+             "compile_time:9.4s graphs:12 cache_hits:0"]
     for step in range(101):
         if step % 50 == 0:
             lines.append(f"step:{step}/100 val_loss:{val_losses[step // 50]:.4f} train_time:{step * step_ms:.0f}ms "
@@ -57,11 +58,14 @@ def test_list_diff_compare(tmp_path):
     records = tmp_path / "records"
     for i, loss in enumerate((3.27, 3.29)):
         synthetic_log(records / "2026-01-01_First" / f"run{i}.txt", val_losses=(10.8, 4.0, loss))
-    synthetic_log(records / "2026-02-01_Second" / "run.txt", code=CODE.replace("x = 1", "x = 2"), step_ms=40.0)
+    synthetic_log(records / "2026-02-01_Second" / "run.txt", code=CODE.replace("x = 1", "x = 2"), step_ms=40.0,
+                  train_files="/tmp/bench2/docs_train_*.bin")
     listing = cli("list", "--records", records)
     assert listing.returncode == 0
     first = next(line for line in listing.stdout.splitlines() if line.startswith("2026-01-01_First"))
     assert "8x NVIDIA H100" in first and " 2 " in first and "3.2800" in first and "5.0" in first and "100" in first
+    assert "FineWeb" in first  # each record says what it trained on; a record on other data is starred
+    assert "*bench2/docs_train_*.bin" in listing.stdout and listing.stdout.splitlines()[-1] == tool.NOT_FINEWEB
     diff = cli("diff", records / "2026-01-01_First", records / "2026-02-01_Second")
     assert "-x = 1" in diff.stdout and "+x = 2" in diff.stdout
     (tmp_path / "mine.py").write_text(CODE.replace("hello", "bye"))
@@ -70,6 +74,9 @@ def test_list_diff_compare(tmp_path):
     assert compare.returncode == 0
     assert "50.00" in compare.stdout and "40.00" in compare.stdout and "3.2800" in compare.stdout
     assert "█" in compare.stdout and "▁" in compare.stdout
+    # the names in full once, then the losses by number: two records of one date never read alike
+    assert "[1]  2026-01-01_First" in compare.stdout and "[2]  2026-02-01_Second" in compare.stdout
+    assert any(line.split() == ["step", "[1]", "[2]"] for line in compare.stdout.splitlines())
 
 
 def student_t_cdf_by_integration(t, df):
@@ -99,6 +106,8 @@ def test_stats_command(tmp_path):
     p = tool.one_sided_p_value([3.270, 3.275, 3.281], 3.28)
     assert f"p-value (mean val loss < 3.28): {p:.4g}" in out
     assert "needs at least 2 runs" in cli("stats", logs[0]).stderr
+    others = [synthetic_log(tmp_path / f"b{i}.txt", train_files="/tmp/bench2/docs_train_*.bin") for i in range(2)]
+    assert "runs on bench2/docs_train_*.bin are not on FineWeb" in cli("stats", *others).stdout
 
 
 def test_extract_round_trip_and_refusals(tmp_path):
