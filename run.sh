@@ -15,6 +15,11 @@ if ! gpus=$(python -c "import torch; print(torch.cuda.device_count())" 2>/dev/nu
     echo "error: torch is not importable; install the requirements: pip install -r requirements.txt" >&2
     exit 1
 fi
+# --help and --check are answered by train_gpt.py alone: nothing launches.
+case " $* " in
+    *" --help "*|*" -h "*) exec python train_gpt.py --help ;;
+    *" --check "*) exec python train_gpt.py "$@" ;;
+esac
 # One line on stderr for a bad flag, a missing GPU or bad data (a missing shard names the download command).
 python train_gpt.py --check "$@" || exit 1
 case " $* " in
@@ -33,7 +38,7 @@ if [ -z "${NPROC:-}" ]; then
     done
 fi
 if [ "$NPROC" -eq 0 ]; then
-    echo "error: no CUDA GPU found. A CPU run: torchrun --nproc_per_node=2 train_gpt.py --device=cpu --preset=tiny" >&2
+    echo "error: no CUDA GPU found; a CPU run: NPROC=2 ./run.sh --device=cpu --preset=tiny --train_files=..." >&2
     exit 1
 fi
 # A record attempt keeps torch's compile artifacts for the next start: the first start on a machine compiles, later

@@ -1505,6 +1505,8 @@ def test_run_sh_checks_before_launching(tmp_path, tiny_data):
         "missing": (["--device=cpu", "--train_files=nowhere/*.bin"], {}),
         "bad": (["--device=cpu", "--preset=tiny", f"--train_files={tmp_path / '*.bin'}"], {}),
         "three": (["--device=cpu", *TINY, f"--train_files={train}", f"--val_files={val}"], {"NPROC": "3"}),
+        "check": (["--check", "--device=cpu", *TINY, f"--train_files={train}", f"--val_files={val}"], {}),
+        "help": (["--help"], {}),
     }
     procs = {name: subprocess.Popen(["bash", str(REPO / "run.sh"), *args], stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, text=True, env=dict(os.environ, **env))
@@ -1522,6 +1524,10 @@ def test_run_sh_checks_before_launching(tmp_path, tiny_data):
     code, out, err = done["three"]
     assert code == 1 and "launching" not in out and err.strip() == (
         "error: NPROC=3: use 1, 2, 4 or 8 (every stage's batch splits evenly over those)")
+    code, out, err = done["check"]  # --check and --help are answered once, and nothing launches
+    assert code == 0 and out.strip() == "ok: config, device and data files look right" and not err
+    code, out, err = done["help"]
+    assert code == 0 and out.startswith("usage: train_gpt.py") and "--stages=" in out and not err
 
 
 def test_cuda_graphs_give_every_parameter_a_kept_gradient_and_mark_each_forward(tiny_data, monkeypatch):
