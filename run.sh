@@ -15,6 +15,8 @@ if ! gpus=$(python -c "import torch; print(torch.cuda.device_count())" 2>/dev/nu
     echo "error: torch is not importable; install the requirements: pip install -r requirements.txt" >&2
     exit 1
 fi
+# torchrun's own default for several processes, one thread each, set here so that it prints no banner about it
+quiet_threads() { if [ "$NPROC" -gt 1 ]; then export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}; fi; }
 # --help and --check are answered by train_gpt.py alone: nothing launches.
 case " $* " in
     *" --help "*|*" -h "*) exec python train_gpt.py --help ;;
@@ -25,6 +27,7 @@ python train_gpt.py --check "$@" || exit 1
 case " $* " in
     *" --device=cpu "*)
         echo "launching ${NPROC:=1} process(es) on the CPU"
+        quiet_threads
         exec torchrun --standalone --nproc_per_node="$NPROC" train_gpt.py "$@" ;;
 esac
 if [ -n "${NPROC:-}" ] && [ "$NPROC" -gt "$gpus" ]; then
@@ -48,4 +51,5 @@ case " $* " in
     *) set -- --compile_cache=logs/compile_cache.bin "$@" ;;
 esac
 echo "launching on $NPROC of $gpus GPUs"
+quiet_threads
 exec torchrun --standalone --nproc_per_node="$NPROC" train_gpt.py "$@"
