@@ -2965,10 +2965,8 @@ def gather_optimizer_states(model: GPT, optimizers, comm: Comm, device: torch.de
             if comm.distributed:
                 flat = state[key].new_empty(bucket.padded)
                 dist.all_gather_into_tensor(flat, state[key])
-            offset = 0
-            for p in bucket.params:
-                adam_state.setdefault(names[p], {})[key] = flat[offset: offset + p.numel()].view_as(p).cpu().clone()
-                offset += p.numel()
+            for p, view in zip(bucket.params, bucket.views(flat)):
+                adam_state.setdefault(names[p], {})[key] = view.cpu().clone()
     return muon_state, adam_state
 
 def scatter_optimizer_states(model: GPT, optimizers, muon_state: dict, adam_state: dict, comm: Comm,
