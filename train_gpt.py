@@ -126,7 +126,6 @@ class Config:
     triton_kernels: bool = _speed(True, "our Triton kernels (CUDA); 0: plain torch everywhere")
     fp8_head: bool = _speed(True, "the head's matmuls in FP8 with the Triton kernels (compute capability 8.9+)")
     fused_mlp: bool = _speed(True, "the MLP as two Triton matmuls with ReLU^2 fused (compute capability 9.0+)")
-    table_row_fetch: bool = _speed(True, "a rank takes only the table rows it reads before the next Adam update")
     forward_micro_batches: int = _speed(0, "micro-batches of a rank packed into each forward; 0: auto, per stage")
     diloco: bool = _diloco(False, "train replica groups that sync rarely (streaming DiLoCo on torchft)")
     diloco_replicas: int = _diloco(2, "replica groups in the run; each reads its own share of the data")
@@ -323,15 +322,14 @@ MUON_WD = 1.2  # cautious, times the matrix's lr and the scheduled lr (speedrun 
 
 @dataclass(frozen=True)
 class Opt:
-    """How a parameter trains (all build_optimizers reads). lr, wd: multipliers of the optimizer's; rows: the index
-    an Adam table is read at, so ranks fetch only those rows; sparse: gradient rows travel sparsely; tie: whose update
-    it shares until untied; split: Muon's row blocks (a count, or (height, count) runs), orthogonalised apart."""
+    """How a parameter trains (all build_optimizers reads). lr, wd: multipliers of the optimizer's; rows: the key of
+    the rows a forward reads of an Adam table, whose gradient rows then travel sparsely; tie: whose update it shares
+    until untied; split: Muon's row blocks (a count, or (height, count) runs), orthogonalised apart."""
     optimizer: str = "adam"
     lr: float = 1.0
     wd: float = 0.0
     betas: tuple = ADAM_BETAS
     rows: str = ""
-    sparse: bool = False
     tie: str = ""
     split: typing.Any = 1
 
@@ -866,7 +864,7 @@ class GPT(nn.Module):
         tables = 1 + max(int(c) for c in cfg.value_embed_layout if c != ".")
         self.value_embeds = nn.ModuleList(nn.Embedding(vocab, dim) for _ in range(tables))
         for table in self.value_embeds:
-            declare(table.weight, **TABLE, rows="tokens")
+            declare(table.weight, **TABLE)
         self.blocks = nn.ModuleList(Block(cfg, i, kernels.fused_mlp) for i in range(cfg.num_layers))
         self.attend_paired = attend.for_paired_heads() if cfg.paired_head_layers else None
         for block in self.blocks:
@@ -884,7 +882,7 @@ class GPT(nn.Module):
         # Hashed (previous, token) rows into the first quarter of channels, times random signs (speedrun 2026-01-19)
         self.bigram_embed = nn.Embedding(cfg.bigram_rows, dim // 4) if cfg.bigram_rows else None
         if self.bigram_embed is not None:
-            declare(self.bigram_embed.weight, **TABLE, rows="bigrams", sparse=True)
+            declare(self.bigram_embed.weight, **TABLE, rows="bigrams")
             signs = torch.randint(0, 2, (BIGRAM_SIGNS, dim // 4), generator=torch.Generator().manual_seed(0),
                                   device="cpu")  # the same on every device; then to the model's
             self.register_buffer("bigram_signs", (2 * signs - 1).float().to(torch.get_default_device()),
@@ -1228,29 +1226,6 @@ class _AdamBucket:
         offsets = itertools.accumulate((p.numel() for p in self.params), initial=0)
         return [flat[offset: offset + p.numel()].view_as(p) for p, offset in zip(self.params, offsets)]
 
-    def copies(self, flat: Tensor) -> list[tuple[_AdamBucket, Tensor]]:  # the gathered flat forms to copy out
-        return [] if self.in_place else [(self, flat)]
-
-class _MergedBuckets:
-    """Small buckets in one reduce-scatter and all-gather, rank-major: rank r's block holds every member's shard r."""
-
-    def __init__(self, members: list[_AdamBucket], world_size: int):
-        self.members, self.world_size = members, world_size
-        self.params = [p for bucket in members for p in bucket.params]
-        self.bounds = list(itertools.accumulate((bucket.shard for bucket in members), initial=0))
-        self.shard = self.bounds[-1]
-        self.pending = None
-
-    def pack(self, flats: list[Tensor]) -> Tensor:
-        return torch.cat([flat.view(self.world_size, -1) for flat in flats], dim=1).reshape(-1)
-
-    def split_block(self, block: Tensor) -> list[Tensor]:
-        return [block[a:b] for a, b in zip(self.bounds, self.bounds[1:])]
-
-    def copies(self, packed: Tensor) -> list[tuple[_AdamBucket, Tensor]]:
-        rows = packed.view(self.world_size, self.shard)
-        return [(bucket, rows[:, a:b].reshape(-1)) for bucket, a, b in zip(self.members, self.bounds, self.bounds[1:])]
-
 def union_of_rows(row_lists: list[np.ndarray], num_rows: int) -> np.ndarray:
     """The sorted union of row indices, through a mask (much faster than np.unique)."""
     touched = np.zeros(num_rows, dtype=bool)
@@ -1258,9 +1233,10 @@ def union_of_rows(row_lists: list[np.ndarray], num_rows: int) -> np.ndarray:
         touched[rows] = True
     return np.flatnonzero(touched)
 
-class _RowsToOwners:
-    """Sorted rows of tables sharded like `table` (rank r owns rows [r*R, (r+1)*R)) sent to their owners: the counts
-    at once through the gloo group (on the CPU), the indices once, on the device (exchange_rows)."""
+class _RowExchange:
+    """Sparse gradient exchange (speedrun 2026-02-06): the sorted touched rows of a table sharded by rows (rank r owns
+    [r*R, (r+1)*R)) go to their owners, who sum them into their shard. The counts travel at once through the gloo
+    group (the host waits on them, the GPU does not), the indices and values on the device."""
 
     def __init__(self, rows: np.ndarray, table: Tensor, rank: int, world_size: int, cpu_group):
         self.rank, self.world_size, self.rows_per_rank = rank, world_size, table.size(0) // world_size
@@ -1270,24 +1246,13 @@ class _RowsToOwners:
         self.recv_counts = torch.empty(world_size, dtype=torch.int64)
         self.counts_sent = dist.all_to_all_single(self.recv_counts, torch.from_numpy(self.send_counts),
                                                   group=cpu_group, async_op=True)
-        self.rows = None  # after exchange_rows: (rows sent, rows received, their wait), on the device
-
-    def exchange_rows(self, device: torch.device) -> tuple[list[int], list[int]]:
-        self.counts_sent.wait()  # a CPU collective: the host waits, the GPU does not
-        send_splits, recv_splits = self.send_counts.tolist(), self.recv_counts.numpy().tolist()
-        if self.rows is None:
-            send_rows = self.send_rows.to(device, non_blocking=True)
-            recv_rows = torch.empty(sum(recv_splits), dtype=torch.int64, device=device)
-            work = dist.all_to_all_single(recv_rows, send_rows, recv_splits, send_splits, async_op=True)
-            self.rows = (send_rows, recv_rows, work)
-        return send_splits, recv_splits
-
-class _RowExchange(_RowsToOwners):
-    """Sparse gradient exchange (speedrun 2026-02-06): owners sum the touched rows sent them into their shard."""
 
     def launch(self, grad: Tensor):
-        send_splits, recv_splits = self.exchange_rows(grad.device)
-        send_rows, recv_rows, rows_sent = self.rows
+        self.counts_sent.wait()
+        send_splits, recv_splits = self.send_counts.tolist(), self.recv_counts.numpy().tolist()
+        send_rows = self.send_rows.to(grad.device, non_blocking=True)
+        recv_rows = torch.empty(sum(recv_splits), dtype=torch.int64, device=grad.device)
+        rows_sent = dist.all_to_all_single(recv_rows, send_rows, recv_splits, send_splits, async_op=True)
         values = grad.index_select(0, send_rows)
         recv_values = values.new_empty(sum(recv_splits), grad.size(1))
         values_sent = dist.all_to_all_single(recv_values, values, recv_splits, send_splits, async_op=True)
@@ -1300,48 +1265,20 @@ class _RowExchange(_RowsToOwners):
             return shard.div_(self.world_size).view(-1)
         return finish
 
-class _RowFetch(_RowsToOwners):
-    """Fetches the rows of other ranks' blocks that this rank's forwards read until the next update: the indices
-    (ask) after the reduce-scatters' launch, the rows (send) after the update."""
-
-    def __init__(self, tables: list[Tensor], rows: np.ndarray, rank: int, world_size: int, cpu_group):
-        rows_per_rank = tables[0].size(0) // world_size
-        own = (rows >= rank * rows_per_rank) & (rows < (rank + 1) * rows_per_rank)
-        super().__init__(rows[~own], tables[0], rank, world_size, cpu_group)
-        self.tables = tables
-
-    def ask(self):
-        self.exchange_rows(self.tables[0].device)
-
-    def send(self):
-        asked_of_owners, asked_of_us = self.exchange_rows(self.tables[0].device)
-        need, asked, asked_sent = self.rows
-        asked_sent.wait()
-        values = torch.cat([table.index_select(0, asked) for table in self.tables], dim=1)
-        received = values.new_empty(need.size(0), values.size(1))
-        work = dist.all_to_all_single(received, values, asked_of_owners, asked_of_us, async_op=True)
-
-        def finish():
-            work.wait()
-            for table, part in zip(self.tables, received.split([t.size(1) for t in self.tables], dim=1)):
-                table.index_copy_(0, need, part)
-        return finish
-
 class DistAdam(torch.optim.Optimizer):
     """Adam with cautious weight decay, sharded over the ranks (ZeRO-1; speedrun 2025-05). A step: 1. per bucket a
-    reduce-scatter (average) from a backward hook or at step(); small buckets merged, a tied pair's sum in the
-    leader's, a sparse table's touched rows; 2. update the owned slice, then all-gather it, or fetch the rows read
-    until the next update (the rest stale until whole_tables()); 3. write the parameters. launch_step does 1 and 2
+    reduce-scatter (average) from a backward hook or at step(), a tied pair's sum in the leader's, a sparse table's
+    touched rows; 2. update the owned slice, then all-gather it; 3. write the parameters. launch_step does 1 and 2
     and returns 3. While `accumulating`, a step sends and updates nothing: its gradients add to the next's."""
 
     SMALL = 8192  # parameters below this many values share their group's bucket
-    MERGE = 1 << 20  # on several ranks, buckets below this many values share one reduce-scatter and all-gather
+    DYNAMIC = 1 << 20  # shards below this many values share one compiled update of dynamic shape
 
     def __init__(self, params, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, compiled: bool = False, tied: tuple | None = None, sparse_params=(),
-                 fetch_tables=(), row_keys: dict | None = None):
+                 weight_decay: float = 0.0, compiled: bool = False, tied: tuple | None = None,
+                 sparse_rows: dict | None = None):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        # compiled: lr and decay are tensors (no recompiles); small shards share a dynamic graph
+        # compiled: lr and decay are tensors (no recompiles)
         untuned = {"coordinate_descent_tuning": False}
         self.update_, self.update_small_ = [
             torch.compile(adam_update_, dynamic=dynamic, fullgraph=True, options=untuned) if compiled else adam_update_
@@ -1349,73 +1286,41 @@ class DistAdam(torch.optim.Optimizer):
         self.scalars: dict[int, Tensor] = {}  # group index -> [lr, decay] on the device
         self.rank, self.world_size = current_rank_and_world()
         self.distributed = self.world_size > 1
-        self.row_keys = dict(row_keys or {})  # table -> the key of its rows in each forward's row lists
-
-        def row_sharded(p: Tensor) -> bool:
-            return p.ndim == 2 and p.size(0) % self.world_size == 0 and p.numel() >= self.SMALL
-        self.sparse_params = set(sparse_params) if self.distributed else set()
-        for p in self.sparse_params:
-            if not row_sharded(p):
+        # sparse_rows: table -> the key of its rows in each forward's row lists; its gradient rows travel sparsely
+        self.sparse_rows = dict(sparse_rows or {}) if self.distributed else {}
+        for p in self.sparse_rows:
+            if p.ndim != 2 or p.size(0) % self.world_size or p.numel() < self.SMALL:
                 raise ValueError(f"sparse parameter of shape {tuple(p.shape)}: needs rows divisible by the world size")
-        self.fetch_groups = [list(tables) for tables in fetch_tables
-                             if tables and all(map(row_sharded, tables))] if self.distributed else []
-        fetched = {p for tables in self.fetch_groups for p in tables}
-        if fetched & set(tied or ()):
-            raise ValueError("a tied parameter cannot be fetched by rows")
-        self.cpu_group = dist.new_group(backend="gloo") if self.sparse_params or fetched else None
+        self.cpu_group = dist.new_group(backend="gloo") if self.sparse_rows else None
         self.buckets: list[_AdamBucket] = []
         for index, group in enumerate(self.param_groups):
             large = [[p] for p in group["params"] if p.numel() >= self.SMALL]
             small = [p for p in group["params"] if p.numel() < self.SMALL]
             self.buckets += [_AdamBucket(params, index, self.world_size) for params in large + [small] if params]
+        self.grad_hooks = _LaunchWhenGradsReady(self.buckets, self._launch_reduce)
+        self.launched, self.row_exchanges, self.deferred_rows = [], {}, {}
+        self.accumulating = False
         # tied = (follower, leader): until untie() (in the follower's state) the leader takes both gradients
         self.tied, self.tied_ready = tied, set()
-        apart = self.sparse_params | set(tied or ()) | fetched
-        mergeable = [b for b in self.buckets if b.numel < self.MERGE and not set(b.params) & apart]
-        merged = [_MergedBuckets(mergeable, self.world_size)] if self.distributed and len(mergeable) > 1 else []
-        self.units: list = [b for b in self.buckets if not merged or b not in mergeable] + merged
-        self.grad_hooks = _LaunchWhenGradsReady(self.units, self._launch_reduce)
-        self.launched, self.fetches, self.row_exchanges, self.deferred_rows = [], [], {}, {}
-        self.accumulating, self.stale = False, False  # stale: a fetched table holds rows older than its owner's
-        self.host_steps = None  # (the merged buckets' step tensors, their counts on the host)
-        self.fetched_buckets = {b.params[0]: b for b in self.buckets if b.params[0] in fetched}
         if tied is not None:
             self.tied_buckets = [next((b for b in self.buckets if len(b.params) == 1 and b.params[0] is p), None)
                                  for p in tied]
             if tied[0].shape != tied[1].shape or None in self.tied_buckets:
                 raise ValueError("tied parameters need one shape and a bucket each")
 
-    def _rows_of(self, p: Tensor, forwards: list[dict]) -> list[np.ndarray]:
-        return [rows[self.row_keys[p]] for rows in forwards]
-
-    def before_last_backward(self, rows: list[dict] | None = None, rows_ahead: list[dict] | None = None):
-        """rows: per forward of the step, {key: rows read}; rows_ahead: the same for the forwards until the next
-        update (empty: every row; None: gather the tables whole)."""
+    def before_last_backward(self, rows: list[dict] | None = None):
+        """rows: per forward of the step, {key: rows read}."""
+        row_lists = {p: [forward[key] for forward in rows or []] for p, key in self.sparse_rows.items()}
         if self.accumulating:
-            for p in self.sparse_params:
-                self.deferred_rows.setdefault(p, []).extend(self._rows_of(p, rows or []))
+            for p, lists in row_lists.items():
+                self.deferred_rows.setdefault(p, []).extend(lists)
             return
         self.grad_hooks.armed = True
-        for p in self.sparse_params:
-            touched = union_of_rows(self.deferred_rows.pop(p, []) + self._rows_of(p, rows or []), p.size(0))
+        for p, lists in row_lists.items():
+            touched = union_of_rows(self.deferred_rows.pop(p, []) + lists, p.size(0))
             self.row_exchanges[p] = _RowExchange(touched, p, self.rank, self.world_size, self.cpu_group)
-        if rows_ahead is not None:
-            self.fetches = [_RowFetch(tables, union_of_rows(self._rows_of(tables[0], rows_ahead), tables[0].size(0))
-                                      if rows_ahead else np.arange(tables[0].size(0)),
-                                      self.rank, self.world_size, self.cpu_group)
-                            for tables in self.fetch_groups]
 
-    def _reduce_scatter(self, flat: Tensor, shard: int):
-        out = flat.new_empty(shard)
-        work = dist.reduce_scatter_tensor(out, flat, op=dist.ReduceOp.AVG, async_op=True)
-        return lambda: (work.wait(), out)[1]
-
-    def _launch_reduce(self, bucket):
-        if isinstance(bucket, _MergedBuckets):
-            flats = [member.flat(grads_or_zeros(member.params)) for member in bucket.members]
-            bucket.pending = self._reduce_scatter(bucket.pack(flats), bucket.shard)
-            self.launched.append(bucket)
-            return
+    def _launch_reduce(self, bucket: _AdamBucket):
         grads = grads_or_zeros(bucket.params)
         if self.is_tied() and bucket in self.tied_buckets:
             self.tied_ready.add(bucket)
@@ -1428,7 +1333,10 @@ class DistAdam(torch.optim.Optimizer):
         if exchange is not None:
             bucket.pending = exchange.launch(grads[0])
         elif self.distributed:
-            bucket.pending = self._reduce_scatter(bucket.flat(grads), bucket.shard)
+            flat = bucket.flat(grads)
+            out = flat.new_empty(bucket.shard)
+            work = dist.reduce_scatter_tensor(out, flat, op=dist.ReduceOp.AVG, async_op=True)
+            bucket.pending = lambda: (work.wait(), out)[1]
         else:
             flat = bucket.flat(grads)
             bucket.pending = lambda: flat
@@ -1447,43 +1355,29 @@ class DistAdam(torch.optim.Optimizer):
         """Steps 1 and 2; returns step 3."""
         if self.accumulating:
             return lambda: None
-        for unit in self.units:
-            if unit.pending is None:
-                self._launch_reduce(unit)
-        for fetch in self.fetches:
-            fetch.ask()
-        fetched = {table for fetch in self.fetches for table in fetch.tables}
+        for bucket in self.buckets:
+            if bucket.pending is None:
+                self._launch_reduce(bucket)
         gathers, tied = [], self.is_tied()  # (bucket, the flat form gathered into, its wait or None)
         for index, group in enumerate(self.param_groups):  # fills: no host-to-device copy to wait for
             if index not in self.scalars:
                 self.scalars[index] = torch.zeros(2, device=group["params"][0].device)
             self.scalars[index][0].fill_(group["lr"])
-            self.scalars[index][1].fill_(cautious_decay(group))
+            self.scalars[index][1].fill_(group["lr"] ** 2 * group["weight_decay"])
         for bucket in self.launched:
-            if isinstance(bucket, _MergedBuckets):
-                owned = [member.owned(member.flat(member.params), self.rank) for member in bucket.members]
-                self._update_merged(bucket.members, owned, bucket.split_block(bucket.pending()))
-                packed = owned[0].new_empty(bucket.shard * self.world_size)
-                work = dist.all_gather_into_tensor(packed, torch.cat(owned), async_op=True)
-                gathers.append((bucket, packed, work.wait))
-                continue
             if tied and bucket is self.tied_buckets[0]:
                 continue  # its gradient travelled in the leader's
             grad_shard = bucket.pending()
             flat = bucket.flat(bucket.params)
             owned = bucket.owned(flat, self.rank)
             self._update(bucket, owned, grad_shard)
-            if bucket.params[0] in fetched:
-                continue  # its rows travel in the fetch
             if self.distributed:
                 gathers.append((bucket, flat, dist.all_gather_into_tensor(flat, owned, async_op=True).wait))
             elif not bucket.in_place:
                 gathers.append((bucket, flat, None))
-        fetches_sent = [fetch.send() for fetch in self.fetches]
-        self.stale = bool(self.fetches)
-        for unit in self.units:
-            unit.pending = None
-        self.fetches, self.launched, self.row_exchanges = [], [], {}
+        for bucket in self.buckets:
+            bucket.pending = None
+        self.launched, self.row_exchanges = [], {}
         self.tied_ready.clear()
         self.grad_hooks.disarm()
 
@@ -1493,27 +1387,14 @@ class DistAdam(torch.optim.Optimizer):
             for bucket, flat, wait in gathers:
                 if wait is not None:
                     wait()
-                for member, member_flat in bucket.copies(flat):
-                    params += member.params
-                    values += member.views(member_flat)
-            for finish_fetch in fetches_sent:
-                finish_fetch()
+                if not bucket.in_place:
+                    params += bucket.params
+                    values += bucket.views(flat)
             if params:
                 torch._foreach_copy_(params, values)
             if tied:
                 self.tied[0].copy_(self.tied[1])
         return finish
-
-    @torch.no_grad()
-    def whole_tables(self):
-        """The fetched tables whole on every rank, for readers other than training forwards."""
-        if self.stale:
-            for bucket in self.fetched_buckets.values():
-                flat = bucket.flat(bucket.params)
-                dist.all_gather_into_tensor(flat, bucket.owned(flat, self.rank))
-                if not bucket.in_place:
-                    torch._foreach_copy_(bucket.params, bucket.views(flat))
-            self.stale = False
 
     def close(self):
         self.grad_hooks.remove()
@@ -1533,32 +1414,15 @@ class DistAdam(torch.optim.Optimizer):
             if "step" in state:
                 state["step"] = state["step"].to(state["exp_avg"].device)
 
-    def _state(self, bucket: _AdamBucket, owned: Tensor) -> dict:
+    def _update(self, bucket: _AdamBucket, owned: Tensor, grad_shard: Tensor):
         state = self.state[bucket.params[0]]
         if "step" not in state:
             state["step"] = torch.zeros((), dtype=torch.float32, device=owned.device)
             state["exp_avg"] = torch.zeros_like(owned)
             state["exp_avg_sq"] = torch.zeros_like(owned)
-        return state
-
-    def _update_merged(self, members: list[_AdamBucket], owned: list[Tensor], grad_shards: list[Tensor]):
-        """Multi-tensor ops; the step counts are kept on the host too (read once from a loaded state: a sync)."""
-        fresh = all("step" not in self.state[member.params[0]] for member in members)
-        states = [self._state(member, own) for member, own in zip(members, owned)]
-        steps = [state["step"] for state in states]
-        if self.host_steps is None or any(a is not b for a, b in zip(self.host_steps[0], steps)):
-            self.host_steps = (steps, [0] * len(steps) if fresh else [int(c) for c in torch.stack(steps).tolist()])
-        counts = [count + 1 for count in self.host_steps[1]]
-        self.host_steps = (steps, counts)
-        torch._foreach_add_(steps, 1)
-        adam_update_multi_(owned, grad_shards, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-                           counts, [self.param_groups[member.group_index] for member in members])
-
-    def _update(self, bucket: _AdamBucket, owned: Tensor, grad_shard: Tensor):
-        state = self._state(bucket, owned)
         state["step"] += 1
         group, scalars = self.param_groups[bucket.group_index], self.scalars[bucket.group_index]
-        update_ = self.update_small_ if owned.numel() < self.MERGE else self.update_
+        update_ = self.update_small_ if owned.numel() < self.DYNAMIC else self.update_
         update_(owned, grad_shard, state["exp_avg"], state["exp_avg_sq"], state["step"], scalars[0], scalars[1],
                 *group["betas"], group["eps"])
 
@@ -1571,44 +1435,6 @@ def adam_update_(p: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, s
     bias1, bias2 = 1 - beta1 ** step, 1 - beta2 ** step
     update = (lr / bias1) * exp_avg / (exp_avg_sq.sqrt() / bias2.sqrt() + eps)
     p.sub_(update + decay * (update * p > 0) * p)
-
-def cautious_decay(group: dict) -> float:
-    return group["lr"] ** 2 * group["weight_decay"]
-
-def foreach_same_sign(updates: list[Tensor], weights: list[Tensor], strict: bool) -> list[Tensor]:
-    """1 where update * weight > 0 (strict) or >= 0, else 0 (multi-tensor ops have no comparison)."""
-    masks = torch._foreach_mul(updates, weights)
-    torch._foreach_sign_(masks)
-    if strict:
-        torch._foreach_clamp_min_(masks, 0)
-    else:
-        torch._foreach_add_(masks, 1.0)
-        torch._foreach_clamp_max_(masks, 1.0)
-    return masks
-
-def adam_update_multi_(ps: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
-                       steps: list[int], groups: list[dict]) -> None:
-    """adam_update_ of many slices in multi-tensor ops; bias corrections in float64 on the host."""
-    for beta1 in {group["betas"][0] for group in groups}:  # lerp_ takes one weight per call
-        chosen = [i for i, group in enumerate(groups) if group["betas"][0] == beta1]
-        torch._foreach_lerp_([exp_avgs[i] for i in chosen], [grads[i] for i in chosen], 1 - beta1)
-    beta2s = [group["betas"][1] for group in groups]
-    torch._foreach_mul_(exp_avg_sqs, beta2s)
-    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, [1 - beta2 for beta2 in beta2s])
-    denominators = torch._foreach_sqrt(exp_avg_sqs)
-    torch._foreach_div_(denominators, [math.sqrt(1 - beta2 ** step) for beta2, step in zip(beta2s, steps)])
-    torch._foreach_add_(denominators, [group["eps"] for group in groups])
-    updates = torch._foreach_mul(exp_avgs, [group["lr"] / (1 - group["betas"][0] ** step)
-                                            for group, step in zip(groups, steps)])
-    torch._foreach_div_(updates, denominators)
-    decays = [cautious_decay(group) for group in groups]
-    decayed = [i for i, decay in enumerate(decays) if decay]
-    if decayed:
-        masks = foreach_same_sign([updates[i] for i in decayed], [ps[i] for i in decayed], strict=True)
-        torch._foreach_mul_(masks, [decays[i] for i in decayed])
-        torch._foreach_mul_(masks, [ps[i] for i in decayed])
-        torch._foreach_add_([updates[i] for i in decayed], masks)
-    torch._foreach_sub_(ps, updates)
 
 # Polar Express (Amsel et al. 2025; speedrun 2025-09-29): X <- a X + (b A + c A^2) X with A = X X^T, safety factor
 # 2e-2: singular values from (0, 1] into about [0.7, 1.1].
@@ -1741,7 +1567,7 @@ class Muon(torch.optim.Optimizer):
         self.parallel_kinds, self.side_streams = use_triton, []
         self.fused_apply = use_triton and all(p.dtype == torch.float32 for p in params)
 
-    def before_last_backward(self, rows=None, rows_ahead=None):
+    def before_last_backward(self, rows=None):
         self.grad_hooks.armed = True
 
     def _launch_reduce(self, group: _MuonGroup):
@@ -1888,7 +1714,10 @@ class Muon(torch.optim.Optimizer):
         for (group_index, _), (weights, steps) in by_group.items():
             neg_lr, neg_decay = self.scalars[group_index, 3:].unbind(0)
             if self.param_groups[group_index]["weight_decay"]:
-                decayed = foreach_same_sign(steps, weights, strict=False)
+                decayed = torch._foreach_mul(steps, weights)  # 1 where update * weight >= 0, else 0
+                torch._foreach_sign_(decayed)
+                torch._foreach_add_(decayed, 1.0)
+                torch._foreach_clamp_max_(decayed, 1.0)
                 torch._foreach_mul_(decayed, weights)
                 torch._foreach_mul_(decayed, neg_decay)
                 torch._foreach_add_(weights, decayed)
@@ -2087,15 +1916,15 @@ class ForwardBatch:
     targets: Tensor  # [T] int64
     cu_seqlens: Tensor  # [max_documents + 1] int32: the document starts, then T repeated
     bigrams: Tensor | None = None  # [T] int32 rows of the bigram table
-    rows: dict | None = None  # the sorted unique rows the forward reads, on the host: {"tokens": ..., "bigrams": ...}
+    rows: dict | None = None  # the sorted unique rows the forward reads, on the host: {"bigrams": ...}
     documents: int | None = None  # how many documents cu_seqlens starts
     longest_document: int | None = None
 
 class _Slot:
 
-    def __init__(self, seq_len: int, pin: bool, bos: int, vocab_size: int, bigram_rows: int = 0, packed: int = 1):
+    def __init__(self, seq_len: int, pin: bool, bos: int, bigram_rows: int = 0, packed: int = 1):
         length = seq_len * packed
-        self.bos, self.vocab_size, self.bigram_rows = bos, vocab_size, bigram_rows
+        self.bos, self.bigram_rows = bos, bigram_rows
         self.inputs = torch.empty(length, dtype=torch.int32, pin_memory=pin)
         self.targets = torch.empty(length, dtype=torch.int64, pin_memory=pin)
         self.cu_seqlens = torch.empty(max_documents(length) + 1, dtype=torch.int32, pin_memory=pin)
@@ -2114,9 +1943,7 @@ class _Slot:
             starts.append(micro_batch_document_starts(inputs, self.bos) + offset)
             offset = end
         self.length = offset
-        self.rows = {"tokens": union_of_rows([self.inputs.numpy()[:offset]], self.vocab_size)}
-        if self.bigram_rows:
-            self.rows["bigrams"] = np.unique(self.bigrams.numpy()[:offset])
+        self.rows = {"bigrams": np.unique(self.bigrams.numpy()[:offset])} if self.bigram_rows else {}
         starts = np.concatenate(starts)
         cu = self.cu_seqlens.numpy()[: max_documents(offset) + 1]
         if len(starts) >= len(cu):
@@ -2129,15 +1956,14 @@ class _Slot:
 class Prefetcher:
     """Builds each forward's inputs (`packed` token windows, or `sizes` in turn) on a thread into pinned slots, which
     rotate between the thread and the caller; next() starts a slot's non-blocking copy, which an event marks done
-    before the slot is refilled; peek(n) holds the next n back for their row lists."""
+    before the slot is refilled."""
 
-    def __init__(self, batches, seq_len: int, device: torch.device, *, bos: int, vocab_size: int, slots: int = 4,
+    def __init__(self, batches, seq_len: int, device: torch.device, *, bos: int, slots: int = 4,
                  bigram_rows: int = 0, packed: int = 1, sizes=None):
         self.device, self.slots, self.source, self.closed = device, slots, batches, False
         self.free, self.ready = queue.Queue(), queue.Queue()
         for _ in range(slots):
-            self.free.put(_Slot(seq_len, device.type == "cuda", bos, vocab_size, bigram_rows, packed))
-        self.ahead: collections.deque = collections.deque()  # filled slots taken by peek(), in order
+            self.free.put(_Slot(seq_len, device.type == "cuda", bos, bigram_rows, packed))
         sizes = itertools.repeat(packed) if sizes is None else sizes
         self.thread = threading.Thread(target=self._fill, args=(batches, sizes, packed), daemon=True)
         self.thread.start()
@@ -2162,18 +1988,8 @@ class Prefetcher:
         except BaseException as e:  # handed to the training thread, which raises it
             self.ready.put(e)
 
-    def peek(self, n: int) -> list | None:
-        if n >= self.slots:
-            raise ValueError(f"peeking {n} forwards ahead needs more than {n} loader slots, not {self.slots}")
-        while len(self.ahead) < n:
-            item = self.ready.get()
-            self.ahead.append(item)
-            if isinstance(item, BaseException):  # next() raises it when the caller gets there
-                return None
-        return list(itertools.islice(self.ahead, n))
-
     def next(self) -> ForwardBatch:
-        item = self.ahead.popleft() if self.ahead else self.ready.get()
+        item = self.ready.get()
         if isinstance(item, StopIteration):
             raise DataError("the training data ran out: add shards (python data/cached_fineweb10B.py N), "
                             "lower --num_iterations, or set --train_repeat=1")
@@ -2200,10 +2016,10 @@ class Prefetcher:
         if hasattr(self.source, "close"):
             self.source.close()
 
-def prefetch(windows, cfg: Config, device: torch.device, packed: int, sizes=None, ahead: int = 0) -> Prefetcher:
-    """The one way a run loads its forwards; ahead: the most the loop peeks at."""
-    return Prefetcher(windows, cfg.micro_batch_tokens, device, bos=cfg.bos_token, vocab_size=cfg.vocab_size,
-                      slots=max(4, ahead + 2), bigram_rows=cfg.bigram_rows, packed=packed, sizes=sizes)
+def prefetch(windows, cfg: Config, device: torch.device, packed: int, sizes=None) -> Prefetcher:
+    """The one way a run loads its forwards."""
+    return Prefetcher(windows, cfg.micro_batch_tokens, device, bos=cfg.bos_token, bigram_rows=cfg.bigram_rows,
+                      packed=packed, sizes=sizes)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -2305,15 +2121,11 @@ def build_optimizers(model: GPT, cfg: Config, cuda_graphs: bool = False) -> Opti
     muon = Muon([dict(params=params, lr_mul=lr, split=split) for (lr, split), params in muon_groups.items()],
                 lr=cfg.muon_lr, momentum=0.95, weight_decay=MUON_WD, use_triton=model.kernels.triton,
                 layers=[layer_of[p] for params in muon_groups.values() for p in params], cuda_graphs=cuda_graphs)
-    tables = [p for p in named.values() if p.opt.rows]
-    fetched = {key: [p for p in tables if p.opt.rows == key] for key in dict.fromkeys(p.opt.rows for p in tables)}
     tied = [(p, named[p.opt.tie]) for p in named.values() if p.opt.tie]
     adam = DistAdam([dict(params=params, lr=cfg.adam_lr * lr, weight_decay=ADAM_WD * wd, betas=betas)
                      for (lr, wd, betas), params in adam_groups.items()],
                     lr=cfg.adam_lr, betas=ADAM_BETAS, eps=ADAM_EPS, compiled=cfg.compile and model.embed.weight.is_cuda,
-                    tied=tied[0] if tied else None, sparse_params=[p for p in named.values() if p.opt.sparse],
-                    fetch_tables=list(fetched.values()) if cfg.table_row_fetch and not cfg.diloco else (),
-                    row_keys={p: p.opt.rows for p in tables})
+                    tied=tied[0] if tied else None, sparse_rows={p: p.opt.rows for p in named.values() if p.opt.rows})
     optimizers = Optimizers([muon, adam])
     for opt in optimizers:
         for group in opt.param_groups:
@@ -2374,10 +2186,10 @@ def forward_loss(model: GPT, batch: ForwardBatch, windows: tuple[int, int]) -> T
     return model(batch.inputs, batch.targets, masks, batch.bigrams)
 
 def train_step(model: GPT, optimizers: Optimizers, batches: Prefetcher, windows: tuple[int, int], forwards: int,
-               mark=None, ahead: int = 0) -> Tensor:
+               mark=None) -> Tensor:
     """Forward and backward over `forwards` batches, then the optimizers; returns the mean loss. Each forward's mean
     loss is divided by the forward count (and averaged over the ranks): any world size and packing make the same
-    update. ahead: the forwards until Adam's next update (its row fetch); mark: the benchmark's timer."""
+    update. mark: the benchmark's timer."""
     mark = mark or (lambda phase: None)
     model.prepare_grads()
     total, rows = None, []
@@ -2385,9 +2197,8 @@ def train_step(model: GPT, optimizers: Optimizers, batches: Prefetcher, windows:
         batch = batches.next()
         rows.append(batch.rows)
         if index == forwards - 1:  # let gradient communication start inside the last backward
-            rows_ahead = [slot.rows for slot in batches.peek(ahead) or []] if ahead else None
             for opt in optimizers:
-                opt.before_last_backward(rows, rows_ahead)
+                opt.before_last_backward(rows)
         loss = forward_loss(model, batch, windows)
         mark("forward")
         (loss / forwards).backward()
@@ -2608,14 +2419,6 @@ class Trainer:
     def forwards(self, step: int, world_size: int) -> int:
         return self.schedule.micro_batches(step) // world_size // self.per_forward(step)
 
-    def forwards_ahead(self, step: int, world_size: int) -> int:
-        """At a step where Adam updates and fetches rows: the forwards until its next update."""
-        schedule = self.schedule
-        if not (self.optimizers[1].fetch_groups and schedule.adam_updates(step)):
-            return 0
-        last = min(step + schedule.cfg.period, schedule.total_steps - 1)
-        return sum(self.forwards(s, world_size) for s in range(step + 1, last + 1))
-
     def forward_sizes(self, start: int, world_size: int):
         for step in range(start, self.schedule.total_steps):
             yield from [self.per_forward(step)] * self.forwards(step, world_size)
@@ -2666,8 +2469,7 @@ def train(cfg: Config, comm: Comm, log) -> TrainResult:
         windows = train_batches_for_rank(train_paths, cfg, comm, lambda number: log(
             f"note: the training data starts over (pass {number}); later losses are on repeated data"))
         windows = drop(schedule.micro_batches_before(step) // world, windows)
-        ahead = max((trainer.forwards_ahead(s, world) for s in range(step, total)), default=0)
-        return prefetch(windows, cfg, device, packing.largest, trainer.forward_sizes(step, world), ahead)
+        return prefetch(windows, cfg, device, packing.largest, trainer.forward_sizes(step, world))
 
     batches = batches_from(start)
     freezes = gc.get_freeze_count() == 0  # compiling leaves objects that each full collection walks: frozen, skipped
@@ -2700,8 +2502,7 @@ def train(cfg: Config, comm: Comm, log) -> TrainResult:
                 model.set_mtp_weights(schedule.mtp_weights(step))
             if diloco is not None:
                 diloco.step = step + 1  # what a peer healing from us during this step resumes at
-            loss = train_step(model, optimizers, batches, schedule.windows(step), trainer.forwards(step, world),
-                              ahead=trainer.forwards_ahead(step, world))
+            loss = train_step(model, optimizers, batches, schedule.windows(step), trainer.forwards(step, world))
             if diloco is not None and diloco.step != step + 1:  # healed from a peer inside this step
                 skip = schedule.micro_batches_before(diloco.step) // world
                 log(f"diloco: recovered weights and optimizer state from a peer; step {step + 1} -> {diloco.step}; "
@@ -2774,7 +2575,6 @@ class RunState:
         if schedule.mtp_offsets > 1:
             model.set_mtp_weights([1.0])
         self.follow_window_history(seen)
-        self.trainer.optimizers[1].whole_tables()  # validation reads rows no training forward fetched
         val_loss = evaluate(model, self.cfg, self.comm, val_paths, schedule.windows(seen), self.device,
                             self.trainer.packing.validation)
         self.val_losses.append((step, val_loss))
@@ -2816,7 +2616,6 @@ class RunState:
         if self.device.type == "cuda":
             log(f"peak memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "
                 f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")
-        self.trainer.optimizers[1].whole_tables()
         log(weights_checksum(self.trainer.model))
         return TrainResult(self.watch.losses, self.val_losses, self.train_time_ms)
 
@@ -2848,7 +2647,7 @@ def generate(model: GPT, cfg: Config, prompt: list[int], windows: tuple[int, int
     """Up to `count` tokens after `prompt`, stopping at a BOS: a forward a token over the text zero-padded, which
     causal attention ignores."""
     length = cfg.micro_batch_tokens
-    slot = _Slot(length, False, cfg.bos_token, cfg.vocab_size, cfg.bigram_rows)
+    slot = _Slot(length, False, cfg.bos_token, cfg.bigram_rows)
     generator = torch.Generator().manual_seed(seed)
     tokens = list(prompt)
     while len(tokens) < min(len(prompt) + count, length):
@@ -3002,7 +2801,6 @@ def write_atomically(target: Path, write):
 
 def save_checkpoint(path: str, model: GPT, optimizers, cfg: Config, comm: Comm, device: torch.device, step: int,
                     progress: dict) -> None:
-    optimizers[1].whole_tables()
     muon_state, adam_state = gather_optimizer_states(model, optimizers, comm, device)
     if comm.rank == 0:
         checkpoint = dict(kind=CHECKPOINT_KIND, format=CHECKPOINT_FORMAT, step=step, config=config_to_dict(cfg),

@@ -135,11 +135,9 @@ def bench(cfg: tg.Config, comm: tg.Comm, steps: int, say) -> None:
             continue
         windows, micro = schedule.windows(first), schedule.micro_batches(first) // world
         forwards = trainer.forwards(first, world)
-        ahead = max(trainer.forwards_ahead(s, world) for s in range(first, last))
         if batches is not None:
             batches.close()
-            optimizers[1].whole_tables()  # the rows fetched last were for that loader's next forwards
-        batches = tg.prefetch((window for window in data), cfg, device, trainer.per_forward(first), ahead=ahead)
+        batches = tg.prefetch((window for window in data), cfg, device, trainer.per_forward(first))
         step = first
 
         def run_step(mark=None) -> tuple[torch.Tensor, bool]:
@@ -147,8 +145,7 @@ def bench(cfg: tg.Config, comm: tg.Comm, steps: int, say) -> None:
             nonlocal step
             at, step = step, first + (step + 1 - first) % (last - first)
             tg.set_hyperparameters(optimizers, schedule, at)
-            loss = tg.train_step(model, optimizers, batches, windows, forwards, mark=mark,
-                                 ahead=trainer.forwards_ahead(at, world))
+            loss = tg.train_step(model, optimizers, batches, windows, forwards, mark=mark)
             return loss, schedule.adam_updates(at)
 
         for _ in range(3):

@@ -4,14 +4,13 @@
 
 Builds the default Config's model (or the flags' one) on the meta device and the trainer's own optimizers
 (build_optimizers), then counts, per rank, the bytes each collective of DistAdam and Muon sends, from their own
-bucketing (DistAdam's _AdamBucket rules and its merged small buckets, plan_muon_groups). A reduce-scatter or
+bucketing (DistAdam's _AdamBucket rules, plan_muon_groups). A reduce-scatter or
 all-gather of an N-byte buffer sends (W-1)/W * N bytes from each rank (ring); an all-to-all sends what each rank
 holds for the other owners. With shards, the bigram rows each rank touches per Adam update (its micro-batches of
 adam_period steps, unioned, as DistAdam does) are replayed from the trainer's loader and hash, and with
 them the rows of the value and bigram tables its forwards read before the next
 update: what fetching only those rows from their owners would receive, against the dense all-gathers of those
-tables (with --table_row_fetch, a default, the value and bigram tables' fetch replaces their all-gathers in the
-totals); without shards the sparse exchanges are left out. Times are bytes per rank / busbw, an assumed NCCL bus
+tables (printed only, the totals count the all-gathers); without shards the sparse exchanges are left out. Times are bytes per rank / busbw, an assumed NCCL bus
 bandwidth (default: 360 and 450 GB/s), with no latency term. train_gpt.py flags (e.g. --adam_period=1) change the
 config the model is built from. The step-time model divides ONE_GPU_MS by 8 and adds the per-step average
 communication.
@@ -36,10 +35,9 @@ def model_and_optimizers(cfg):
     return model, muon, adam
 
 
-def adam_buckets(adam, world, apart=()):
+def adam_buckets(adam, world):
     """(name, numel, padded numel) of each DistAdam collective's buffer at this world size, in the rules of
-    DistAdam.__init__: a bucket each, and on several ranks the buckets under MERGE values (but those of the
-    parameters in apart) as one."""
+    DistAdam.__init__: a bucket per large parameter, and per group one for the small ones."""
     buckets = []
     for index, group in enumerate(adam.param_groups):
         small = [p for p in group["params"] if p.numel() < adam.SMALL]
@@ -49,10 +47,6 @@ def adam_buckets(adam, world, apart=()):
         if small:
             n = sum(p.numel() for p in small)
             buckets.append((f"group {index}: {len(small)} small", n, -(-n // world) * world))
-    merged = [b for b in buckets if b[1] < adam.MERGE and not any(b[0] is p for p in apart)] if world > 1 else []
-    if len(merged) > 1:
-        buckets = [b for b in buckets if not any(b is m for m in merged)] + [
-            (f"{len(merged)} merged buckets", sum(b[1] for b in merged), sum(b[2] for b in merged))]
     return buckets
 
 
@@ -132,9 +126,7 @@ def main():
                   f"{f * numel * 2 / MB:.1f}")
         rs_tied = rs_untied = ag_tied = ag_untied = 0.0
         sparse_params = [bigram] if bigram is not None else []
-        apart = sparse_params + [q for q in (follower, model.lm_head.weight if follower is not None else None)
-                                 if q is not None]
-        for p, numel, padded in adam_buckets(adam, w, apart):
+        for p, numel, padded in adam_buckets(adam, w):
             name = p if isinstance(p, str) else names[id(p)]
             item_bytes = 4 if isinstance(p, str) else gather_bytes(p)
             dense = f * padded * item_bytes
@@ -175,9 +167,6 @@ def main():
                 print(f"  stage {stage}: rows read until the next update, of other owners: {others_tokens:,.0f} of the "
                       f"vocabulary, {sent:,.0f} bigram rows; the value{'' if tied else ', embedding'} and bigram "
                       f"tables' all-gathers {dense_ag / MB:.1f}, a fetch of those rows {fetch / MB:.1f}")
-                if cfg.table_row_fetch and not cfg.diloco:  # --table_row_fetch: the value and bigram tables' rows fetched, the
-                    # embedding still gathered whole (the longest matches read it elsewhere)
-                    ag += fetched(value_tables) - gathered(value_tables + [bigram])
             update = adam_rs + a2a + ag
             step = muon_rs + muon_ag + update / period
             per_step[w, stage] = step / MB

@@ -27,7 +27,7 @@ def test_loader_bigram_rows_equal_the_reference_hash():
     rng = np.random.default_rng(0)
     window = rng.integers(0, 50257, 257).astype(np.uint16)
     window[[0, 17, 18, 100]] = BOS  # document starts, two in a row
-    batches = tg.Prefetcher(iter([window]), 256, torch.device("cpu"), bigram_rows=4096, bos=BOS, vocab_size=50257)
+    batches = tg.Prefetcher(iter([window]), 256, torch.device("cpu"), bigram_rows=4096, bos=BOS)
     batch = batches.next()
     batches.close()
     want = reference_hash(window[:-1].tolist(), 4096)
@@ -67,11 +67,10 @@ def touched_rows(rank, step):
 
 def _adam_on_rank(rank, world_size, sparse):
     """Two tables read at the same rows, each with its own gradient, each updated alone."""
-    tg.DistAdam.MERGE = 0  # this rank's process only
     torch.manual_seed(0)
     tables = [torch.randn(ROWS, DIM).requires_grad_() for _ in range(2)]
     opt = tg.DistAdam([dict(params=tables, lr=0.01)], lr=0.01, betas=(0.8, 0.95), eps=1e-10,
-                      sparse_params=tables if sparse else (), row_keys=dict.fromkeys(tables, "bigrams"))
+                      sparse_rows=dict.fromkeys(tables, "bigrams") if sparse else None)
     syncs = []
     originals = {name: getattr(torch.Tensor, name) for name in ("item", "cpu", "tolist")}
     shards = []

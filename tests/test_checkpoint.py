@@ -163,7 +163,7 @@ def test_logits_give_the_validation_loss_and_padding_after_the_text_changes_noth
     model, device, _ = tg.build_model(dataclasses.replace(cfg, forward_micro_batches=1), tg.Comm(), lambda line: None)
     tg.load_checkpoint_weights(model, checkpoint)
     windows = tg.set_up_as_validated(model, checkpoint)
-    slot = tg._Slot(cfg.micro_batch_tokens, False, cfg.bos_token, cfg.vocab_size, cfg.bigram_rows)
+    slot = tg._Slot(cfg.micro_batch_tokens, False, cfg.bos_token, cfg.bigram_rows)
     window = next(tg.val_batches_for_rank(tg.shard_paths(cfg.val_files, "val_files"), cfg, tg.Comm()))
     slot.fill([window])
     masks = model.prepare_masks(slot.inputs, slot.cu_seqlens, windows, slot.documents, slot.longest_document)

@@ -84,8 +84,7 @@ def test_single_process_equals_the_reference(monkeypatch):
     assert state_numel == 2 * sum(torch.Size(s).numel() for s in SHAPES)
 
 
-def _two_rank_run(rank, world_size, period=1, merge=tg.DistAdam.MERGE):
-    tg.DistAdam.MERGE = merge  # this rank's process only
+def _two_rank_run(rank, world_size, period=1):
     calls = {"all_reduce": 0, "reduce_scatter_tensor": 0, "all_gather_into_tensor": 0}
     for name in calls:
         original = getattr(dist, name)
@@ -98,14 +97,12 @@ def _two_rank_run(rank, world_size, period=1, merge=tg.DistAdam.MERGE):
     return params, state_numel, calls
 
 
-# Buckets: (128, 96) and (97, 89) alone; per group the small ones packed: [(4,)] and [(1,), (5, 3)]. Below MERGE
-# values they share one reduce-scatter and all-gather: none at 0, all but (128, 96) at 10,000.
-MERGES = [(0, 4), (10_000, 2)]
+# Buckets: (128, 96) and (97, 89) alone; per group the small ones packed: [(4,)] and [(1,), (5, 3)]
+BUCKETS = 4
 
 
-@pytest.mark.parametrize("merge, collectives", MERGES)
-def test_two_ranks_equal_the_reference_on_the_full_gradient(merge, collectives):
-    results = run_on_ranks(_two_rank_run, 2, 1, merge)
+def test_two_ranks_equal_the_reference_on_the_full_gradient():
+    results = run_on_ranks(_two_rank_run, 2, 1)
     want = reference_params(2)
     full_state = 2 * sum(torch.Size(s).numel() for s in SHAPES)
     for params, state_numel, calls in results:
@@ -114,7 +111,7 @@ def test_two_ranks_equal_the_reference_on_the_full_gradient(merge, collectives):
         assert state_numel == 2 * (12288 // 2 + 8634 // 2 + 4 // 2 + 16 // 2)
         assert state_numel < 0.51 * full_state
         assert calls["all_reduce"] == 0
-        assert calls["reduce_scatter_tensor"] == calls["all_gather_into_tensor"] == collectives * STEPS
+        assert calls["reduce_scatter_tensor"] == calls["all_gather_into_tensor"] == BUCKETS * STEPS
 
 
 def _hook_run(rank, world_size):
@@ -226,22 +223,21 @@ def test_tied_parameters_share_one_update_then_go_on_alone():
     assert not opt.is_tied()
 
 
-@pytest.mark.parametrize("merge, collectives", MERGES)
-def test_with_period_2_adam_updates_every_other_step_on_two_steps_gradients(merge, collectives):
+def test_with_period_2_adam_updates_every_other_step_on_two_steps_gradients():
     want = reference_params(2, period=2)
     assert not all(torch.equal(a, b) for a, b in zip(want, reference_params(2)))
     got, _ = dist_adam_params(0, 1, period=2)
     assert_close(got, reference_params(1, period=2))
-    for params, _, calls in run_on_ranks(_two_rank_run, 2, 2, merge):
+    for params, _, calls in run_on_ranks(_two_rank_run, 2, 2):
         assert_close(params, want)
         # the accumulating steps send nothing
-        assert calls["reduce_scatter_tensor"] == calls["all_gather_into_tensor"] == collectives * STEPS // 2
+        assert calls["reduce_scatter_tensor"] == calls["all_gather_into_tensor"] == BUCKETS * STEPS // 2
 
 
 def test_an_accumulating_step_keeps_rows_only_for_the_sparse_exchange():
     """At world size 1 nothing is exchanged sparsely: rows handed over while accumulating must not pile up."""
     params = make_params()
-    opt = tg.DistAdam(groups(params), lr=0.01, sparse_params=[params[0]], row_keys={params[0]: "bigrams"}, **HYPER)
+    opt = tg.DistAdam(groups(params), lr=0.01, sparse_rows={params[0]: "bigrams"}, **HYPER)
     opt.accumulating = True
     for _ in range(3):
         opt.before_last_backward([{"bigrams": np.arange(5)}])
@@ -262,53 +258,8 @@ def test_the_packed_parameters_take_their_new_values_in_one_copy():
     assert all(not torch.equal(p.detach(), b) for p, b in zip(params, before))
 
 
-def _merged_update_ops(rank, world_size, small_params):
-    """The Adam arithmetic ops of one step at two ranks, with small_params small parameters, each its own group
-    (so its own bucket), all merged into one reduce-scatter."""
-    params = [torch.randn(3, generator=torch.Generator().manual_seed(i)).requires_grad_() for i in range(small_params)]
-    opt = tg.DistAdam([dict(params=[p], lr=0.01 * (i + 1)) for i, p in enumerate(params)], lr=0.01, **HYPER)
-    for step in range(2):
-        for i, p in enumerate(params):
-            p.grad = torch.randn(3, generator=torch.Generator().manual_seed(100 * step + 10 * rank + i))
-        with RecordOps() as record:
-            opt.step()
-        opt.zero_grad()
-    return [op.__name__ for op in record.ops if any(word in op.__name__ for word in ("lerp", "addcmul", "sqrt"))]
-
-
-def test_the_merged_buckets_update_in_a_few_multi_tensor_ops():
-    """On several GPUs the host's launches set the step: the merged small buckets (18 in the default model at 8
-    ranks) take their Adam update as multi-tensor ops, as many for 4 buckets as for 12, not a call each."""
-    four, twelve = (run_on_ranks(_merged_update_ops, 2, n)[0] for n in (4, 12))
-    assert four == twelve == ["_foreach_lerp_.Scalar", "_foreach_addcmul_.ScalarList", "_foreach_sqrt.default"]
-
-
-def test_the_multi_tensor_update_is_adam_update_slice_by_slice():
-    """adam_update_multi_ against adam_update_ on each slice (fp32, the CPU): the same moments exactly, and the same
-    weights up to the bias corrections, which it computes on the host in float64."""
-    g = torch.Generator().manual_seed(0)
-    groups = [dict(lr=0.01, betas=(0.8, 0.95), eps=1e-10, weight_decay=50.0),
-              dict(lr=0.003, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0)]
-    ps = [torch.randn(n, generator=g) for n in (7, 300)]
-    one, many = [p.clone() for p in ps], [p.clone() for p in ps]
-    moments = {key: [[torch.zeros_like(p) for p in ps] for _ in range(2)] for key in ("one", "many")}
-    for step in range(1, 4):
-        grads = [torch.randn(p.shape, generator=g) for p in ps]
-        for i, group in enumerate(groups):
-            tg.adam_update_(one[i], grads[i], moments["one"][0][i], moments["one"][1][i], torch.tensor(float(step)),
-                            torch.tensor(group["lr"]), torch.tensor(group["lr"] ** 2 * group["weight_decay"]),
-                            *group["betas"], group["eps"])
-        tg.adam_update_multi_(many, grads, *moments["many"], [step, step], groups)
-    for which in range(2):
-        assert all(torch.equal(a, b) for a, b in zip(moments["one"][which], moments["many"][which]))
-    assert_close(many, one)
-    assert not any(torch.equal(a, b) for a, b in zip(many, ps))
-
-
-def _resumed_merged_run(rank, world_size):
-    """Two steps, the state saved, two more; then a fresh optimizer loads that state and takes the same two: the
-    merged buckets' step counts on the host follow the loaded state (bias corrections of steps 3 and 4)."""
-    tg.DistAdam.MERGE = 10_000
+def _resumed_run(rank, world_size):
+    """Two steps, the state saved, two more; then a fresh optimizer loads that state and takes the same two."""
 
     def run(opt, params, steps):
         for step in steps:
@@ -328,41 +279,6 @@ def _resumed_merged_run(rank, world_size):
     return [p.detach() for p in params], [p.detach() for p in resumed]
 
 
-def test_merged_buckets_resume_from_a_loaded_state():
-    for straight, resumed in run_on_ranks(_resumed_merged_run, 2):
+def test_two_ranks_resume_from_a_loaded_state():
+    for straight, resumed in run_on_ranks(_resumed_run, 2):
         assert all(torch.equal(a, b) for a, b in zip(straight, resumed))
-
-
-def _row_fetching_run(rank, world_size):
-    """Two updates of a 128 x 96 table fetched by rows: the first with the rows of its coming forwards listed (3, 70
-    and 100), the second with none listed, as where the loader's stream ends first. After each: this rank's table and
-    the owners' values (a dense all-gather of each rank's own block)."""
-    table = make_params()[0]
-    adam = tg.DistAdam([table], lr=0.01, **HYPER, fetch_tables=[[table]], row_keys={table: "tokens"})
-    seen = []
-    for step, rows_ahead in enumerate(([{"tokens": np.array([3, 70])}, {"tokens": np.array([70, 100])}], [])):
-        table.grad = rank_grads(rank, step)[0]
-        adam.before_last_backward([], rows_ahead)
-        adam.step()
-        owners = torch.empty_like(table)
-        block = table.size(0) // world_size
-        dist.all_gather_into_tensor(owners, table.detach()[rank * block:(rank + 1) * block].contiguous())
-        seen.append((table.detach().clone(), owners, adam.stale))
-    adam.whole_tables()
-    return seen, torch.equal(table.detach(), owners), adam.stale
-
-
-def test_tables_fetched_by_rows_hold_the_owners_values_at_the_rows_listed():
-    """--table_row_fetch's DistAdam on two gloo ranks: after an update a rank holds the owners' values at its own block
-    and at the rows listed for its coming forwards, and older values elsewhere; an update whose forwards could not be
-    listed fetches every row; whole_tables() leaves nothing stale."""
-    for rank, (seen, whole, stale) in enumerate(run_on_ranks(_row_fetching_run, 2)):
-        (listed, owners, stale_after_listed), (unlisted, owners_after, stale_after_unlisted) = seen
-        own = slice(64 * rank, 64 * (rank + 1))
-        current = torch.zeros(128, dtype=torch.bool)
-        current[own] = True
-        current[[3, 70, 100]] = True
-        same = (listed == owners).all(dim=1)
-        assert same[current].all() and not same[~current].any(), rank
-        assert stale_after_listed and torch.equal(unlisted, owners_after) and stale_after_unlisted
-        assert whole and not stale

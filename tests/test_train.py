@@ -229,7 +229,7 @@ def test_closing_the_prefetcher_stops_the_loaders_threads(tiny_data):
     paths = tg.shard_paths(cfg.train_files, "train_files")
     assert len(paths) > 1  # so the next shard is being indexed on the helper thread
     batches = tg.Prefetcher(tg.drop(3, tg.train_batches_for_rank(paths, cfg, tg.Comm())), 128, torch.device("cpu"),
-                            **BATCHES)
+                            bos=BOS)
     batches.next()
     assert any(t.name.startswith("shard-index") for t in threading.enumerate())
     batches.close()
@@ -324,14 +324,14 @@ def test_too_little_validation_data(tiny_data):
 def test_running_out_of_training_data(tmp_path):
     path = str(write_shard(tmp_path / "s.bin", learnable_documents(2_000, seed=7)))
     cfg = tg.Config(micro_batch_tokens=256, **TOKENS)
-    batches = tg.Prefetcher(tg.train_batches_for_rank([path], cfg, tg.Comm()), 256, torch.device("cpu"), **BATCHES)
+    batches = tg.Prefetcher(tg.train_batches_for_rank([path], cfg, tg.Comm()), 256, torch.device("cpu"), bos=BOS)
     with pytest.raises(tg.DataError, match="training data ran out"):
         for _ in range(100):
             batches.next()
     batches.close()
     passes = []
     repeating = tg.Prefetcher(tg.train_batches_for_rank([path], dataclasses.replace(cfg, train_repeat=True), tg.Comm(),
-                                                        on_new_pass=passes.append), 256, torch.device("cpu"), **BATCHES)
+                                                        on_new_pass=passes.append), 256, torch.device("cpu"), bos=BOS)
     for _ in range(100):
         repeating.next()
     repeating.close()
@@ -343,7 +343,7 @@ def test_prefetcher_delivers_every_window_intact(tmp_path):
     windows = [rng.integers(0, BOS, 129).astype(np.uint16) for _ in range(20)]
     for w in windows:
         w[[0, 50, 51]] = BOS
-    batches = tg.Prefetcher(iter(windows), 128, torch.device("cpu"), slots=2, **BATCHES)
+    batches = tg.Prefetcher(iter(windows), 128, torch.device("cpu"), slots=2, bos=BOS)
     for w in windows:
         b = batches.next()
         assert torch.equal(b.inputs, torch.from_numpy(w[:-1].astype(np.int32)))
@@ -354,7 +354,7 @@ def test_prefetcher_delivers_every_window_intact(tmp_path):
     # starts (a short forward after a long one in the same slot shows no stale tokens), and the rows it reads
     sizes = [3, 1, 2, 3, 1, 2]
     batches = tg.Prefetcher(iter(windows), 128, torch.device("cpu"), slots=2, packed=3, sizes=sizes, bigram_rows=4096,
-                            **BATCHES)
+                            bos=BOS)
     taken = 0
     for size in sizes:
         b = batches.next()
@@ -367,35 +367,7 @@ def test_prefetcher_delivers_every_window_intact(tmp_path):
         assert b.cu_seqlens.tolist() == starts + [128 * size] * (len(b.cu_seqlens) - len(starts))
         assert b.documents == len(starts)
         assert b.rows["bigrams"].tolist() == np.unique(b.bigrams.numpy()).tolist()
-        assert b.rows["tokens"].tolist() == np.unique(b.inputs.numpy()).tolist()
     batches.close()
-
-
-def test_prefetcher_peeks_at_the_forwards_it_hands_out_next(tmp_path):
-    """peek(n): the next n forwards' row lists (what the row fetch fetches), not consumed: next() then hands out those
-    forwards, in order. Past the stream's end peek gives None and next() still names the end; n must leave a slot."""
-    rng = np.random.default_rng(1)
-    windows = [rng.integers(0, BOS, 129).astype(np.uint16) for _ in range(7)]
-    batches = tg.Prefetcher(iter(windows), 128, torch.device("cpu"), slots=4, bigram_rows=4096, **BATCHES)
-    try:
-        first = batches.next()
-        assert first.rows["tokens"].tolist() == np.unique(windows[0][:-1]).tolist()
-        peeked = [(s.rows["tokens"].tolist(), s.rows["bigrams"].tolist()) for s in batches.peek(3)]
-        assert [tokens for tokens, _ in peeked] == [np.unique(w[:-1]).tolist() for w in windows[1:4]]
-        assert [(s.rows["tokens"].tolist(), s.rows["bigrams"].tolist()) for s in batches.peek(2)] == peeked[:2]
-        for index, (tokens, bigrams) in enumerate(peeked, 1):
-            b = batches.next()
-            assert torch.equal(b.inputs, torch.from_numpy(windows[index][:-1].astype(np.int32)))
-            assert (b.rows["tokens"].tolist(), b.rows["bigrams"].tolist()) == (tokens, bigrams)
-        with pytest.raises(ValueError, match="peeking 4 forwards ahead needs more than 4 loader slots"):
-            batches.peek(4)
-        assert len(batches.peek(3)) == 3 and batches.peek(3)[0] is not None
-        batches.next(), batches.next(), batches.next()
-        assert batches.peek(1) is None
-        with pytest.raises(tg.DataError, match="the training data ran out"):
-            batches.next()
-    finally:
-        batches.close()
 
 
 # ------------------------------------------------------------------------------------------- attention
@@ -564,7 +536,7 @@ def test_fa3_path_passes_documents_window_and_length():
     gave no facts), as ints, with the output and gradients of SDPA's."""
     T = 2048
     tokens, q, k, v = random_attention_inputs(T=T, seed=2)
-    slot = tg._Slot(T, False, BOS, VOCAB)
+    slot = tg._Slot(T, False, BOS)
     slot.fill([np.concatenate([tokens.numpy(), [0]]).astype(np.uint16)])
     longest, entries = slot.longest_document, T // 256 + 1
     assert slot.documents < entries and longest < T and len(slot.cu_seqlens) > entries
@@ -596,7 +568,7 @@ def test_fa3_compiles_one_graph_for_every_window_and_length():
     from torch._dynamo.testing import CompileCounterWithBackend
     T = 1024  # 4 documents, fewer than the 5 starts the cut keeps (one per 256 tokens)
     tokens, q, k, v = random_attention_inputs(T=T, seed=3, starts=3)
-    slot = tg._Slot(T, False, BOS, VOCAB)
+    slot = tg._Slot(T, False, BOS)
     slot.fill([np.concatenate([tokens.numpy(), [0]]).astype(np.uint16)])
     kernels = StandInFA3()
     fa3 = tg.FlashAttention3(kernels, slot.longest_document)
@@ -1111,8 +1083,8 @@ def _train_on_rank(rank, world_size, cfg):
 # The tiny model's defaults are compared at 1, 2, 4 and 8 processes below; these options at 1 and 2 (the later
 # records' ideas, defaults of the full model, among them)
 @pytest.mark.parametrize("extras", [dict(adam_period=3, num_iterations=4), dict(paired_head_layers="0,1"),
-                                    dict(copy_pointer=0, longest_match=0, bigram_rows=0), dict(table_row_fetch=0)],
-                         ids=["adam_period_3", "paired_short_and_long", "ablations_off", "tables_gathered_whole"])
+                                    dict(copy_pointer=0, longest_match=0, bigram_rows=0)],
+                         ids=["adam_period_3", "paired_short_and_long", "ablations_off"])
 def test_world_size_1_and_2_give_the_same_losses(tiny_data, tmp_path, extras):
     cfg = tiny_config(*tiny_data, **{**dict(num_iterations=3), **extras}, val_loss_every=0, log_dir=str(tmp_path),
                       run_id="w1", micro_batch_tokens=128)
@@ -1121,49 +1093,6 @@ def test_world_size_1_and_2_give_the_same_losses(tiny_data, tmp_path, extras):
     assert len(single) == cfg.num_iterations and two == two_again
     assert single[0] > single[-1]  # it trained
     np.testing.assert_allclose(two, single, rtol=1e-5)
-
-
-def _train_noting_row_fetches_on_rank(rank, world_size, cfg):
-    """Train and validate with every DistAdam bucket updated alone (MERGE 0: the tiny tables are under MERGE, and a
-    table fetched by rows stays out of the merged buckets, whose multi-tensor update rounds otherwise), noting each
-    fetch's (table rows, rows asked of their owners)."""
-    tg.DistAdam.MERGE = 0
-    fetches = []
-    ask = tg._RowFetch.ask
-
-    def noted(self):
-        fetches.append((self.tables[0].size(0), len(self.send_rows)))
-        return ask(self)
-    tg._RowFetch.ask = noted
-    comm = tg.Comm(rank, world_size)
-    result = tg.train(cfg, comm, tg.RunLog(cfg, comm))
-    return result.train_losses, result.val_losses, fetches
-
-
-def test_tables_fetched_by_rows_train_as_tables_gathered_whole(tiny_data, tmp_path):
-    """--table_row_fetch (a default, so the runs at 1, 2, 4 and 8 processes above fetch too) against the dense
-    all-gathers at 2 gloo processes: after each Adam update a rank fetches the value and bigram table rows its forwards
-    read until the next one, and nothing else of them. Every forward reads the owners' values, so the losses and the
-    final weights are bit-equal; a validation between two updates reads the tables gathered whole (Adam updates after
-    steps 1, 3 and 5; validation after step 3). The last update, with no forward after it, fetches nothing."""
-    cfg = tiny_config(*tiny_data, num_iterations=6, val_loss_every=3, log_dir=str(tmp_path), micro_batch_tokens=128)
-    runs = {fetch: run_on_ranks(_train_noting_row_fetches_on_rank, 2, dataclasses.replace(
-        cfg, table_row_fetch=fetch, run_id=f"f{fetch}", save_checkpoint=str(tmp_path / f"f{fetch}.pt")))
-        for fetch in (0, 1)}
-    dense_losses, dense_val, no_fetches = runs[0][0]
-    assert not no_fetches and dense_losses[-1] < dense_losses[0]
-    rows = {VOCAB + 128, cfg.bigram_rows}  # the vocabulary and the pointer's gate, padded to 256; the bigram table
-    for rank, (losses, val, fetches) in enumerate(runs[1]):
-        assert (losses, val) == (dense_losses, dense_val), rank
-        # two updates fetch (after steps 1 and 3), each for two groups: the value tables' rows and the bigram table's
-        assert sorted({n for n, _ in fetches}) == sorted(rows) and len(fetches) == 4, fetches
-        # the tokens' rows (all below 128: rank 0's block of the value tables) are asked by rank 1 only; a few of the
-        # bigram table's other block
-        assert all(0 < asked < n // 4 if n == cfg.bigram_rows else (asked == 0) == (rank == 0) and asked <= VOCAB
-                   for n, asked in fetches), fetches
-    weights = [torch.load(tmp_path / f"f{fetch}.pt", weights_only=True)["model"] for fetch in (0, 1)]
-    assert sorted(weights[0]) == sorted(weights[1])
-    assert all(torch.equal(weights[0][name], weights[1][name]) for name in weights[0])
 
 
 def assert_same_tensors(got, want, rtol: float, where: str, looser: dict | None = None):
@@ -1338,7 +1267,7 @@ def test_a_packed_forward_computes_the_losses_of_separate_ones(tiny_data, extras
     losses = {}
     for packed in (1, 2):
         batches = tg.Prefetcher(iter(windows), 128, torch.device("cpu"), bigram_rows=cfg.bigram_rows, packed=packed,
-                                **BATCHES)
+                                bos=BOS)
         try:
             with torch.no_grad():
                 losses[packed] = sum(tg.forward_loss(model, batches.next(), (64, 128)).item()

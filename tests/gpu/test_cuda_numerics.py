@@ -47,7 +47,7 @@ def test_fa3_attention_matches_float64(window, max_doc_len):
     tokens = torch.randint(0, VOCAB - 1, (T,), generator=g, dtype=torch.int32)
     tokens[torch.randint(0, T, (12,), generator=g)] = BOS
     q, k, v = (torch.randn(T, H, D, generator=g).div(D ** 0.5).to(torch.bfloat16) for _ in range(3))
-    slot = tg._Slot(T, False, BOS, VOCAB)
+    slot = tg._Slot(T, False, BOS)
     slot.fill([torch.cat([tokens, tokens[:1]]).numpy().astype("uint16")])
     fa3 = tg.FlashAttention3(fa3_module, max_doc_len)
     assert slot.documents < T // 256 and 256 < slot.longest_document <= 4096
@@ -77,7 +77,7 @@ def test_fa3_under_cuda_graphs_matches_float64_as_the_window_changes():
     tokens = torch.randint(0, VOCAB - 1, (T,), generator=g, dtype=torch.int32)
     tokens[torch.randint(0, T, (12,), generator=g)] = BOS
     q, k, v = (torch.randn(T, H, D, generator=g).div(D ** 0.5).to(torch.bfloat16) for _ in range(3))
-    slot = tg._Slot(T, False, BOS, VOCAB)
+    slot = tg._Slot(T, False, BOS)
     slot.fill([torch.cat([tokens, tokens[:1]]).numpy().astype("uint16")])
     fa3 = tg.FlashAttention3(fa3_module, 4096)
     attend = torch.compile(lambda q, k, v, mask: fa3(q, k, v, mask), fullgraph=True, mode="reduce-overhead")
@@ -110,7 +110,7 @@ def test_compiled_paired_head_attention_matches_float64(backend):
     tokens = torch.randint(0, VOCAB - 1, (T,), generator=g, dtype=torch.int32)
     tokens[torch.randint(0, T, (8,), generator=g)] = BOS
     starts = tokens == BOS
-    slot = tg._Slot(T, False, BOS, VOCAB)
+    slot = tg._Slot(T, False, BOS)
     slot.fill([torch.cat([tokens, tokens[:1]]).numpy().astype("uint16")])
     if backend == "fa3":
         fa3_module = pytest.importorskip("flash_attn_interface", reason="FlashAttention-3 is not installed")
@@ -272,33 +272,6 @@ def test_adam_update_matches_float64(compiled):
         update = lr * (m / (1 - 0.75 ** step)) / ((v / (1 - 0.95 ** step)).sqrt() + 1e-10)
         ref = ref - update - lr ** 2 * 0.025 * (update * ref > 0) * ref
     assert relative_error(p.detach().cpu(), ref) < 1e-6
-
-
-def test_adam_update_multi_matches_float64():
-    """The merged small buckets' update on several GPUs (adam_update_multi_: multi-tensor ops, settings and step
-    counts on the host) against the same Adam with cautious weight decay in float64: slices of three groups, two
-    kinds of betas, one group without decay."""
-    g = torch.Generator().manual_seed(0)
-    sizes, groups = [4096, 37, 12, 49152], [dict(lr=0.6, betas=(0.75, 0.95), eps=1e-10, weight_decay=0.025),
-                                            dict(lr=0.2, betas=(0.9, 0.99), eps=1e-10, weight_decay=0.0),
-                                            dict(lr=0.6, betas=(0.75, 0.95), eps=1e-10, weight_decay=0.025),
-                                            dict(lr=0.05, betas=(0.9, 0.99), eps=1e-8, weight_decay=5.0)]
-    weights = [torch.randn(n, generator=g) for n in sizes]
-    ps = [w.clone().cuda() for w in weights]
-    m, v = [torch.zeros(n, device="cuda") for n in sizes], [torch.zeros(n, device="cuda") for n in sizes]
-    refs = [w.double() for w in weights]
-    m64, v64 = ([torch.zeros(n, dtype=torch.float64) for n in sizes] for _ in range(2))
-    for step in range(1, 5):
-        grads = [torch.randn(n, generator=g) * 1e-3 for n in sizes]
-        tg.adam_update_multi_(ps, [grad.cuda() for grad in grads], m, v, [step] * len(sizes), groups)
-        for i, (group, grad) in enumerate(zip(groups, grads)):
-            (beta1, beta2), lr = group["betas"], group["lr"]
-            m64[i] = beta1 * m64[i] + (1 - beta1) * grad.double()
-            v64[i] = beta2 * v64[i] + (1 - beta2) * grad.double() ** 2
-            update = lr * (m64[i] / (1 - beta1 ** step)) / ((v64[i] / (1 - beta2 ** step)).sqrt() + group["eps"])
-            refs[i] = refs[i] - update - lr ** 2 * group["weight_decay"] * (update * refs[i] > 0) * refs[i]
-    for p, ref in zip(ps, refs):
-        assert relative_error(p.cpu(), ref) < 1e-6
 
 
 def test_normuon_matches_float64():

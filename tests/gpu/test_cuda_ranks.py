@@ -79,17 +79,3 @@ def test_muon_parts_as_cuda_graphs_on_two_ranks_train_as_without(tiny_data, tmp_
     graph_losses, _ = train_on_two_gpus(dataclasses.replace(cfg, cuda_graphs="auto", run_id="muon_graphs"))
     assert len(graph_losses) == cfg.num_iterations and graph_losses[-1] < graph_losses[0]
     np.testing.assert_allclose(graph_losses, eager_losses, rtol=1e-5)
-
-
-def test_tables_fetched_by_rows_train_as_tables_gathered_whole(tiny_data, tmp_path):
-    """--table_row_fetch over NCCL: after each Adam update a rank fetches from the owners only the value and bigram
-    table rows its next forwards read, and training follows the dense all-gathers (rtol 1e-5, as above), a validation
-    between updates included. At a vocabulary of 16,384 a forward reads few of the value tables' rows, and each
-    table holds DistAdam.MERGE values or more, so both runs update it alone (the bigram table is apart in both: its
-    gradient rows travel sparsely)."""
-    cfg = six_steps_config(tiny_data, tmp_path, "--compile=0", "--vocab_size=16384", "--val_loss_every=3",
-                           "--table_row_fetch=0", "--run_id=whole")
-    whole_losses, _ = train_on_two_gpus(cfg)
-    fetched_losses, _ = train_on_two_gpus(dataclasses.replace(cfg, table_row_fetch=True, run_id="fetched"))
-    assert len(fetched_losses) == cfg.num_iterations and fetched_losses[-1] < fetched_losses[0]
-    np.testing.assert_allclose(fetched_losses, whole_losses, rtol=1e-5)
