@@ -48,18 +48,18 @@ LOG_FORMAT_VERSION = 1
 # Config
 
 class UserError(Exception):
-    """Bad input (flag, value, file): main() prints it as one line and exits non-zero."""
+    """Bad input: main() prints it on one line and exits non-zero."""
 
 class Stage(typing.NamedTuple):
-    """A schedule row. mtp: loss weights of the tokens 1, 2, ... ahead, each (at start, at end), normalised."""
-    batch: int  # micro-batches per step, summed over the ranks: a multiple of 8
-    lr: float  # lr multiplier; the extension row's is the lr the cooldown ends at
-    windows: tuple[int, int]  # short and long attention windows, in tokens
-    doc_len: int  # tokens kept of each training document
+    """A schedule row; mtp: (start, end) loss weight of each token ahead, normalised."""
+    batch: int  # micro-batches per step over all ranks, a multiple of 8
+    lr: float  # lr multiplier; the extension row's ends the cooldown
+    windows: tuple[int, int]  # short, long
+    doc_len: int  # tokens kept per training document
     mtp: tuple[tuple[float, float], ...]
 
 # The speedrun's stages: batch (2025-11), windows (2024-11) and lr (2025-12) grow; documents cut at 896 tokens first
-# (2026-02-10); far MTP tokens dropped (2025-12-22). The scheduled steps split over all rows but the extension's.
+# (2026-02-10); far MTP tokens dropped (2025-12-22).
 STAGES = (
     Stage(8, 1.0, (128, 384), 896, ((1, 1), (0.5, 0.5), (0.25, 0))),
     Stage(16, 1.52, (384, 896), 2048, ((1, 1), (0.5, 0))),
@@ -75,65 +75,65 @@ _data, _schedule, _run, _model, _optim, _speed, _diloco = map(_field, CONFIG_GRO
 
 @dataclass(frozen=True)
 class Config:
-    """Every setting of a run, each a flag --name=value; `python train_gpt.py --help` lists them by group."""
+    """A run's settings, each a flag --name=value; --help lists them by group."""
     train_files: str = _data("data/fineweb10B/fineweb_train_*.bin", "training shards, a glob")
     val_files: str = _data("data/fineweb10B/fineweb_val_*.bin", "validation shards, a glob")
-    val_tokens: int = _data(10_485_760, "tokens scored by each validation, a multiple of micro_batch_tokens")
-    train_repeat: bool = _data(False, "start the training shards over when they run out (small corpora)")
-    vocab_size: int = _data(50257, "tokenizer's vocabulary (GPT-2's); the model pads it to a multiple of 128")
-    bos_token: int = _data(50256, "token that starts every document (GPT-2's <|endoftext|>)")
-    num_iterations: int = _schedule(1270, "scheduled steps: the stages split them, the lr cools down over them")
-    extension_steps: int = _schedule(15, "steps after them, in the last row of the stages at its lr")
-    micro_batch_tokens: int = _schedule(16 * 1024, "tokens per micro-batch, a multiple of 128; each starts a document")
-    stages: tuple = _schedule(STAGES, "rows 'batch lr short:long doc_len mtp;...', the last the extension; a ramp: a>b")
-    final_windows: tuple[int, int] = _schedule((768, 2560), "short:long windows of the final validation, in tokens")
-    cooldown_frac: float = _schedule(0.7, "last fraction of the scheduled steps, over which the lr decays linearly")
+    val_tokens: int = _data(10_485_760, "tokens per validation, a multiple of micro_batch_tokens")
+    train_repeat: bool = _data(False, "reuse the training shards when they run out")
+    vocab_size: int = _data(50257, "vocabulary size (GPT-2's)")
+    bos_token: int = _data(50256, "document-start token (GPT-2's <|endoftext|>)")
+    num_iterations: int = _schedule(1270, "scheduled steps, split over the stages")
+    extension_steps: int = _schedule(15, "steps after them, at the last row's settings")
+    micro_batch_tokens: int = _schedule(16 * 1024, "tokens per micro-batch, a multiple of 128")
+    stages: tuple = _schedule(STAGES, "rows 'batch lr short:long doc_len mtp;...', the last the extension; a>b ramps")
+    final_windows: tuple[int, int] = _schedule((768, 2560), "short:long windows of the final validation")
+    cooldown_frac: float = _schedule(0.7, "final fraction of scheduled steps with linear lr decay")
     val_loss_every: int = _run(250, "steps between validations; 0: only at the end")
-    seed: int = _run(0, "seed of the initial weights and the warm-up's batches (not of the data order)")
-    run_id: str = _run("", "name of the run and of its log, log_dir/<run_id>.txt; empty: a fresh uuid")
-    log_dir: str = _run("logs", "folder of the logs")
+    seed: int = _run(0, "seed of the init and warm-up batches, not the data order")
+    run_id: str = _run("", "run name, logged to log_dir/<run_id>.txt; empty: a uuid")
+    log_dir: str = _run("logs", "log folder")
     device: str = _run("cuda", "cuda | cpu (gloo, float32, no Triton)")
-    save_checkpoint: str = _run("", "file for the trained model, optimizer state and position; empty: none")
-    checkpoint_every: int = _run(0, "steps between checkpoints beside save_checkpoint (<name>_stepNNNNNN.pt); 0: none")
-    resume: str = _run("", "checkpoint to train on from, at its step, as if never stopped")
-    eval_only: bool = _run(False, "only validate the weights of --init_from on --val_files")
-    init_from: str = _run("", "checkpoint whose weights --eval_only validates or --sample continues text with")
-    sample: str = _run("", "with --init_from: print a continuation of this prompt (GPT-2 BPE) and exit")
-    sample_tokens: int = _run(64, "tokens --sample adds at most (it stops at a document's end)")
-    temperature: float = _run(0.8, "softmax temperature of --sample; 0: always the likeliest token")
+    save_checkpoint: str = _run("", "checkpoint written at the end; empty: none")
+    checkpoint_every: int = _run(0, "steps between <name>_stepNNNNNN.pt checkpoints; 0: none")
+    resume: str = _run("", "checkpoint to resume training from, as if never stopped")
+    eval_only: bool = _run(False, "only validate --init_from's weights")
+    init_from: str = _run("", "checkpoint for --eval_only or --sample")
+    sample: str = _run("", "print a continuation of this prompt and exit")
+    sample_tokens: int = _run(64, "max tokens --sample adds; it stops at a document's end")
+    temperature: float = _run(0.8, "--sample's temperature; 0: greedy")
     num_layers: int = _model(11, "transformer blocks")
-    model_dim: int = _model(768, "width of the residual stream")
-    num_heads: int = _model(6, "attention heads per layer, an even number; num_heads * head_dim = model_dim")
-    head_dim: int = _model(128, "channels per attention head, a multiple of 4")
-    attn_layout: str = _model("SSSLSS-SSSL", "a character per layer: S short window, L long window, - no attention")
-    value_embed_layout: str = _model(".01.....234", "a character per layer: its value-embedding table, . none")
-    paired_head_layers: tuple = _model((0, 2, 5, 9), "layers whose heads attend in pairs, comma-separated")
-    xsa_layers: tuple = _model((1, 3, 4, 7), "layers with learned exclusive self-attention, comma-separated")
-    skip_from: int = _model(3, "layer whose output is added, gated, to the input of layer skip_to")
-    skip_to: int = _model(6, "layer whose input takes skip_from's output")
-    attn_input_from: int = _model(7, "layers after this one attend to its output, not to their input")
-    backout_from: int = _model(7, "layer whose output the dense connections take as their middle source")
-    bigram_rows: int = _model(15 * 50304, "rows of the hashed (previous token, token) table, a multiple of 8; 0: off")
-    copy_pointer: bool = _model(True, "mix a pointer over the document's earlier tokens into the next-token loss")
-    longest_match: bool = _model(True, "each token also reads the token after the longest earlier repeat")
-    adam_lr: float = _optim(0.008, "Adam's base lr; each parameter declares its multiplier")
-    muon_lr: float = _optim(0.023, "Muon's base lr; each matrix declares its multiplier")
-    adam_period: int = _optim(0, "Adam steps every this many steps, on their summed gradients; 0: 2, or 1 with DiLoCo")
+    model_dim: int = _model(768, "residual stream width")
+    num_heads: int = _model(6, "attention heads, even; num_heads * head_dim = model_dim")
+    head_dim: int = _model(128, "channels per head, a multiple of 4")
+    attn_layout: str = _model("SSSLSS-SSSL", "per layer: S short window, L long, - no attention")
+    value_embed_layout: str = _model(".01.....234", "per layer: its value-embedding table, . none")
+    paired_head_layers: tuple = _model((0, 2, 5, 9), "layers whose heads attend in pairs")
+    xsa_layers: tuple = _model((1, 3, 4, 7), "layers with learned exclusive self-attention")
+    skip_from: int = _model(3, "layer whose output feeds skip_to, gated")
+    skip_to: int = _model(6, "layer taking skip_from's output")
+    attn_input_from: int = _model(7, "later layers attend to this layer's output")
+    backout_from: int = _model(7, "middle source of the dense connections")
+    bigram_rows: int = _model(15 * 50304, "hashed bigram table rows, a multiple of 8; 0: off")
+    copy_pointer: bool = _model(True, "mix a pointer over earlier tokens into the prediction")
+    longest_match: bool = _model(True, "also read the token after the longest earlier repeat")
+    adam_lr: float = _optim(0.008, "Adam's base lr")
+    muon_lr: float = _optim(0.023, "Muon's base lr")
+    adam_period: int = _optim(0, "steps per Adam step, gradients summed; 0: 2, or 1 with DiLoCo")
     compile: bool = _speed(True, "torch.compile the model")
-    compile_cache: str = _speed("", "file of torch's compile artifacts: loaded before the warm-up, saved after it")
-    cuda_graphs: str = _speed("auto", "compiled model and Muon's compute as CUDA graphs: 1, 0, auto (where they pay)")
-    attn_backend: str = _speed("auto", "auto (fa3 if it imports, else flex on CUDA, sdpa on a CPU) | fa3 | flex | sdpa")
-    triton_kernels: bool = _speed(True, "our Triton kernels (CUDA); 0: plain torch everywhere")
-    fp8_head: bool = _speed(True, "the head's matmuls in FP8 with the Triton kernels (compute capability 8.9+)")
-    fused_mlp: bool = _speed(True, "the MLP as two Triton matmuls with ReLU^2 fused (compute capability 9.0+)")
-    forward_micro_batches: int = _speed(0, "micro-batches of a rank packed into each forward; 0: auto, per stage")
-    diloco: bool = _diloco(False, "train replica groups that sync rarely (streaming DiLoCo on torchft)")
-    diloco_replicas: int = _diloco(2, "replica groups in the run; each reads its own share of the data")
+    compile_cache: str = _speed("", "compile cache file, loaded before the warm-up, saved after")
+    cuda_graphs: str = _speed("auto", "CUDA graphs for the model and Muon: 1, 0, auto (where they pay)")
+    attn_backend: str = _speed("auto", "auto (fa3, else flex on CUDA, sdpa on CPU) | fa3 | flex | sdpa")
+    triton_kernels: bool = _speed(True, "Triton kernels (CUDA); 0: plain torch")
+    fp8_head: bool = _speed(True, "FP8 head matmuls in Triton (compute capability 8.9+)")
+    fused_mlp: bool = _speed(True, "ReLU^2-fused Triton MLP (compute capability 9.0+)")
+    forward_micro_batches: int = _speed(0, "a rank's micro-batches per forward; 0: auto")
+    diloco: bool = _diloco(False, "streaming DiLoCo on torchft: replica groups sync rarely")
+    diloco_replicas: int = _diloco(2, "replica groups, each with its own data share")
     replica: int = _diloco(0, "this group's index, 0 .. diloco_replicas-1")
-    sync_every: int = _diloco(8, "inner steps between two syncs of a fragment; may differ per replica (README)")
+    sync_every: int = _diloco(8, "inner steps between a fragment's syncs; may differ per replica")
     num_fragments: int = _diloco(2, "contiguous groups of blocks, synced in turn")
-    outer_lr: float = _diloco(0.7, "lr of the outer SGD step on a fragment's averaged pseudogradient; 1: plain mean")
-    min_replicas: int = _diloco(1, "a sync commits only with at least this many replicas in the quorum")
+    outer_lr: float = _diloco(0.7, "outer SGD lr on the averaged pseudogradient; 1: plain mean")
+    min_replicas: int = _diloco(1, "fewest replicas in a quorum for a sync to commit")
 
     @property
     def scheduled_stages(self) -> tuple:
@@ -145,11 +145,11 @@ class Config:
 
     @property
     def period(self) -> int:
-        """--adam_period, or 2 (speedrun 2025-09-30), or 1 under DiLoCo, whose syncs land between any two steps."""
+        """--adam_period, else 2 (speedrun 2025-09-30), or 1 under DiLoCo: syncs land between any two steps."""
         return self.adam_period or (1 if self.diloco else 2)
 
 PRESETS = {
-    # The default model scaled down to train on two CPU processes in seconds, every part kept, on 4 layers of width 64
+    # The default model, every part kept, scaled down to train on two CPU processes in seconds
     "tiny": dict(
         num_layers=4, model_dim=64, num_heads=2, head_dim=32, attn_layout="SL-L", value_embed_layout="0..1",
         paired_head_layers=(0,), xsa_layers=(1,), skip_from=1, skip_to=2, attn_input_from=1, backout_from=1,
@@ -202,7 +202,7 @@ def parse_value(name: str, kind, text: str):
     return tuple(int(item) for item in text.split(",")) if text else ()  # layer lists
 
 def parse_cli(argv: list[str]) -> tuple[Config, dict]:
-    """`--name=value` overrides on top of an optional `--preset=NAME`. Returns (config, cli-only flags)."""
+    """--name=value overrides on an optional --preset=NAME; returns (config, CLI-only flags)."""
     fields = {f.name: f for f in dataclasses.fields(Config)}
     overrides, flags = {}, {}
     for arg in argv:
@@ -228,7 +228,7 @@ def parse_cli(argv: list[str]) -> tuple[Config, dict]:
     return cfg, flags
 
 def validate_config(cfg: Config) -> None:
-    """One line naming the flag for each setting the run cannot use."""
+    """Raises a one-line UserError naming the flag of an unusable setting."""
     def need(ok: bool, message: str):
         if not ok:
             raise UserError(message)
@@ -241,7 +241,7 @@ def validate_config(cfg: Config) -> None:
     need(n >= 3 and len(layout) == n and set(layout) <= set("SL-") and "-" not in (layout[0], layout[-1]),
          f"--attn_layout={layout!r}: one of S, L, - per layer ({n}, at least 3), attention in the first and last")
     need(len(ve) == n and all(c == "." or c.isdigit() and a != "-" for c, a in zip(ve, layout)) and ve != "." * n,
-         f"--value_embed_layout={ve!r}: a table's digit or '.' per layer ({n}), a digit only where a layer attends")
+         f"--value_embed_layout={ve!r}: a digit or '.' per layer ({n}), digits only where a layer attends")
     for name in ("paired_head_layers", "xsa_layers"):
         layers = getattr(cfg, name)
         need(len(set(layers)) == len(layers) and all(0 <= i < n and layout[i] != "-" for i in layers),
@@ -257,7 +257,7 @@ def validate_config(cfg: Config) -> None:
     need(2 <= cfg.vocab_size <= 65536 and 0 <= cfg.bos_token < cfg.vocab_size,
          f"--vocab_size={cfg.vocab_size} --bos_token={cfg.bos_token}: shards hold 16-bit tokens, and BOS is one")
     need(cfg.bigram_rows == 0 or (cfg.bigram_rows >= 16 and cfg.bigram_rows % 8 == 0),
-         f"--bigram_rows={cfg.bigram_rows}: 0 (off) or a multiple of 8 of at least 16 (rows split over ranks)")
+         f"--bigram_rows={cfg.bigram_rows}: 0 (off) or a multiple of 8 of at least 16")
     need(cfg.num_iterations >= 1 and cfg.extension_steps >= 0, "--num_iterations >= 1 and --extension_steps >= 0")
     tokens = cfg.micro_batch_tokens
     need(tokens > 0 and tokens % 128 == 0 and cfg.val_tokens > 0 and cfg.val_tokens % tokens == 0,
@@ -280,12 +280,12 @@ def validate_config(cfg: Config) -> None:
     need(cfg.sample_tokens >= 1 and cfg.temperature >= 0, "--sample_tokens at least 1, --temperature at least 0")
     if cfg.diloco:
         total, period = cfg.num_iterations + cfg.extension_steps, cfg.sync_every // max(cfg.num_fragments, 1)
-        need(cfg.period == 1, f"--adam_period={cfg.adam_period}: DiLoCo needs 1 (a sync lands between any two steps)")
+        need(cfg.period == 1, f"--adam_period={cfg.adam_period}: DiLoCo needs 1")
         need(1 <= cfg.num_fragments <= n and cfg.sync_every > 0 and cfg.sync_every % cfg.num_fragments == 0,
-             f"--num_fragments={cfg.num_fragments} --sync_every={cfg.sync_every}: 1 .. num_layers fragments, synced "
-             "one at a time: sync_every a multiple of num_fragments")
+             f"--num_fragments={cfg.num_fragments} --sync_every={cfg.sync_every}: 1 .. num_layers fragments, "
+             "sync_every a multiple of num_fragments")
         need(total % cfg.sync_every == 0, f"--num_iterations + --extension_steps = {total} must be a multiple of "
-                                          f"--sync_every={cfg.sync_every}, so that replicas do the same syncs")
+                                          f"--sync_every={cfg.sync_every}, so replicas sync alike")
         need(cfg.checkpoint_every % period == 0,
              f"--checkpoint_every={cfg.checkpoint_every}: with --diloco=1 a multiple of sync_every/num_fragments")
         need(cfg.outer_lr > 0 and 0 <= cfg.replica < cfg.diloco_replicas and cfg.min_replicas >= 1,
@@ -293,7 +293,7 @@ def validate_config(cfg: Config) -> None:
              "a replica 0 .. diloco_replicas-1, and at least 1")
 
 def config_help() -> str:
-    """--help: each group's fields as --name=default, with their one line of help."""
+    """--help: each group's flags as --name=default, with their help."""
     fields = dataclasses.fields(Config)
     lines = [f"usage: train_gpt.py [--preset={'|'.join(PRESETS)}] [--check] [--name=value ...]"]
     for group in CONFIG_GROUPS:
@@ -308,23 +308,22 @@ def config_help() -> str:
 # ----------------------------------------------------------------------------------------------------
 # Model
 
-GATE_DIMS = 12  # leading channels of a normed stream that the per-token gates read (speedrun 2025-12-29)
-BIGRAM_SIGNS = 8192  # fixed random +-1 vectors of the bigram rows (speedrun 2026-05-20)
-LOGIT_CAP = (23.0, 5.0, 7.5)  # logits z -> 23 sigmoid((z + 5) / 7.5) (speedrun 2025-12-26); cap <= 4 * divisor
-COPY_BAND = 2048  # tokens back the copy pointer reaches, a multiple of COPY_BLOCK
-UNTIE_FRAC = 0.667  # the embedding trains tied to the head for this fraction of the scheduled steps (2025-12-22)
-# Adam's settings by kind of parameter (speedrun 2025-12 records): multipliers of --adam_lr and of ADAM_WD, betas
+GATE_DIMS = 12  # channels the per-token gates read (speedrun 2025-12-29)
+BIGRAM_SIGNS = 8192  # random sign vectors of the bigram rows (speedrun 2026-05-20)
+LOGIT_CAP = (23.0, 5.0, 7.5)  # z -> 23 sigmoid((z + 5) / 7.5) (speedrun 2025-12-26); cap <= 4 * divisor
+COPY_BAND = 2048  # the copy pointer's reach, a multiple of COPY_BLOCK
+UNTIE_FRAC = 0.667  # fraction of steps the embedding is tied to the head (speedrun 2025-12-22)
+# Adam settings (speedrun 2025-12): multipliers of --adam_lr and ADAM_WD, betas
 ADAM_BETAS, ADAM_EPS, ADAM_WD = (0.9, 0.99), 1e-10, 0.005
 TABLE = dict(lr=75.0, wd=5.0, betas=(0.75, 0.95))  # the value and bigram tables
-HEAD = dict(lr=1.0, wd=150.0, betas=(0.5, 0.95))  # the head, and the token embedding tied to it
+HEAD = dict(lr=1.0, wd=150.0, betas=(0.5, 0.95))  # the head and the embedding tied to it
 SCALAR = dict(lr=5.0)
-MUON_WD = 1.2  # cautious, times the matrix's lr and the scheduled lr (speedrun 2025-11-10)
+MUON_WD = 1.2  # cautious, times the lr (speedrun 2025-11-10)
 
 @dataclass(frozen=True)
 class Opt:
-    """How a parameter trains (all build_optimizers reads). lr, wd: multipliers of the optimizer's; rows: the key of
-    the rows a forward reads of an Adam table, whose gradient rows then travel sparsely; tie: whose update it shares
-    until untied; split: Muon's row blocks (a count, or (height, count) runs), orthogonalised apart."""
+    """rows: key of the table rows read (sparse gradients); tie: whose update it shares until untied; split: Muon's
+    row blocks (a count or (height, count) runs)."""
     optimizer: str = "adam"
     lr: float = 1.0
     wd: float = 0.0
@@ -334,12 +333,10 @@ class Opt:
     split: typing.Any = 1
 
 def declare(p, **settings) -> nn.Parameter:
-    """p (a tensor or parameter) as a parameter that trains by Opt(**settings)."""
     p = p if isinstance(p, nn.Parameter) else nn.Parameter(p)
     p.opt = Opt(**settings)
     return p
 
-# Where a run takes Triton kernels (Muon's, the rows', the pointer's), the fused MLP and the FP8 head
 Kernels = collections.namedtuple("Kernels", "triton fused_mlp fp8_head", defaults=(False, False, False))
 
 def choose_kernels(cfg: Config, device: torch.device) -> Kernels:
@@ -353,16 +350,14 @@ def next_multiple_of(n: int, k: int) -> int:
     return -(-n // k) * k
 
 def yarn_rescale(freqs: Tensor, old_window: int, new_window: int, alpha: float = 1.0, beta: float = 32.0) -> Tensor:
-    """YaRN (Peng et al. 2023; speedrun 2025-09-10): frequencies turning under alpha times across the old window slow
-    by old/new, over beta times stay, the rest blend."""
+    """YaRN (Peng et al. 2023; speedrun 2025-09-10): slow turns slow by old/new, fast stay, the rest blend."""
     turns = old_window * freqs / (2 * math.pi)
     keep = ((turns - alpha) / (beta - alpha)).clamp(0, 1)
     ratio = old_window / new_window
     return freqs * (ratio + keep * (1 - ratio))
 
 class Rotary(nn.Module):
-    """Rotary on half of each head's dims, base 1024 (speedrun 2024-12), rewritten in place as the window grows.
-    Positions restart every `period` tokens; paired heads see a sequence twice as long (token t at 2t, 2t + 1)."""
+    """Rotary on half the dims, base 1024 (speedrun 2024-12); paired heads put token t at 2t, 2t + 1."""
     def __init__(self, head_dim: int, max_len: int, period: int, attn_scale: float, paired: bool):
         super().__init__()
         buffer = functools.partial(self.register_buffer, persistent=False)
@@ -399,7 +394,7 @@ class Rotary(nn.Module):
         return (self.paired_cos, self.paired_sin, self.attn_scale) if paired else (self.cos, self.sin, self.attn_scale)
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [T, heads, head_dim]; the halves swap by a flip on a view, so inductor fuses the QK-norm's backward."""
+    """Halves swap by a flip on a view, so inductor fuses the QK-norm's backward."""
     T, heads, dim = x.shape
     halves = x.float().view(T, heads, 2, dim // 2)
     rotated = halves * cos[:T, None, None, :] + halves.flip(-2) * sin[:T, None]
@@ -410,11 +405,10 @@ def document_ids(cu_seqlens: Tensor, length: int) -> Tensor:
     starts.index_fill_(0, cu_seqlens.long(), 1)
     return torch.cumsum(starts[:length], dim=0, dtype=torch.int32)
 
-# Attention backends: causal within each document (cu_seqlens) over the last `window` positions, q scaled. prepare()
-# builds, eagerly once a forward, each window kind's ("S", "L") mask; for_paired_heads(): for the doubled sequences.
+# Attention backends: causal within documents over the last `window` positions; prepare() runs eagerly
 
 class SdpaAttention:
-    """A dense [T, T] mask: for CPUs and small T."""
+    """A dense mask, for CPUs and small T."""
     name = "sdpa"
 
     def for_paired_heads(self):
@@ -428,13 +422,11 @@ class SdpaAttention:
         return {kind: allowed & (distance < w) for kind, w in windows.items()}
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
-        y = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                           attn_mask=mask, scale=1.0)
-        return y.transpose(0, 1)
+        q, k, v = (t.transpose(0, 1) for t in (q, k, v))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0).transpose(0, 1)
 
 class FlexAttention:
-    """Block-sparse masks (speedrun 2024-11) from eager ops, not create_block_mask (its sort slowed the cold start,
-    pytorch/pytorch#182060), overwritten in place so CUDA graphs record once. Other lengths get their own."""
+    """Block masks (speedrun 2024-11) by eager ops, not create_block_mask (pytorch#182060), in place for CUDA graphs."""
     name = "flex"
     block_size = 128
 
@@ -498,12 +490,11 @@ class FlexAttention:
         return {kind: self.masks[kind] for kind in windows}
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask) -> Tensor:
-        y = self.flex_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                block_mask=mask, scale=1.0)
-        return y[0].transpose(0, 1)
+        q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))
+        return self.flex_attention(q, k, v, block_mask=mask, scale=1.0)[0].transpose(0, 1)
 
 # FA3's host ints (window, max_seqlen, starts) are symbolic (FA3_HOST_INT_SOURCES): one graph serves every value.
-_fa3_kernels = None  # flash_attn_interface, set by FlashAttention3
+_fa3_kernels = None  # set by FlashAttention3
 
 def _fa3_arguments(cu_seqlens: Tensor, window: int, max_seqlen: int, entries: int) -> dict:
     cu_seqlens = cu_seqlens[:entries]
@@ -544,8 +535,7 @@ def _fa3_backward(ctx, grad, _lse_grad):
 fa3_varlen.register_autograd(_fa3_backward, setup_context=_fa3_save)
 
 class FlashAttention3:
-    """FlashAttention-3's varlen kernels, documents as sequences. Its backward launches a block per (sequence, key
-    tile), empty or not, so where the loader allows, starts are cut to one per 256 tokens and max_seqlen shrinks."""
+    """Its backward runs a block per (sequence, key tile), empty or not: where allowed, one start per 256 tokens."""
     name = "fa3"
 
     def __init__(self, module, max_doc_len: int):
@@ -558,7 +548,7 @@ class FlashAttention3:
 
     def prepare(self, length: int, cu_seqlens: Tensor, windows: dict, documents=None, longest=None) -> dict:
         entries = length // 256 + 1
-        if documents is None or documents >= entries:  # the cut keeps at least one closing entry
+        if documents is None or documents >= entries:  # the cut keeps a closing entry
             entries = len(cu_seqlens)
         max_seqlen = self.max_doc_len if longest is not None and longest <= self.max_doc_len else length
         return {kind: (cu_seqlens, w, max_seqlen, entries) for kind, w in windows.items()}
@@ -580,16 +570,14 @@ def make_attention(cfg: Config, device: torch.device, seq_len: int):
                                 "FlashAttention-3 or use --attn_backend=auto") from None
     return FlexAttention(seq_len, device) if choice == "flex" or (choice == "auto" and cuda) else SdpaAttention()
 
-# MUDD's per-token inputs of the last layer: a value added to v, the value-embedding gate, the six scales
+# MUDD's per-token inputs of the last layer
 LayerMix = collections.namedtuple("LayerMix", "value value_gate scales")
-# TokenGates' per-token inputs of a layer, None where it has none: (x0, bigram) scales, XSA, output gates
+# TokenGates' per-token inputs of a layer, None where absent
 LayerGates = collections.namedtuple("LayerGates", "inject xsa out")
 
 class CausalSelfAttention(nn.Module):
-    """QK-norm and rotary; Q, K, V, O in one matrix (speedrun 2025-09), Q and K orthogonalised per head pair
-    (2026-04-08); paired heads (2026-01-07); long-window keys' unrotated half from the previous token (2026-01); a
-    value embedding (2024-12) gated per head (2026-02-03); XSA (Zhai 2025; 2026-04-29) removes tanh(alpha) of each
-    head's output along the token's own value."""
+    """QKVO in one matrix (speedrun 2025-09), QK orthogonalised per head pair (2026-04-08); paired heads (2026-01-07);
+    shifted keys (2026-01); value embedding (2024-12) gated per head (2026-02-03); XSA (Zhai 2025; 2026-04-29)."""
     def __init__(self, cfg: Config, i: int):
         super().__init__()
         dim, heads = cfg.model_dim, cfg.num_heads
@@ -609,7 +597,7 @@ class CausalSelfAttention(nn.Module):
         w = self.qkvo_w.to(x.dtype)
         q, k, v = (x @ w[: 3 * dim].T).view(T, 3, self.num_heads, self.head_dim).unbind(1)
         q, k = rms_norm(q), rms_norm(k)
-        if self.paired:  # the key offset moves unrotated dims only, so it may come before the rotary
+        if self.paired:  # the offset moves unrotated dims only: it may precede the rotary
             k = self.offset_keys(k, starts) if self.shift_keys else k
             sequence = (2 * T, self.num_heads // 2, self.head_dim)
             q, k = apply_rotary(q.reshape(sequence), cos, sin), apply_rotary(k.reshape(sequence), cos, sin)
@@ -636,7 +624,7 @@ class CausalSelfAttention(nn.Module):
         return self.out_scale.to(y.dtype) * (y.reshape(T, dim) @ w[3 * dim:].T)
 
     def offset_keys(self, k: Tensor, starts: Tensor) -> Tensor:
-        """The key dims rotary leaves still from the previous token, except at a document's start."""
+        """Unrotated dims from the previous token, except at a document's start."""
         halves = k.view(k.size(0), self.num_heads, 2, self.head_dim // 2)
         still = halves[..., self.head_dim // 4:]
         still = torch.where(starts[:, None, None, None], still, torch.cat([still[:1], still[:-1]]))
@@ -646,7 +634,7 @@ class MLP(nn.Module):
     def __init__(self, dim: int, fused: bool):
         super().__init__()
         self.fc_w = declare(torch.empty(4 * dim, dim), optimizer="muon")  # out x in
-        # in x out, stored transposed to fc_w's shape; lr x2 (speedrun 2025-12-11)
+        # in x out, stored transposed; lr x2 (speedrun 2025-12-11)
         self.proj_w = declare(torch.empty(4 * dim, dim), optimizer="muon", lr=2.0)
         self.fused = fused
 
@@ -657,18 +645,17 @@ class MLP(nn.Module):
         return F.relu(x @ fc_w.T).square() @ proj_w  # ReLU^2 (So et al. 2021)
 
 class Block(nn.Module):
-    """x = r_a x + o_a attention(norm a) + x0_scale x0 + bigram_scale bigram, then r_m x + o_m MLP(norm x) (speedrun
-    2026-02-12, 2026-03-06), a: x or attn_input; the scales from TokenGates, or all from MUDD in the last layer."""
+    """Scaled residuals (speedrun 2026-02-12, 2026-03-06); TokenGates' scales, or MUDD's in the last layer."""
     def __init__(self, cfg: Config, i: int, fused_mlp: bool):
         super().__init__()
         self.attn = CausalSelfAttention(cfg, i) if cfg.attn_layout[i] != "-" else None
         self.paired = i in cfg.paired_head_layers
         self.mlp = MLP(cfg.model_dim, fused_mlp)
-        self.residual_scales = self.output_scales = None  # the last layer's come from MUDD
-        if i < cfg.num_layers - 1:  # (attention, MLP); 1.1 per layer (speedrun 2025-12), split over the two
+        self.residual_scales = self.output_scales = None  # the last layer's: MUDD's
+        if i < cfg.num_layers - 1:  # (attention, MLP); 1.1 per layer, split (speedrun 2025-12)
             self.residual_scales = declare(torch.full((2,), 1.1 ** 0.5), **SCALAR, betas=(0.9, 0.95))
             self.output_scales = declare(torch.ones(2), betas=(0.9, 0.95))
-        self.attend = None  # the attention backend, set by GPT
+        self.attend = None  # set by GPT
 
     def forward(self, x: Tensor, x0: Tensor, value_embed: Tensor | None, rope, mask, bigram: Tensor | None,
                 starts: Tensor, attn_input: Tensor | None, mix: LayerMix | None, token: LayerGates) -> Tensor:
@@ -688,8 +675,7 @@ class Block(nn.Module):
         return residual_mlp * x + output_mlp * self.mlp(rms_norm(x))
 
 class DenseMix(nn.Module):
-    """(W2 gelu(W1 x) + b) * 0.1 per token, W2 zero at the start: each output starts at its initial value (MUDD,
-    Xiao et al. 2025; speedrun 2026-04-22)."""
+    """MUDD's mix (Xiao et al. 2025; speedrun 2026-04-22); W2 starts at zero: outputs start at `initial`."""
     HIDDEN, SCALE = 64, 0.1
 
     def __init__(self, dim: int, initial: list[float], lr: float):
@@ -714,8 +700,7 @@ class DenseMix(nn.Module):
         return x + sum(w * source for w, source in zip(self(x).split(1, dim=1), sources))
 
 class TokenGates(nn.Module):
-    """Per-token gates (speedrun 2026-05-27), DenseMix lanes of x0 (`pre`) and of skip_from's output (`post`): x0
-    and bigram scales, XSA strengths, output gates of skip_from and the last layer, and the skip's gate."""
+    """Per-token gates (speedrun 2026-05-27): DenseMix lanes of x0 (`pre`) and of skip_from's output (`post`)."""
     def __init__(self, cfg: Config):
         super().__init__()
         self.split = cfg.skip_from + 1
@@ -733,7 +718,7 @@ class TokenGates(nn.Module):
                 lanes[name] = (i >= self.split, len(side), len(values))
                 side.extend(values)
             self.lanes.append(lanes)
-        self.pre, self.post = DenseMix(cfg.model_dim, initial[0], 0.1), DenseMix(cfg.model_dim, initial[1], 0.1)
+        self.pre, self.post = (DenseMix(cfg.model_dim, side, 0.1) for side in initial)
 
     def lane(self, i: int, name: str, pre: Tensor, post: Tensor | None) -> Tensor | None:
         if name not in self.lanes[i]:
@@ -747,19 +732,18 @@ class TokenGates(nn.Module):
                           self.lane(i, "xsa", pre, post), self.lane(i, "out", pre, post))
 
 class CopyPointer(nn.Module):
-    """CPLM's pointer (speedrun pull request #379): a QK-normed head attending over the last `band` positions of the
-    document and a learned sink; its mass on the target's positions is its probability, the sink's goes to the LM."""
+    """CPLM's pointer (pull request #379): a QK-normed head over the document's last `band` positions and a sink."""
     def __init__(self, dim: int, head_dim: int, band: int, use_triton: bool):
         super().__init__()
         self.band, self.use_triton = band, use_triton
         self.q_w, self.k_w = (declare(torch.empty(head_dim, dim), lr=0.25) for _ in "qk")
         self.q_gain = declare(torch.empty(head_dim), **SCALAR)
-        self.sink = declare(torch.empty(1), **SCALAR)  # [1], not []: torchft's DiLoCo cannot back up 0-d parameters
+        self.sink = declare(torch.empty(1), **SCALAR)  # [1]: torchft's DiLoCo cannot back up 0-d parameters
         self.reset_parameters()
 
     @torch.no_grad()
     def reset_parameters(self):
-        bound = math.sqrt(3) * 0.5 * self.q_w.size(1) ** -0.5  # the attention matrices' init
+        bound = math.sqrt(3) * 0.5 * self.q_w.size(1) ** -0.5  # as attention's
         self.q_w.uniform_(-bound, bound)
         self.k_w.uniform_(-bound, bound)
         self.q_gain.fill_(1.0)
@@ -770,15 +754,14 @@ class CopyPointer(nn.Module):
         k = rms_norm(h @ self.k_w.to(h.dtype).T)
         return copy_log_probs(q, k, self.sink, tokens, targets, documents, self.band, self.use_triton)
 
-MATCH_LENGTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # the repeat lengths looked for (pull request #378's)
-MATCH_BUCKETS = 1 + 3 * len(MATCH_LENGTHS)  # no repeat; then per length: seen once, twice, three times or more
-# Two polynomial hashes modulo primes under 2**31, so no int64 product overflows: a key of about 62 bits
+MATCH_LENGTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # repeat lengths (pull request #378)
+MATCH_BUCKETS = 1 + 3 * len(MATCH_LENGTHS)  # none; per length: seen once, twice, 3+ times
+# Two polynomial hashes modulo primes under 2**31 (no int64 overflow): a key of about 62 bits
 _MATCH_PRIMES, _MATCH_MULTIPLIERS = (2147483629, 2147483587), (1000003, 999331)
 
 def longest_matches(tokens: Tensor, starts: Tensor) -> tuple[Tensor, Tensor]:
-    """Per t, the longest L of MATCH_LENGTHS whose last L tokens came earlier in the document, ending at p < t:
-    (tokens[p + 1] for the latest p, bucket 1 + 3 * L's index + min(repeats, 3) - 1; 0 where none), by a stable sort
-    of a hashed key per (length, position)."""
+    """Per t, the longest context of MATCH_LENGTHS seen earlier in the document, ending at p: (tokens[p + 1], its
+    bucket; 0 if none), by a stable sort of hashed keys."""
     T = tokens.numel()
     positions = torch.arange(T, device=tokens.device)
     documents = torch.cumsum(starts.long(), 0)
@@ -788,20 +771,20 @@ def longest_matches(tokens: Tensor, starts: Tensor) -> tuple[Tensor, Tensor]:
     hashes = [torch.zeros_like(ids), torch.zeros_like(ids)]
     keys = []
     for length in range(1, MATCH_LENGTHS[-1] + 1):
-        entering = F.pad(ids, (length - 1, 0))[:T]  # the token length-1 back (0 before the first)
+        entering = F.pad(ids, (length - 1, 0))[:T]  # the token length-1 back
         hashes = [(h * m + entering) % prime for h, m, prime in zip(hashes, _MATCH_MULTIPLIERS, _MATCH_PRIMES)]
-        if length in MATCH_LENGTHS:  # the document and the length go into the key
+        if length in MATCH_LENGTHS:
             mixed = [(h + (documents * 7919 + length) * (i + 1)) % prime
                      for i, (h, prime) in enumerate(zip(hashes, _MATCH_PRIMES))]
             key = mixed[0] * _MATCH_PRIMES[1] + mixed[1]
-            # a context reaching before its document never matches: a distinct negative key each
+            # a context reaching before its document: a unique negative key
             keys.append(torch.where(positions - (length - 1) >= document_start, key, -1 - (len(keys) * T + positions)))
     flat = torch.stack(keys).view(-1)
     ordered, order = torch.sort(flat, stable=True)  # equal keys stay in position order
     index = torch.arange(flat.numel(), device=tokens.device)
     repeats = torch.cat([torch.zeros(1, dtype=torch.bool, device=tokens.device), ordered[1:] == ordered[:-1]])
     previous = torch.where(repeats, torch.cat([order[:1], order[:-1]]), -1)
-    earlier = index - torch.searchsorted(ordered, ordered)  # repeats of the key before this one
+    earlier = index - torch.searchsorted(ordered, ordered)  # earlier repeats of the key
     previous, earlier = (torch.empty_like(t).scatter_(0, order, t).view(len(MATCH_LENGTHS), T)
                          for t in (previous, earlier))
     candidates, buckets = torch.zeros_like(ids), torch.zeros_like(ids)
@@ -813,7 +796,6 @@ def longest_matches(tokens: Tensor, starts: Tensor) -> tuple[Tensor, Tensor]:
     return candidates, buckets
 
 class LongestMatch(nn.Module):
-    """The candidate's embedding times its bucket's scale plus its bucket's vector (pull request #378)."""
     def __init__(self, dim: int):
         super().__init__()
         self.scale = declare(torch.zeros(MATCH_BUCKETS))
@@ -832,8 +814,7 @@ class LongestMatch(nn.Module):
         return scale[:, None] * rows + self.bucket_embed[buckets].to(rows.dtype)
 
 class _RowLookup(torch.autograd.Function):
-    """Rows of tables at the same indices, each in its dtype. The backward adds the rows straight into .grad and
-    hands autograd none; AccumulateGrad still runs, and with it DistAdam's reduce-scatter hooks."""
+    """The backward adds rows into .grad and returns none; AccumulateGrad still runs DistAdam's hooks."""
     @staticmethod
     def forward(ctx, indices: Tensor, use_triton: bool, dtypes: tuple, *tables: Tensor):
         ctx.save_for_backward(indices)
@@ -851,14 +832,14 @@ class _RowLookup(torch.autograd.Function):
         return (None, None, None) + (None,) * len(ctx.tables)
 
 class GPT(nn.Module):
-    """The model and its loss; forward_micro_batches: the most a forward packs (the rotary tables' length)."""
+    """forward_micro_batches: the most a forward packs (the rotary tables' length)."""
     def __init__(self, cfg: Config, attend, compute_dtype: torch.dtype, forward_micro_batches: int = 1,
                  kernels: Kernels = Kernels()):
         super().__init__()
         self.cfg, self.attend, self.compute_dtype, self.kernels = cfg, attend, compute_dtype, kernels
-        vocab = next_multiple_of(cfg.vocab_size + cfg.copy_pointer, 128)  # the pointer's gate: the row after the vocab
+        vocab = next_multiple_of(cfg.vocab_size + cfg.copy_pointer, 128)  # the pointer's gate: the row after vocab
         dim = cfg.model_dim
-        # A copy of the head, sharing its Adam update until UNTIE_FRAC of the steps (speedrun 2025-12-22)
+        # Tied to the head until UNTIE_FRAC (speedrun 2025-12-22)
         self.embed = nn.Embedding(vocab, dim)
         declare(self.embed.weight, **HEAD, tie="lm_head.weight")
         tables = 1 + max(int(c) for c in cfg.value_embed_layout if c != ".")
@@ -871,31 +852,30 @@ class GPT(nn.Module):
             block.attend = self.attend_paired if block.paired else attend
         self.skip_gate = declare(torch.tensor([-1.5]), **SCALAR)  # sigmoid(-1.5) ~ 0.18 (speedrun 2025-09)
         self.token_gates = TokenGates(cfg)
-        # Smear (speedrun 2025-09): each token's embedding adds a gated copy of the previous token's
+        # Smear (speedrun 2025-09): a gated copy of the previous token's embedding
         self.smear_gate_w = declare(torch.zeros(GATE_DIMS), lr=0.01)
         self.smear_scale = declare(torch.zeros(1), **SCALAR)
-        # MUDD: mudd_layer's lanes: a value for v (x_in, mid, prev), the input ((1 + w) prev, x_in, mid), 2 value
-        # gates, the 6 scales; mudd_head's: (x_in, mid at -0.5: the backout, prev, value embed 0, skip)
+        # MUDD lanes: v's (x_in, mid, prev), input's ((1 + w) prev, x_in, mid), 2 value gates, 6 scales; the head's:
+        # x_in, mid (-0.5: the backout), prev, value embed 0, skip
         half = 1.1 ** 0.5
         self.mudd_layer = DenseMix(dim, [0.0] * 6 + [2.0, 2.0] + [half, 1.0, 0.0, 0.05, half, 1.0], 0.25)
         self.mudd_head = DenseMix(dim, [0.0, -0.5, 0.0, 0.0, 0.0], 0.25)
-        # Hashed (previous, token) rows into the first quarter of channels, times random signs (speedrun 2026-01-19)
+        # Hashed (previous, token) rows, dim // 4 wide (speedrun 2026-01-19)
         self.bigram_embed = nn.Embedding(cfg.bigram_rows, dim // 4) if cfg.bigram_rows else None
-        if self.bigram_embed is not None:
+        if cfg.bigram_rows:
             declare(self.bigram_embed.weight, **TABLE, rows="bigrams")
             signs = torch.randint(0, 2, (BIGRAM_SIGNS, dim // 4), generator=torch.Generator().manual_seed(0),
-                                  device="cpu")  # the same on every device; then to the model's
+                                  device="cpu")  # the same on every device
             self.register_buffer("bigram_signs", (2 * signs - 1).float().to(torch.get_default_device()),
                                  persistent=False)
         self.lm_head = nn.Linear(dim, vocab, bias=False)
         declare(self.lm_head.weight, **HEAD)
         self.copy_pointer = CopyPointer(dim, cfg.head_dim, COPY_BAND, kernels.triton) if cfg.copy_pointer else None
         self.longest_match = LongestMatch(dim) if cfg.longest_match else None
-        self.find_matches = longest_matches  # compile_model compiles it apart: the lookups around it stay eager
+        self.find_matches = longest_matches  # compiled apart: the lookups around it stay eager
         self.rotary = Rotary(cfg.head_dim, forward_micro_batches * cfg.micro_batch_tokens, cfg.micro_batch_tokens,
                              attn_scale=0.1, paired=bool(cfg.paired_head_layers))
         self.replays_cuda_graphs = False  # set by compile_model
-        # overwritten by set_mtp_weights (no recompile)
         self.register_buffer("mtp_weights", torch.zeros(max(len(s.mtp) for s in cfg.stages)), persistent=False)
         self.mtp_weights[0] = 1.0
         self.reset_parameters()
@@ -931,19 +911,19 @@ class GPT(nn.Module):
         return masks
 
     def prepare_grads(self):
-        """Zeroed .grads for the tables' rows, and under CUDA graphs for all (else .grad lives in the graph's pool)."""
+        """Zeroed .grads: the tables', all under CUDA graphs (else .grad lives in the graph's pool)."""
         params = self.parameters() if self.replays_cuda_graphs else [self.embed.weight] + [
             t.weight for t in self.value_embeds] + ([self.bigram_embed.weight] if self.bigram_embed is not None else [])
         for p in params:
-            if p.grad is None:  # else it holds the gradients an optimizer is adding up over steps
+            if p.grad is None:  # else it holds gradients added up over steps
                 p.grad = torch.zeros_like(p)
 
     def forward(self, tokens: Tensor, targets: Tensor | None, masks: dict, bigrams: Tensor | None = None) -> Tensor:
-        """Mean loss over the tokens (without targets the logits); the lookups run eagerly, the rest is `trunk`."""
+        """Mean loss (logits without targets); lookups run eagerly, the rest in `trunk`."""
         use_triton, compute = self.kernels.triton, self.compute_dtype
         if self.longest_match is not None:
             candidates, buckets = self.find_matches(tokens, self.starts_of(tokens))
-        dtypes = (self.embed.weight.dtype,) + (compute,) * len(self.value_embeds)  # the token rows are normed in fp32
+        dtypes = (self.embed.weight.dtype,) + (compute,) * len(self.value_embeds)  # token rows: normed in fp32
         token_rows, *value_rows = _RowLookup.apply(tokens, use_triton, dtypes, self.embed.weight,
                                                    *(t.weight for t in self.value_embeds))
         bigram_rows = match = None
@@ -954,7 +934,7 @@ class GPT(nn.Module):
         return self.trunk(tokens, token_rows, value_rows, bigram_rows, targets, masks, match)
 
     def starts_of(self, tokens: Tensor) -> Tensor:
-        """Where a document or a packed micro-batch starts: nothing reaches across."""
+        """Document and micro-batch starts: nothing reaches across."""
         positions = torch.arange(tokens.numel(), device=tokens.device)
         return (tokens == self.cfg.bos_token) | (positions % self.cfg.micro_batch_tokens == 0)
 
@@ -966,14 +946,14 @@ class GPT(nn.Module):
         gate = self.smear_scale * torch.sigmoid(token_rows[:, :GATE_DIMS] @ self.smear_gate_w.to(token_rows.dtype))
         token_rows = token_rows + (gate * ~starts)[:, None] * previous
         matched = None
-        if match is not None:  # after the smear, as the pull request adds it
+        if match is not None:  # after the smear, as in #378
             matched = self.longest_match(*match).float()
             token_rows = token_rows + self.longest_match.gains[0] * matched
         x = x0 = rms_norm(token_rows).to(self.compute_dtype)
         value_embeds = [rows.to(self.compute_dtype) for rows in value_rows]
         pre = gates.pre(x0)
         bigram = None
-        if bigram_rows is not None:  # enters before layer 0, at layer 0's per-token scale
+        if bigram_rows is not None:  # enters before layer 0, at its scale
             bigram = self.bigram_input(tokens, starts, bigram_rows)
             x = x0 + gates.lane(0, "inject", pre, None)[:, 1:] * bigram
         x_in, post, skip, attn_input, mid, previous = x, None, None, None, None, None
@@ -991,16 +971,16 @@ class GPT(nn.Module):
                 x, mix = self.mix_into_last_layer(x, x_in, mid)
             x = block(x, x0, value_embed, self.rotary.tables(block.paired), mask, bigram if i else None, starts,
                       attn_input, mix, gates.layer(i, pre, post))
-            attn_input = x if i == cfg.attn_input_from else attn_input  # for later layers (speedrun 2026-03-06)
+            attn_input = x if i == cfg.attn_input_from else attn_input  # speedrun 2026-03-06
             skip = x if i == cfg.skip_from else skip
             mid = x if i == cfg.backout_from else mid
         x = self.mudd_head.mix_into(x, (x_in, mid, previous, value_embeds[0], skip))
-        if matched is not None:  # and again before the head's norm
+        if matched is not None:  # again before the head's norm
             x = x + (self.longest_match.gains[1] * matched).to(x.dtype)
         return self.loss_head(x, targets, tokens, starts)
 
     def bigram_input(self, tokens: Tensor, starts: Tensor, rows: Tensor) -> Tensor:
-        """The rows times their signs ((previous XOR token) mod count; 0 at a start), padded to the model's width."""
+        """Rows times signs ((previous XOR token) mod count; 0 at a start), padded to model_dim."""
         bigram = rows.to(self.compute_dtype)
         previous = torch.cat([tokens[:1], tokens[:-1]])
         index = torch.where(starts, 0, torch.bitwise_xor(previous, tokens) % BIGRAM_SIGNS)
@@ -1023,7 +1003,7 @@ class GPT(nn.Module):
             self.mtp_weights[k].fill_(weights[k] / total if k < len(weights) else 0.0)
 
     def loss_head(self, x: Tensor, targets: Tensor | None, tokens: Tensor, starts: Tensor) -> Tensor:
-        """Without targets: the LM's logits (no pointer). Rows predict inside their micro-batch only."""
+        """Without targets: the LM's logits. Rows predict within their micro-batch."""
         mtp = (self.mtp_weights, self.cfg.micro_batch_tokens) if self.mtp_weights.numel() > 1 else None
         x = rms_norm(x)
         if targets is None:
@@ -1038,14 +1018,13 @@ class GPT(nn.Module):
             return copy_mixture_losses(z, targets, *copy, mtp).mean()
         return multi_token_losses(z, targets, mtp).mean()
 
-# The loss: softcapped logits (a sigmoid form of Gemma 2's cap); multi-token prediction (speedrun 2025-12-22) from
-# the same logits; the copy mixture (pull request #379) mixes the pointer into the next token's distribution.
+# Loss: sigmoid softcap (after Gemma 2), multi-token prediction (speedrun 2025-12-22), copy mixture (#379)
 
 def softcap(logits: Tensor, cap: tuple) -> Tensor:
     return cap[0] * torch.sigmoid((logits.float() + cap[1]) / cap[2])
 
 def multi_token_targets(targets: Tensor, mtp: tuple | None) -> list[tuple[Tensor, Tensor]]:
-    """Per offset k, (weight, target k + 1 ahead), weight 0 past the micro-batch; mtp: (weights, period) or None."""
+    """Per offset k, (weight, target k + 1 ahead), weight 0 past the micro-batch."""
     if mtp is None:
         return [(torch.ones_like(targets, dtype=torch.float32), targets.long())]
     weights, period = mtp
@@ -1057,12 +1036,12 @@ def multi_token_losses(z: Tensor, targets: Tensor, mtp: tuple | None) -> Tensor:
     lse = torch.logsumexp(z, dim=1)
     return sum(w * (lse - z.gather(1, ahead[:, None])[:, 0]) for w, ahead in multi_token_targets(targets, mtp))
 
-COPY_BLOCK = 128  # queries per block of the copy pointer's banded scores
+COPY_BLOCK = 128  # queries per block of the copy pointer's scores
 
 def copy_log_probs(q: Tensor, k: Tensor, sink: Tensor, tokens: Tensor, targets: Tensor, documents: Tensor,
                    band: int, use_triton: bool = False) -> tuple[Tensor, Tensor]:
-    """Per query t, a softmax over q_t . k_j / sqrt(d) of the document's j in (t - band, t] and the sink: (log mass on
-    tokens[j] == targets[t], -1e9 if none; log sink mass). Blocks of queries score their band: no [T, T] matrix."""
+    """Softmax over the document's keys in (t - band, t] and the sink: log masses on targets[t] and on the sink.
+    Blocks of queries score their band: no [T, T]."""
     T, d = q.shape
     sink = sink.float().expand(T)
     if use_triton:
@@ -1077,15 +1056,14 @@ def copy_log_probs(q: Tensor, k: Tensor, sink: Tensor, tokens: Tensor, targets: 
     seen = (back >= 0) & (back < band) & (key_documents == documents.view(blocks, COPY_BLOCK, 1))
     key_tokens = F.pad(tokens, (band, 0), value=-1).unfold(0, width, COPY_BLOCK)[:, None, :]
     hits = seen & (key_tokens == targets.view(blocks, COPY_BLOCK, 1))
-    # -1e9, not -inf: a query with no hit keeps finite gradients
+    # -1e9, not -inf: finite gradients without a hit
     log_z = torch.logaddexp(torch.logsumexp(scores.masked_fill(~seen, -1e9), -1), sink)
     log_hits = torch.logsumexp(scores.masked_fill(~hits, -1e9), -1)
     return (log_hits - log_z).reshape(T), (sink - log_z).reshape(T)
 
 def copy_mixture_losses(z: Tensor, targets: Tensor, slot: int, log_copy: Tensor, log_sink: Tensor,
                         mtp: tuple | None) -> Tensor:
-    """Per-row losses, column `slot` the gate: with alpha its softmax share and a the sink's mass, the next token's
-    probability is p_lm(y) (1 - alpha (1 - a)) + alpha p_copy(y); later tokens take p_lm's loss."""
+    """Column `slot` the gate, alpha its share, a the sink's: p(y) = p_lm(y) (1 - alpha (1 - a)) + alpha p_copy(y)."""
     lse = torch.logsumexp(z, dim=1)
     gate = z[:, slot]
     u = torch.minimum(gate - lse, torch.full_like(lse, -1e-7))  # the other columns' lse: log(1 - e^u), Maechler 2012
@@ -1093,7 +1071,7 @@ def copy_mixture_losses(z: Tensor, targets: Tensor, slot: int, log_copy: Tensor,
     losses = []
     for k, (w, ahead) in enumerate(multi_token_targets(targets, mtp)):
         picked = z.gather(1, ahead[:, None])[:, 0]
-        if k == 0:  # times exp(lse): p_lm(y) (exp(lse_lm) + exp(gate) a) and exp(gate) p_copy(y)
+        if k == 0:  # times exp(lse): p_lm(y) (exp(lse_lm) + exp(gate) a), exp(gate) p_copy(y)
             from_lm = picked - lse_lm + torch.logaddexp(lse_lm, gate + log_sink)
             losses.append(w * (lse - torch.logaddexp(from_lm, gate + log_copy)))
         else:
@@ -1101,12 +1079,11 @@ def copy_mixture_losses(z: Tensor, targets: Tensor, slot: int, log_copy: Tensor,
     return sum(losses)
 
 E4M3_MAX = 448.0
-GRAD_E5M2_EXP = 15  # the largest |gradient| lands at most at 2**15, under e5m2's 57344
+GRAD_E5M2_EXP = 15  # the largest |gradient| maps to at most 2**15, under e5m2's 57344
 GRAD_E5M2_MAX = 2.0 ** GRAD_E5M2_EXP
 
 class _Fp8SoftcappedHead(torch.autograd.Function):
-    """Mean softcapped cross-entropy of x @ weight.T in FP8 scaled per tensor (speedrun 2024-12): x (rms-normed,
-    |x| <= sqrt(dim)) and weight in e4m3; the kernel keeps the logits' gradient in e5m2, scaled by GRAD_E5M2_MAX."""
+    """Per-tensor scaled FP8 (speedrun 2024-12): x (|x| <= sqrt(dim)), weight in e4m3, the logits' gradient in e5m2."""
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, targets: Tensor, cap: tuple, mtp_weights: Tensor | None, period: int,
                 slot: int = 0, log_copy: Tensor | None = None, log_sink: Tensor | None = None) -> Tensor:
@@ -1132,20 +1109,20 @@ class _Fp8SoftcappedHead(torch.autograd.Function):
     def backward(ctx, grad_loss: Tensor):
         x_q, w_q, x_scale, w_scale, grad_q, *pointer_grads = ctx.saved_tensors
         grad_scale = grad_loss.float() / grad_q.size(0) / GRAD_E5M2_MAX
-        # _scaled_mm takes its second operand column-major: the transposed copies are small
+        # _scaled_mm's second operand is column-major; the transposed copies are small
         grad_x = torch._scaled_mm(grad_q, w_q.t().contiguous().t(), scale_a=grad_scale, scale_b=w_scale,
                                   out_dtype=ctx.x_dtype)
         grad_w = torch._scaled_mm(transpose_fp8(grad_q), x_q.t().contiguous().t(), scale_a=grad_scale,
                                   scale_b=x_scale, out_dtype=torch.float32)
         grad_copy = grad_sink = None
-        if pointer_grads:  # the mean's upstream gradient times each row's derivatives
+        if pointer_grads:
             row_scale = grad_loss.float() / grad_q.size(0)
             grad_copy, grad_sink = ((g * row_scale).to(ctx.copy_dtype) for g in pointer_grads)
         return grad_x, grad_w.to(ctx.w_dtype), None, None, None, None, None, grad_copy, grad_sink
 
 def fp8_softcapped_head(x: Tensor, weight: Tensor, targets: Tensor, cap: tuple, mtp: tuple | None = None,
                         copy: tuple | None = None) -> Tensor:
-    """_Fp8SoftcappedHead; copy = (the gate's column, log_copy, log_sink)."""
+    """copy = (the gate's column, log_copy, log_sink)."""
     weights, period = mtp if mtp is not None else (None, 0)
     slot, log_copy, log_sink = copy or (0, None, None)
     return _Fp8SoftcappedHead.apply(x, weight, targets, cap, weights, period, slot, log_copy, log_sink)
@@ -2026,8 +2003,8 @@ def prefetch(windows, cfg: Config, device: torch.device, packed: int, sizes=None
 # Schedule
 
 class Schedule:
-    """What changes with the step. The scheduled steps split evenly over the stages (the rows but the last), the lr
-    cooling down linearly over their last cooldown_frac to the last row's; the extension steps run at the last row."""
+    """Per-step settings: the stages (rows but the last) split the scheduled steps evenly; over their last
+    cooldown_frac the lr decays linearly to the last row's, at which the extension steps run."""
 
     def __init__(self, cfg: Config):
         self.cfg, self.rows, self.scheduled = cfg, cfg.stages, len(cfg.stages) - 1
@@ -2053,7 +2030,7 @@ class Schedule:
         return step == self.total_steps or (self.cfg.val_loss_every > 0 and step % self.cfg.val_loss_every == 0)
 
     def validation_step(self, step: int) -> int:
-        """The step whose windows validation before `step` uses: the last trained one, but at the end."""
+        """Step whose windows the validation before `step` uses: the last trained one, but at the end."""
         return step - 1 if 0 < step < self.total_steps else step
 
     def micro_batches(self, step: int) -> int:
@@ -2092,7 +2069,7 @@ class Schedule:
         return low + (high - low) * steps_left / cooldown if steps_left < cooldown else high
 
     def muon_rails(self, step: int) -> tuple[float, float]:
-        """(beta of Muon's usual buffer, the slow buffer's share): from 0.43 of the steps on, 0.85 and 0.56."""
+        """(Muon buffer's beta, slow buffer's share): 0.85 and 0.56 from 0.43 of the steps on."""
         return (0.85, 0.56) if step >= round(0.43 * self.num_iterations) else (self.muon_momentum(step), 0.0)
 
     def windows(self, step: int) -> tuple[int, int]:
@@ -2700,9 +2677,8 @@ def sample_from_checkpoint(cfg: Config, comm: Comm, log, codec=None) -> str:
 # ----------------------------------------------------------------------------------------------------
 # Checkpoints
 #
-# One torch.save file, written by rank 0 through a rename (a crash never leaves a file that looks whole), of whole
-# tensors: it resumes at any world size. No random state: training draws no random numbers after the init. Loaded
-# with weights_only=True: nothing in it runs code.
+# One torch.save file of whole tensors (it resumes at any world size), written by rank 0 through a rename. No random
+# state: training draws none after the init. Loaded with weights_only=True: nothing in it runs code.
 
 CHECKPOINT_KIND, CHECKPOINT_FORMAT = "train_gpt.py checkpoint", 3
 
@@ -2743,7 +2719,7 @@ def _owner_state_everywhere(state: dict | None, owner: int, comm: Comm, device: 
     return full
 
 def gather_optimizer_states(model: GPT, optimizers, comm: Comm, device: torch.device) -> tuple[dict, dict]:
-    """(Muon's, DistAdam's) state by parameter name, whole, the same at every world size."""
+    """(Muon's, DistAdam's) whole state by parameter name, the same at any world size."""
     names = {p: name for name, p in model.named_parameters()}
     muon, adam = optimizers
     muon_state = {}
@@ -2789,7 +2765,7 @@ def scatter_optimizer_states(model: GPT, optimizers, muon_state: dict, adam_stat
             adam.state[bucket.params[0]] = state
 
 def write_atomically(target: Path, write):
-    """write(temporary) beside target, then a rename: a reader sees the old file or the new one."""
+    """write(temporary), then a rename onto target: readers see the old file or the new one."""
     target.parent.mkdir(parents=True, exist_ok=True)
     temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
@@ -2815,7 +2791,7 @@ def read_checkpoint(path: str, flag: str) -> dict:
         raise CheckpointError(f"--{flag}={path}: no such file")
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # mmap: ranks share pages
-    except Exception as e:  # truncated, not a torch file, or holding objects weights_only refuses
+    except Exception as e:  # truncated, not torch, or objects weights_only refuses
         reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"--{flag}={path}: not a readable checkpoint ({reason})") from None
     if not isinstance(checkpoint, dict) or checkpoint.get("kind") != CHECKPOINT_KIND:
@@ -2862,8 +2838,7 @@ def load_checkpoint_weights(model: GPT, checkpoint: dict) -> None:
 # ----------------------------------------------------------------------------------------------------
 # Across nodes: streaming DiLoCo on torchft
 
-LIGHTHOUSE_MISSING = ("--diloco=1 needs TORCHFT_LIGHTHOUSE=http://host:port, the address of a running lighthouse "
-                      "(torchft_lighthouse --min_replicas=1)")
+LIGHTHOUSE_MISSING = "--diloco=1 needs TORCHFT_LIGHTHOUSE=http://host:port of a running torchft_lighthouse"
 NO_CUDA = "--device=cuda, but torch sees no CUDA GPU; pass --device=cpu to run on the CPU"
 
 def import_torchft():
@@ -2875,7 +2850,7 @@ def import_torchft():
     return torchft
 
 def diloco_fragments(model: GPT, count: int) -> list[nn.Module]:
-    """`count` contiguous groups of blocks, the input side with the first, the output side with the last."""
+    """`count` contiguous groups of blocks; the input side joins the first, the output side the last."""
     bounds = [round(i * len(model.blocks) / count) for i in range(count + 1)]
     fragments = [nn.Module() for _ in range(count)]
     for fragment, lo, hi in zip(fragments, bounds, bounds[1:]):
@@ -2888,8 +2863,7 @@ def diloco_fragments(model: GPT, count: int) -> list[nn.Module]:
                 fragment.add_module(name, getattr(model, name))
     for fragment, name in ((first, "smear_gate_w"), (first, "smear_scale"), (last, "skip_gate")):
         fragment.register_parameter(name, getattr(model, name))
-    placed = [id(p) for f in fragments for p in f.parameters()]
-    if sorted(placed) != sorted(id(p) for p in model.parameters()):
+    if sorted(id(p) for f in fragments for p in f.parameters()) != sorted(id(p) for p in model.parameters()):
         raise RuntimeError("DiLoCo fragments do not hold each model parameter exactly once")
     return fragments
 
@@ -2904,24 +2878,23 @@ def detached_copy(tree, device: torch.device | str | None = None):
     return tree
 
 class StreamingDiLoCo:
-    """Streaming DiLoCo (Douillard et al., 2025) on torchft: each replica group (a torchrun job) trains as usual; per
-    fragment, every sync_every/num_fragments steps a quorum (where a restarted replica heals from a peer), an
-    all-reduce of the pseudogradient and, if every replica commits, an outer SGD step. `manager` is for tests."""
+    """Streaming DiLoCo (Douillard et al., 2025) across torchrun jobs: every sync_every/num_fragments steps a
+    fragment's quorum (where a restarted replica heals), pseudogradient all-reduce and, if all commit, outer step."""
 
     def __init__(self, cfg: Config, model: GPT, optimizers: Optimizers, device: torch.device, log, manager=None):
         torchft = import_torchft()
         self.model, self.optimizers, self.log, self.sync_every = model, optimizers, log, cfg.sync_every
-        self.step = 0  # the loop's position, part of the checkpoint a healing peer receives
-        self.manager = manager or self._manager(torchft, cfg, device)
+        self.step = 0  # the loop's position, sent to a healing peer
+        self.manager = manager or self._manager(torchft, cfg, device)  # tests pass their own
         self.manager.register_state_dict_fn("default", self._load, self._save)
         self.heals = self.syncs = self.committed = 0
         self.fragments = diloco_fragments(model, cfg.num_fragments)
         self.outer = [torch.optim.SGD(f.parameters(), lr=cfg.outer_lr) for f in self.fragments]
         for index, opt in enumerate(self.outer):
             opt.register_step_post_hook(functools.partial(self._outer_step_hook, index))
-        self.diloco = torchft.local_sgd.DiLoCo(self.manager, self.fragments, optimizers, self.outer,
-                                               sync_every=cfg.sync_every, backup_device=device)
-        self.sync_seconds, self.hook_start, self.entered = 0.0, 0.0, 0.0
+        self.diloco = torchft.local_sgd.DiLoCo(
+            self.manager, self.fragments, optimizers, self.outer, sync_every=cfg.sync_every, backup_device=device)
+        self.sync_seconds = self.hook_start = self.entered = 0.0
         self.outer_stepped, self.handles = None, []
 
     def _manager(self, torchft, cfg: Config, device: torch.device):
@@ -2931,10 +2904,10 @@ class StreamingDiLoCo:
         pg = torchft.ProcessGroupNCCL() if device.type == "cuda" else torchft.ProcessGroupGloo()
         connect = timedelta(seconds=float(os.environ.get("TORCHFT_CONNECT_TIMEOUT_SEC", 60)))
         try:
-            return torchft.Manager(pg=pg, load_state_dict=None, state_dict=None, init_sync=False,
-                                   min_replica_size=cfg.min_replicas, use_async_quorum=False,
-                                   replica_id=f"train_gpt_{cfg.replica}", timeout=timedelta(seconds=60),
-                                   quorum_timeout=timedelta(seconds=900), connect_timeout=connect)
+            return torchft.Manager(
+                pg=pg, load_state_dict=None, state_dict=None, init_sync=False, min_replica_size=cfg.min_replicas,
+                use_async_quorum=False, replica_id=f"train_gpt_{cfg.replica}", timeout=timedelta(seconds=60),
+                quorum_timeout=timedelta(seconds=900), connect_timeout=connect)
         except RuntimeError as e:
             raise UserError(f"--diloco=1: no torchft lighthouse answered at TORCHFT_LIGHTHOUSE="
                             f"{os.environ['TORCHFT_LIGHTHOUSE']} ({str(e).splitlines()[0][:200]}); start "
@@ -2952,14 +2925,13 @@ class StreamingDiLoCo:
         self.step = state["step"] * self.sync_every // state["sync_every"]  # a peer's sync_every may differ
 
     def state_dict(self) -> dict:
-        """What only this replica holds (syncs, inner steps, each fragment's global weights and outer state); taken
-        with no all-reduce in flight (--checkpoint_every sees to it)."""
+        """What only this replica holds; --checkpoint_every sees that no all-reduce is in flight."""
         if any(fragment._allreduce_work for fragment in self.diloco._fragments):
-            raise RuntimeError("a DiLoCo checkpoint was asked for while a fragment's all-reduce is in flight")
-        return detached_copy({"manager": self.manager.state_dict(), "local_step": self.diloco._local_step,
-                              "fragments": [{"global_weights": fragment.original_parameters,
-                                             "outer_optimizer": opt.state_dict()}
-                                            for fragment, opt in zip(self.diloco._fragments, self.outer)]}, "cpu")
+            raise RuntimeError("DiLoCo checkpoint asked for during a fragment's all-reduce")
+        return detached_copy({
+            "manager": self.manager.state_dict(), "local_step": self.diloco._local_step,
+            "fragments": [{"global_weights": f.original_parameters, "outer_optimizer": opt.state_dict()}
+                          for f, opt in zip(self.diloco._fragments, self.outer)]}, "cpu")
 
     def load_state_dict(self, state: dict, step: int):
         self.manager.load_state_dict(state["manager"])
@@ -2971,7 +2943,7 @@ class StreamingDiLoCo:
         self.step = step
 
     def __enter__(self):
-        # ours run just before and just after torchft's
+        # ours run just before and after torchft's
         self.handles.append(self.optimizers.register_step_post_hook(self._before_sync_hook))
         self.diloco.__enter__()
         self.handles.append(self.optimizers.register_step_post_hook(self._after_sync_hook))
@@ -2989,17 +2961,17 @@ class StreamingDiLoCo:
         if self.diloco._local_step != 0:  # torchft zeroes its counter when a sync completes
             return
         self.syncs += 1
-        committed = self.outer_stepped is not None  # the outer optimizer steps only on a commit
+        committed = self.outer_stepped is not None  # the outer step runs only on a commit
         fragment = self.outer_stepped if committed else self.manager.current_step() % len(self.fragments)
         self.committed += committed
-        # the fragment's weights as one number: equal on every replica after a committed sync
+        # equal on every replica after a committed sync
         digest = sum(p.detach().double().sum() for p in self.fragments[fragment].parameters()).item()
         self.log(f"diloco: step {self.step} sync {self.syncs} fragment {fragment} "
                  f"{'committed' if committed else 'not committed, rolled back'} replicas "
                  f"{self.manager.num_participants()} digest {digest:.12e}")
 
     def sync_every_fragment(self):
-        """After the last step: a sync of each fragment not just synced, then every replica takes the global weights."""
+        """After the last step: sync each fragment not just synced, then take the global weights."""
         count = len(self.fragments)
         for _ in range(count - 1):
             index = self.manager.current_step() % count
@@ -3029,8 +3001,7 @@ class StreamingDiLoCo:
 # Instrumentation
 
 class RunLog:
-    """Rank 0 writes log_dir/<run_id>.txt: this file's source, the environment, the config, then a line per step
-    (records/tool.py reads this layout back)."""
+    """Rank 0 writes log_dir/<run_id>.txt: source, environment, config, a line per step (records/tool.py reads it)."""
 
     def __init__(self, cfg: Config, comm: Comm):
         self.file = None
@@ -3083,14 +3054,14 @@ class TrainingDiverged(UserError):
     pass
 
 class LossWatch:
-    """Reads each step's loss one step late, so that its NaN check never stalls the GPU; the event behind it times
-    the step on the GPU (gpu_ms, idle gaps included), which tells a slow step from a late launch."""
+    """Reads each step's loss a step late, so the NaN check never stalls the GPU; its event times the step on the GPU
+    (gpu_ms, idle gaps included), telling a slow step from a late launch."""
 
     def __init__(self, comm: Comm, device: torch.device):
         self.comm, self.device = comm, device
         self.pending = self.previous_end = None
-        self.losses: list[float] = []  # the mean over the ranks, a step each
-        self.gpu_ms: dict[int, float] = {}  # step (1-based) -> GPU ms since the previous step's end
+        self.losses: list[float] = []  # mean over the ranks, a step each
+        self.gpu_ms: dict[int, float] = {}  # 1-based step -> GPU ms since the previous step's end
 
     def push(self, step: int, local_loss: Tensor):
         losses = local_loss.float().reshape(1)
@@ -3099,8 +3070,7 @@ class LossWatch:
             dist.all_gather_into_tensor(losses, local_loss.float().reshape(1))
         host, event = losses, None
         if self.device.type == "cuda":
-            host = torch.empty(losses.numel(), pin_memory=True)
-            host.copy_(losses, non_blocking=True)
+            host = torch.empty(losses.numel(), pin_memory=True).copy_(losses, non_blocking=True)
             event = torch.cuda.Event(enable_timing=True)
             event.record()
         self.flush()
@@ -3126,8 +3096,7 @@ def compiled_graph_count() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 class RecompileWatch:
-    """What compiled after the warm-up (nothing should): new graphs with the failed guard, lazy backwards, recorded
-    CUDA graphs."""
+    """Compiles after the warm-up (none should come): new graphs with the failed guard, lazy backwards, CUDA graphs."""
 
     def __init__(self):
         from torch._dynamo.callback import CallbackTrigger, callback_handler
@@ -3165,8 +3134,8 @@ class RecompileWatch:
         return (guards or ["a new graph (no guard failed: first call of a new function)"]) + reasons
 
 class StepTimes:
-    """Step times per stage (the aim: none over 1.2x the median) and the garbage collections after the warm-up. On a
-    GPU the GPU time judges (LossWatch.gpu_ms): the host runs ahead, and its lead absorbs a host pause."""
+    """Step times per stage (aim: none over 1.2x the median) and garbage collections after the warm-up. On a GPU,
+    GPU time judges: the host runs ahead, its lead absorbing a host pause."""
 
     def __init__(self, schedule: Schedule):
         self.schedule, self.wall_ms, self.collections, self.step, self.gc_started = schedule, {}, [], 0, 0.0
@@ -3191,7 +3160,7 @@ class StepTimes:
             by_stage.setdefault(self.schedule.stage(step - 1), []).append(step)
         for stage, steps in sorted(by_stage.items()):
             judge, what = (gpu_ms, "GPU") if any(step in gpu_ms for step in steps) else (self.wall_ms, "wall")
-            timed = [step for step in steps if step in judge]  # a step after a pause has no GPU time
+            timed = [step for step in steps if step in judge]  # a step after a pause lacks GPU time
             median = float(np.median([judge[step] for step in timed]))
             at = max(timed, key=judge.get)
             lines.append(f"step times, stage {stage}: {len(steps)} steps, {what} median {median:.1f} ms, slowest "
@@ -3205,7 +3174,6 @@ class StepTimes:
         return lines
 
 def seconds_since_process_start() -> float | None:
-    """Since this process began (Linux): the whole cold start."""
     try:
         fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
         uptime = float(Path("/proc/uptime").read_text().split()[0])
@@ -3214,7 +3182,6 @@ def seconds_since_process_start() -> float | None:
         return None
 
 def weights_checksum(model: nn.Module) -> str:
-    """Whether two runs ended with the same weights: float64 sum and sum of squares."""
     total = squares = 0.0
     for p in model.parameters():
         as_double = p.detach().double()
@@ -3226,8 +3193,7 @@ def weights_checksum(model: nn.Module) -> str:
 # main
 
 def keep_freed_cpu_memory() -> bool:
-    """glibc maps buffers over its mmap threshold (the logits) afresh each step, page-faulting them in again; CPU
-    steps run far faster from the heap."""
+    """glibc maps big buffers (the logits) afresh each step, faulting their pages in; CPU steps run faster from heap."""
     import ctypes
     try:
         libc = ctypes.CDLL("libc.so.6")
@@ -3240,16 +3206,15 @@ def init_distributed(cfg: Config) -> Comm:
     world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if world_size not in (1, 2, 4, 8):
-        raise UserError(f"world size {world_size} is not supported: run on 1, 2, 4 or 8 processes, so that every "
-                        "step's batch splits evenly (8 processes per node at most)")
+        raise UserError(f"world size {world_size} is not supported: run 1, 2, 4 or 8 processes (8 per node at most)")
     if cfg.device == "cuda":
         if not torch.cuda.is_available():
             raise UserError(NO_CUDA)
         if local_rank >= torch.cuda.device_count():
-            raise UserError(f"local rank {local_rank} has no GPU: {torch.cuda.device_count()} visible; start at most "
-                            "that many processes per node")
+            raise UserError(f"local rank {local_rank} has no GPU: {torch.cuda.device_count()} visible; start fewer "
+                            "processes per node")
         torch.cuda.set_device(local_rank)
-    if world_size > 1 or cfg.diloco:  # torchft's manager joins torchrun's store through the process group
+    if world_size > 1 or cfg.diloco:  # torchft's manager reaches torchrun's store through the process group
         if cfg.diloco and not os.environ.get("MASTER_ADDR"):
             raise UserError("--diloco=1: start each replica group with torchrun (torchft uses its store)")
         if cfg.device == "cuda":
@@ -3259,7 +3224,7 @@ def init_distributed(cfg: Config) -> Comm:
     return Comm(rank, world_size, local_rank)
 
 def check_inputs(cfg: Config) -> None:
-    """--check: the device, the data and the checkpoints, before anything compiles."""
+    """--check: device, data and checkpoints, before anything compiles."""
     if cfg.device == "cuda":
         if not torch.cuda.is_available():
             raise UserError(NO_CUDA)
@@ -3268,7 +3233,7 @@ def check_inputs(cfg: Config) -> None:
         document_starts(shard_paths(cfg.train_files, "train_files")[0], cfg.bos_token, cfg.vocab_size)
     if not cfg.sample:
         next(val_batches_for_rank(shard_paths(cfg.val_files, "val_files"), cfg, Comm()))
-    if cfg.resume:  # memory-mapped, so reading it again to resume costs little
+    if cfg.resume:  # memory-mapped: reading it again costs little
         check_resumable(read_checkpoint(cfg.resume, "resume"), cfg, shard_paths(cfg.train_files, "train_files"))
     if cfg.init_from:
         check_same_model(read_checkpoint(cfg.init_from, "init_from"), cfg, "init_from")
@@ -3286,7 +3251,7 @@ def main(argv: list[str] | None = None) -> int:
         if "help" in flags:
             print(config_help())
             return 0
-        check_inputs(cfg)  # before anything is written or compiled
+        check_inputs(cfg)
         if "check" in flags:
             print("ok: config, device and data files look right")
             return 0
@@ -3295,7 +3260,7 @@ def main(argv: list[str] | None = None) -> int:
         comm = init_distributed(cfg)
         if not cfg.run_id:
             run_id = [str(uuid.uuid4())]
-            if comm.distributed:  # every rank must agree on the run id
+            if comm.distributed:  # all ranks agree on it
                 dist.broadcast_object_list(run_id, 0)
             cfg = dataclasses.replace(cfg, run_id=run_id[0])
         log = RunLog(cfg, comm)
@@ -3308,19 +3273,18 @@ def main(argv: list[str] | None = None) -> int:
         log.finish()
         return 0
     except UserError as e:
-        # before the process group exists every rank hits the same launch mistake: one line, from rank 0
+        # before the process group exists, every rank hits the same mistake: rank 0 alone says it
         if comm is not None or os.environ.get("RANK", "0") == "0":
             print(f"error: {e}", file=sys.stderr)
         return 1
     finally:
         if comm is not None and dist.is_initialized():
-            gc.collect()  # DistAdam's gloo group goes now, not at the exit
+            gc.collect()  # DistAdam's gloo group goes now, not at exit
             dist.destroy_process_group()
 
 
 # ----------------------------------------------------------------------------------------------------
-# Appendix: Triton kernels, then the functions that launch them where choose_kernels turns them on. Each has a
-# plain-torch equivalent (CPU, --triton_kernels=0); the tests check each against float64.
+# Appendix: Triton kernels and their launchers; each has a plain-torch equivalent (--triton_kernels=0).
 
 try:
     import triton
@@ -3338,7 +3302,7 @@ if triton is not None:
     @triton.jit
     def _symmetric_matmul_kernel(X, Y, Out, M, K, sxb, sxm, sxk, syb, sym, syn, sob, som, son, alpha, beta,
                                  HAS_Y: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
-        """Out[b] = alpha X[b] X[b]^T (+ beta Y[b]): per program a lower-triangle tile (row, col) and its mirror."""
+        """A lower-triangle tile of alpha X X^T (+ beta Y) and its mirror."""
         tile, batch = tl.program_id(0), tl.program_id(1)
         row = ((tl.sqrt(8.0 * tile + 1.0) - 1.0) / 2.0).to(tl.int32)
         row = tl.where((row + 1) * (row + 2) // 2 <= tile, row + 1, row)
@@ -3367,21 +3331,19 @@ if triton is not None:
 
     @triton.jit
     def _muon_apply_kernel(W, U, Scalars, N, DECAY: tl.constexpr, BLOCK: tl.constexpr):
-        """W += neg_decay * W where U * W >= 0 (DECAY), then W += neg_lr * U; Scalars = (neg_lr, neg_decay)."""
+        """W += neg_decay W where U W >= 0 (DECAY), then W += neg_lr U."""
         offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         inside = offsets < N
         w = tl.load(W + offsets, mask=inside)
         u = tl.load(U + offsets, mask=inside).to(tl.float32)
         if DECAY:
-            decayed = tl.where(u * w >= 0, w, 0.0) * tl.load(Scalars + 1)
-            w = w + decayed
+            w = w + tl.where(u * w >= 0, w, 0.0) * tl.load(Scalars + 1)
         tl.store(W + offsets, w + u * tl.load(Scalars), mask=inside)
 
-    # Single MUFU instructions for the FP8 loss kernel (no range fix-ups); exact formulas in the interpreter
+    # One MUFU instruction each, no range fix-ups; exact in the interpreter
     @triton.jit
     def _ptx_f32(x, INSTRUCTION: tl.constexpr):
-        return tl.inline_asm_elementwise(INSTRUCTION + " $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
-                                         pack=1)
+        return tl.inline_asm_elementwise(INSTRUCTION + " $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
 
     @triton.jit
     def _exp2_mufu(x, PTX: tl.constexpr):
@@ -3406,7 +3368,7 @@ if triton is not None:
 
     @triton.jit
     def _exp2_on_fma_units(x):
-        """2^x for x <= 15 on the FMA units (as FlashAttention-4): 2^(x - round(x)) by a cubic, then an exponent add."""
+        """2^x (x <= 15) on the FMA units, as FlashAttention-4."""
         x = tl.maximum(x, -125.0)
         shifted = x + 12582912.0
         frac = x - (shifted - 12582912.0)
@@ -3416,36 +3378,31 @@ if triton is not None:
 
     @triton.jit
     def _softcap_sigmoid(x, offset: tl.constexpr, divisor: tl.constexpr, PTX: tl.constexpr):
-        """s = sigmoid((x + offset) / divisor), z = cap * s: two MUFU instructions."""
         return _rcp_mufu(1.0 + _exp2_mufu((x + offset) * (-1.4426950408889634 / divisor), PTX), PTX)
 
     @triton.jit
     def _exp_z_minus_cap(x, cap: tl.constexpr, offset: tl.constexpr, divisor: tl.constexpr, PTX: tl.constexpr):
-        """exp(z - cap), the loss pass's term: three MUFU instructions."""
         return _exp2_mufu((_softcap_sigmoid(x, offset, divisor, PTX) - 1.0) * (cap * 1.4426950408889634), PTX)
 
     @triton.jit
     def _scaled_softmax_grad(x, shift, one_hot, cap: tl.constexpr, offset: tl.constexpr, divisor: tl.constexpr,
                              PTX: tl.constexpr):
-        """2^GRAD_EXP (w softmax(z) - one_hot / 2^GRAD_EXP) dz/dlogit, shift = (cap / 2 - lse + log w) log2 e +
-        GRAD_EXP; t = tanh((x + offset) / (2 divisor)), z = cap (1 + t) / 2, dz/dlogit = cap (1 - t^2) / (4 divisor)."""
+        """2^GRAD_EXP (w softmax(z) - one_hot 2^-GRAD_EXP) dz/dx, t = tanh((x + offset) / (2 divisor))."""
         t = _tanh_mufu((x + offset) * (0.5 / divisor), PTX)
         return ((_exp2_on_fma_units(t * (0.5 * cap * 1.4426950408889634) + shift) - one_hot)
                 * ((cap / (4.0 * divisor)) * (1.0 - t * t)))
 
     @triton.jit
     def _logaddexp(a, b):
-        high = tl.maximum(a, b)
-        return high + tl.log(1.0 + tl.exp(-tl.abs(a - b)))
+        return tl.maximum(a, b) + tl.log(1.0 + tl.exp(-tl.abs(a - b)))
 
     @triton.jit
     def _softcapped_ce_fp8_kernel(Logits, Targets, Weights, Loss, Grad, V, stride, period, LogCopy, LogSink, DCopy,
                                   DSink, slot, cap: tl.constexpr, offset: tl.constexpr, divisor: tl.constexpr,
                                   K: tl.constexpr, GRAD_EXP: tl.constexpr, BLOCK: tl.constexpr, TAIL: tl.constexpr,
                                   PTX: tl.constexpr, COPY: tl.constexpr, FIRST: tl.constexpr):
-        """A row per program, two passes: sum exp(z - cap) (z < cap: no running max), then the gradient for an upstream
-        2^GRAD_EXP in Grad's dtype (e5m2). Loss: Weights[k] x the cross-entropy to the token k + 1 ahead in the row's
-        micro-batch of `period` rows; with COPY the next token's is the copy mixture's (DCopy, DSink: derivatives)."""
+        """A row per program: sum exp(z - cap) (z < cap: no running max), then the gradient times 2^GRAD_EXP.
+        Loss: sum_k Weights[k] CE to token k + 1 ahead within `period` rows; COPY: the copy mixture's."""
         row = tl.program_id(0).to(tl.int64)
         Logits += row * stride
         Grad += row * V
@@ -3464,22 +3421,22 @@ if triton is not None:
         lse = cap + tl.log(summed)
         position = row % period
         loss = 0.0
-        weight = 0.0  # the softmax's multiple in the gradient
-        lse_lm = lse  # the log-sum-exp the LM's terms take
+        weight = 0.0  # the softmax's weight
+        lse_lm = lse
         q = 1.0  # d lse_lm / d lse
         q_less_1 = 0.0
-        pointed = 1.0  # the next token's target: its share of the mixture that comes from the LM
-        gate_coef = 0.0  # the gradient's amount at the gate's column, besides the softmax's
+        pointed = 1.0  # the LM's share of the next token's mixture
+        gate_coef = 0.0
         if COPY:
             x_gate = tl.load(Logits + slot).to(tl.float32)
             gate = cap * _softcap_sigmoid(x_gate, offset, divisor, PTX)
             lse_lm = cap + tl.log(tl.maximum(summed - tl.exp(gate - cap), summed * 1e-7))
             q = tl.exp(lse - lse_lm)  # 1 / (1 - alpha)
-            q_less_1 = tl.exp(gate - lse_lm)  # q - 1 and 1 - r from their logs, not as differences from 1
+            q_less_1 = tl.exp(gate - lse_lm)  # q - 1 from logs: no cancellation
             log_copy = tl.load(LogCopy + row)
             log_sink = tl.load(LogSink + row)
             kept = _logaddexp(lse_lm, gate + log_sink)
-            sink_share = tl.exp(gate + log_sink - kept)  # 1 - r, r = the LM's share of what the pointer keeps
+            sink_share = tl.exp(gate + log_sink - kept)
             w0 = tl.load(Weights)
             x_next = tl.load(Logits + tl.load(Targets + row)).to(tl.float32)
             from_lm = cap * _softcap_sigmoid(x_next, offset, divisor, PTX) - lse_lm + kept
@@ -3492,7 +3449,7 @@ if triton is not None:
             gate_coef = -w0 * (pointed * sink_share * q + copied)
             tl.store(DCopy + row, -w0 * copied)
             tl.store(DSink + row, -w0 * pointed * sink_share)
-        for k in tl.static_range(FIRST, K):  # FIRST: 1 with COPY, whose next token's term is above
+        for k in tl.static_range(FIRST, K):
             inside_batch = position + k < period
             w = tl.where(inside_batch, tl.load(Weights + k), 0.0)
             x_target = tl.load(Logits + tl.load(Targets + row + k, mask=inside_batch, other=0)).to(tl.float32)
@@ -3510,11 +3467,11 @@ if triton is not None:
             x = tl.load(Logits + start + tail_cols, mask=inside, other=0.0).to(tl.float32)
             grad = _scaled_softmax_grad(x, shift, 0.0, cap, offset, divisor, PTX)
             tl.store(Grad + start + tail_cols, grad.to(Grad.dtype.element_ty), mask=inside)
-        tl.debug_barrier()  # the targets' entries again, now with their -w: after the barrier they land last
+        tl.debug_barrier()  # the targets' entries again, with -w: the barrier makes them land last
         for k in tl.static_range(K):
             inside_batch = position + k < period
             target = tl.load(Targets + row + k, mask=inside_batch, other=0)
-            same = 0.0  # the amount of every offset whose target is this one (a repeated token)
+            same = 0.0  # over offsets with this target
             for j in tl.static_range(K):
                 inside_j = position + j < period
                 amount = tl.load(Weights + j)
@@ -3525,13 +3482,12 @@ if triton is not None:
             grad = _scaled_softmax_grad(tl.load(Logits + target).to(tl.float32), shift, same * 2.0 ** GRAD_EXP, cap,
                                         offset, divisor, PTX)
             tl.store(Grad + target, grad.to(Grad.dtype.element_ty), mask=inside_batch)
-        if COPY:  # the gate is no target (it lies past the vocabulary)
+        if COPY:  # the gate, past the vocabulary, is no target
             grad = _scaled_softmax_grad(x_gate, shift, -gate_coef * 2.0 ** GRAD_EXP, cap, offset, divisor, PTX)
             tl.store(Grad + slot, grad.to(Grad.dtype.element_ty))
 
     @triton.jit
     def _transpose_kernel(In, Out, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        """Out [N, M] = In [M, N]^T for one tile of a contiguous In."""
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         inside = (rows[:, None] < M) & (cols[None, :] < N)
@@ -3541,7 +3497,7 @@ if triton is not None:
     @triton.jit
     def _copy_tile(q, K, Tokens, Docs, queries, keys, targets, documents, SCALE: tl.constexpr, BAND: tl.constexpr,
                   D: tl.constexpr):
-        """Scores, which keys each query sees (its document, < BAND back), which hold its target, and the keys."""
+        """Scores, seen (same document, < BAND back), hit (seen and the target), keys."""
         k = tl.load(K + keys[:, None] * D + tl.arange(0, D)[None, :])
         s = tl.dot(q, tl.trans(k)) * SCALE
         back = queries[:, None] - keys[None, :]
@@ -3551,7 +3507,6 @@ if triton is not None:
 
     @triton.jit
     def _copy_score_grads(s, seen, hit, log_z, log_hits, grad_z, grad_hits):
-        """d loss / d scores: the softmax over the seen times log_z's gradient, plus over the hits times log_hits'."""
         p_z = tl.where(seen, tl.exp(tl.minimum(s - log_z[:, None], 0.0)), 0.0)
         p_hits = tl.where(hit, tl.exp(tl.minimum(s - log_hits[:, None], 0.0)), 0.0)
         return p_z * grad_z[:, None] + p_hits * grad_hits[:, None]
@@ -3559,13 +3514,13 @@ if triton is not None:
     @triton.jit
     def _copy_scores_kernel(Q, K, Tokens, Targets, Docs, Sink, LogZ, LogHits, SCALE: tl.constexpr, BAND: tl.constexpr,
                             D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        """A block of queries: log_z (seen and sink) and log_hits, online log-sum-exps over the band's key tiles."""
+        """log_z (seen and sink) and log_hits of a query block."""
         start = tl.program_id(0) * BLOCK_M
         queries = start + tl.arange(0, BLOCK_M)
         q = tl.load(Q + queries[:, None] * D + tl.arange(0, D)[None, :])
         targets, documents = tl.load(Targets + queries), tl.load(Docs + queries)
         first_document = tl.load(Docs + start)
-        max_z = tl.full([BLOCK_M], -1e30, tl.float32)  # finite: a row with nothing seen yet keeps exp2(0) factors
+        max_z = tl.full([BLOCK_M], -1e30, tl.float32)  # finite: no inf - inf
         sum_z = tl.zeros([BLOCK_M], tl.float32)
         max_hits, sum_hits = max_z, sum_z
         for key_start in range(tl.maximum(start - BAND, 0), start + BLOCK_M, BLOCK_N):
@@ -3625,7 +3580,6 @@ if triton is not None:
 
     @triton.jit
     def _sorted_rows_add_kernel(Grads, SortedRows, Order, Out, T, dim, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr):
-        """Out[SortedRows[j]] += Grads[Order[j]] for CHUNK consecutive j: equal rows summed, then one atomic add."""
         start = tl.program_id(0) * CHUNK
         cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         col_ok = cols < dim
@@ -3645,7 +3599,6 @@ if triton is not None:
 
     @triton.jit
     def _gather_rows_kernel(Table, Indices, Out, T, dim, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-        """Out[t] = Table[Indices[t]] in Out's dtype, a tile of Out."""
         positions = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         inside = (positions < T)[:, None] & (cols < dim)[None, :]
@@ -3666,8 +3619,7 @@ if triton is not None:
     def _relu2_matmul_kernel(a_desc, b_desc, out_desc, post_desc, M, N, K, GRAD: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                              GROUP_M: tl.constexpr, SPLIT: tl.constexpr, PROGRAMS: tl.constexpr):
-        """A [M, K] @ B [N, K]^T with relu(.)^2 in the epilogue, or with GRAD its gradient . * 2 sqrt(post).
-        Persistent programs walk the tiles GROUP_M row blocks at a time; SPLIT=2: the epilogue in halves."""
+        """Persistent programs, GROUP_M row blocks at a time; SPLIT=2: the epilogue in halves."""
         tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
         per_group = GROUP_M * tiles_n
         half: tl.constexpr = BLOCK_N // 2
@@ -3686,10 +3638,10 @@ if triton is not None:
             else:
                 _relu2_epilogue(acc, post_desc, out_desc, row0, col0, GRAD)
 
-    # The op's namespace follows the module's name: run as a script and imported, the file is two modules.
+    # One op name per module: the script and its import are two modules
     @torch.library.custom_op(f"{__name__.replace('.', '_')}::relu2_matmul", mutates_args=())
     def relu2_matmul(a: Tensor, b: Tensor, post: Tensor | None = None) -> Tensor:
-        """relu(a @ b^T)^2, or given post the gradient (a @ b^T) * 2 sqrt(post); torch.compile calls the op."""
+        """relu(a @ b^T)^2, or given post (a @ b^T) * 2 sqrt(post)."""
         (M, K), N = a.shape, b.size(0)
         out = a.new_empty(M, N)
         block_m, block_n, block_k, group_m, split, warps, stages = RELU2_MM_CONFIG
@@ -3708,53 +3660,49 @@ if triton is not None:
         return a.new_empty(a.size(0), b.size(0))
 
 MUON_APPLY_BLOCK = 4096
-CE_FP8_BLOCK, CE_FP8_WARPS, CE_FP8_TAIL = 16384, 16, 1024  # the fused loss kernel's launch shape (tuned on H100)
-COPY_FWD_BLOCKS, COPY_BWD_BLOCKS, COPY_WARPS = (128, 64), (64, 64), 8  # key tiles; query and key blocks
+CE_FP8_BLOCK, CE_FP8_WARPS, CE_FP8_TAIL = 16384, 16, 1024  # tuned on H100
+COPY_FWD_BLOCKS, COPY_BWD_BLOCKS, COPY_WARPS = (128, 64), (64, 64), 8  # (BLOCK_M, BLOCK_N)
 ROWS_CHUNK, ROWS_BLOCK_D, ROWS_WARPS = 64, 512, 4
 RELU2_MM_CONFIG = (128, 256, 64, 8, 2, 8, 3)  # BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT, warps, stages (H100)
 
 def symmetric_matmul(X: Tensor, out: Tensor, alpha: float = 1.0, beta: float = 0.0, Y: Tensor | None = None):
-    """out = alpha X X^T + beta Y over a [batch, M, K] stack."""
     batch, M, K = X.shape
     tiles = lambda meta: (triton.cdiv(M, meta["BLOCK"]) * (triton.cdiv(M, meta["BLOCK"]) + 1) // 2, batch)
     Yt = Y if Y is not None else out
-    _symmetric_matmul_kernel[tiles](X, Yt, out, M, K, *X.stride(), *Yt.stride(), *out.stride(), alpha, beta,
-                                    HAS_Y=Y is not None)
+    _symmetric_matmul_kernel[tiles](
+        X, Yt, out, M, K, *X.stride(), *Yt.stride(), *out.stride(), alpha, beta, HAS_Y=Y is not None)
     return out
 
 def muon_apply_(weight: Tensor, update: Tensor, scalars: Tensor, decay: bool) -> None:
-    """Muon._apply's multi-tensor ops for one fp32 matrix in one pass; no fused multiply-adds: bit-equal to them."""
+    """Muon._apply's ops on one fp32 matrix in one pass; no FMAs: bit-equal."""
     if not (weight.is_contiguous() and update.is_contiguous()) or update.shape != weight.shape:
         raise ValueError(f"muon_apply_ needs a contiguous weight and update of one shape, got {tuple(weight.shape)} "
                          f"and {tuple(update.shape)}")
     n = weight.numel()
-    _muon_apply_kernel[(triton.cdiv(n, MUON_APPLY_BLOCK),)](weight, update, scalars, n, DECAY=decay,
-                                                           BLOCK=MUON_APPLY_BLOCK, enable_fp_fusion=False)
+    _muon_apply_kernel[(triton.cdiv(n, MUON_APPLY_BLOCK),)](
+        weight, update, scalars, n, DECAY=decay, BLOCK=MUON_APPLY_BLOCK, enable_fp_fusion=False)
 
 def transpose_fp8(x: Tensor, block_m: int = 64, block_n: int = 128, warps: int = 4) -> Tensor:
-    """The FP8 logit gradient as [V, T] for the weight gradient (FP8 matmuls take K-major operands)."""
+    """x^T: FP8 matmuls take K-major operands."""
     M, N = x.shape
     out = x.new_empty(N, M)
-    _transpose_kernel[(triton.cdiv(M, block_m), triton.cdiv(N, block_n))](x, out, M, N, BLOCK_M=block_m,
-                                                                        BLOCK_N=block_n, num_warps=warps)
+    _transpose_kernel[(triton.cdiv(M, block_m), triton.cdiv(N, block_n))](
+        x, out, M, N, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
     return out
 
 def softcapped_ce_fp8(logits: Tensor, targets: Tensor, cap: tuple, losses: Tensor, grad: Tensor,
                       mtp: tuple | None = None, copy: tuple | None = None) -> None:
-    """Each row's loss into losses, its gradient into grad; mtp = (weights summing to 1, period); copy = (the gate's
-    column, log_copy, log_sink, d_copy, d_sink), the last two written."""
+    """mtp = (weights summing to 1, period); copy = (gate column, log_copy, log_sink, d_copy, d_sink)."""
     rows, vocab = logits.shape
     weights, period = mtp if mtp is not None else (torch.ones(1, device=logits.device), rows)
     slot, log_copy, log_sink, d_copy, d_sink = copy if copy is not None else (0, losses, losses, losses, losses)
-    _softcapped_ce_fp8_kernel[(rows,)](logits, targets, weights, losses, grad, vocab, logits.stride(0), period,
-                                       log_copy, log_sink, d_copy, d_sink, slot, *cap, K=weights.numel(),
-                                       GRAD_EXP=GRAD_E5M2_EXP, BLOCK=CE_FP8_BLOCK, TAIL=min(CE_FP8_TAIL, CE_FP8_BLOCK),
-                                       PTX=logits.is_cuda, COPY=copy is not None, FIRST=int(copy is not None),
-                                       num_warps=CE_FP8_WARPS)
+    _softcapped_ce_fp8_kernel[(rows,)](
+        logits, targets, weights, losses, grad, vocab, logits.stride(0), period, log_copy, log_sink, d_copy, d_sink,
+        slot, *cap, K=weights.numel(), GRAD_EXP=GRAD_E5M2_EXP, BLOCK=CE_FP8_BLOCK, TAIL=min(CE_FP8_TAIL, CE_FP8_BLOCK),
+        PTX=logits.is_cuda, COPY=copy is not None, FIRST=int(copy is not None), num_warps=CE_FP8_WARPS)
 
 class _CopyScores(torch.autograd.Function):
-    """copy_log_probs' kernels: the forward keeps two floats a query; the backward recomputes the scores, once over
-    query blocks and once over key blocks, so that no gradient adds into another."""
+    """copy_log_probs' kernels; the backward recomputes the scores."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, sink: Tensor, tokens: Tensor, targets: Tensor, documents: Tensor,
@@ -3762,8 +3710,9 @@ class _CopyScores(torch.autograd.Function):
         T, d = q.shape
         log_z, log_hits = q.new_empty(T, dtype=torch.float32), q.new_empty(T, dtype=torch.float32)
         block_m, block_n = COPY_FWD_BLOCKS
-        _copy_scores_kernel[(T // block_m,)](q, k, tokens, targets, documents, sink, log_z, log_hits, d ** -0.5,
-                                             BAND=band, D=d, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=COPY_WARPS)
+        _copy_scores_kernel[(T // block_m,)](
+            q, k, tokens, targets, documents, sink, log_z, log_hits, d ** -0.5, BAND=band, D=d, BLOCK_M=block_m,
+            BLOCK_N=block_n, num_warps=COPY_WARPS)
         ctx.save_for_backward(q, k, sink, tokens, targets, documents, log_z, log_hits)
         ctx.band = band
         return log_hits - log_z, sink - log_z
@@ -3777,25 +3726,23 @@ class _CopyScores(torch.autograd.Function):
         dq, dk = torch.empty_like(q), torch.empty_like(k)
         block_m, block_n = COPY_BWD_BLOCKS
         args = (tokens, targets, documents, log_z, log_hits, grad_z, grad_copy)
-        _copy_scores_dq_kernel[(T // block_m,)](q, k, *args, dq, d ** -0.5, BAND=ctx.band, D=d, BLOCK_M=block_m,
-                                                BLOCK_N=block_n, num_warps=COPY_WARPS)
-        _copy_scores_dk_kernel[(T // block_n,)](q, k, *args, dk, T, d ** -0.5, BAND=ctx.band, D=d, BLOCK_M=block_m,
-                                                BLOCK_N=block_n, num_warps=COPY_WARPS)
+        meta = dict(BAND=ctx.band, D=d, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=COPY_WARPS)
+        _copy_scores_dq_kernel[(T // block_m,)](q, k, *args, dq, d ** -0.5, **meta)
+        _copy_scores_dk_kernel[(T // block_n,)](q, k, *args, dk, T, d ** -0.5, **meta)
         return dq, dk, grad_sink + grad_z * torch.exp(sink - log_z), None, None, None, None
 
 def gather_rows(table: Tensor, indices: Tensor, dtype: torch.dtype, use_triton: bool) -> Tensor:
-    """table[indices] as dtype; the kernel converts as it copies, where torch converts in a second pass."""
+    """table[indices] as dtype, converted as copied."""
     if not use_triton or dtype == table.dtype:
         return F.embedding(indices, table).to(dtype)
     T, dim = indices.numel(), table.size(1)
     out = table.new_empty(T, dim, dtype=dtype)
-    _gather_rows_kernel[(triton.cdiv(T, 16), triton.cdiv(dim, 256))](table, indices, out, T, dim, BLOCK_T=16,
-                                                                      BLOCK_D=256, num_warps=4)
+    _gather_rows_kernel[(triton.cdiv(T, 16), triton.cdiv(dim, 256))](
+        table, indices, out, T, dim, BLOCK_T=16, BLOCK_D=256, num_warps=4)
     return out
 
 def add_rows_(tables_grads: list[Tensor], indices: Tensor, row_grads: list[Tensor], use_triton: bool) -> None:
-    """tables_grads[i][indices[t]] += row_grads[i][t]. Where index_add_ adds atomically per position (many on one
-    frequent token's row), the kernel sorts the indices once and sums each run of equal rows first."""
+    """tables_grads[i][indices[t]] += row_grads[i][t]; the kernel sums equal sorted rows, then adds atomically."""
     if not use_triton:
         for grad, rows in zip(tables_grads, row_grads):
             grad.index_add_(0, indices, rows.to(grad.dtype))
@@ -3808,8 +3755,7 @@ def add_rows_(tables_grads: list[Tensor], indices: Tensor, row_grads: list[Tenso
             rows, sorted_rows, order, grad, T, dim, CHUNK=ROWS_CHUNK, BLOCK_D=ROWS_BLOCK_D, num_warps=ROWS_WARPS)
 
 class _FusedReLU2MLP(torch.autograd.Function):
-    """relu(x @ fc_w^T)^2 @ proj_w with the activation in two Triton matmuls' epilogues (speedrun 2025): the forward
-    writes relu(h)^2 alone, the backward's first matmul applies its derivative; no elementwise [T, hidden] pass."""
+    """relu(x @ fc_w^T)^2 @ proj_w, the activation and its derivative in matmul epilogues (speedrun 2025)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, fc_w: Tensor, proj_w: Tensor) -> Tensor:
