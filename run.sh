@@ -44,12 +44,6 @@ if [ "$NPROC" -eq 0 ]; then
     echo "error: no CUDA GPU found; a CPU run: NPROC=2 ./run.sh --device=cpu --preset=tiny --train_files=..." >&2
     exit 1
 fi
-# A record attempt keeps torch's compile artifacts for the next start: the first start on a machine compiles, later
-# ones load.
-case " $* " in
-    *" --compile_cache="*) ;;
-    *) set -- --compile_cache=logs/compile_cache.bin "$@" ;;
-esac
 echo "launching on $NPROC of $gpus GPUs"
 quiet_threads
 exec torchrun --standalone --nproc_per_node="$NPROC" train_gpt.py "$@"

@@ -5,7 +5,7 @@
 #         stage: tokens/s per GPU at N over that at 1 (synchronous data parallelism runs at its slowest GPU's pace,
 #         so the one-GPU row's own GPU matters: on two 2xH200 the same code scaled 97.8% or 94.5% by which GPU ran
 #         it); the two-GPU NCCL tests (tests/gpu/test_cuda_ranks.py) first
-# record  the full default run at world size N on the bench stream with a compile cache file, its log in $OUT
+# record  the full default run at world size N on the bench stream, its log in $OUT
 # diloco  data parallelism on 2 GPUs against streaming DiLoCo with 2 one-GPU replicas at equal tokens on bench2
 #         (micro-batches of 4,096 tokens, 300 steps: no token repeats), a lighthouse on this machine; torchft from
 #         a carried .whl/ (pip download torchft==0.2.0 -d .whl --python-version 3.12 --only-binary=:all:
@@ -44,7 +44,7 @@ SCALING
 record)
     start=$SECONDS
     timeout 590 torchrun --nproc_per_node="$nproc" train_gpt.py "${data[@]}" --val_loss_every=250 \
-        --compile_cache=/tmp/record_compile_cache.bin --run_id="default_x$nproc" "${flags[@]}" \
+        --run_id="default_x$nproc" "${flags[@]}" \
         > "$OUT/default_x$nproc.stdout" 2>&1
     echo "== default run, $nproc GPUs: exit $? after $((SECONDS - start))s"
     grep -E "^compile_time|val_loss|step times|peak memory|^final" "$OUT/default_x$nproc.stdout" | cut -c1-220

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import train_gpt as tg
-from helpers import RecordOps, run_on_ranks
+from helpers import run_on_ranks
 
 # A QKVO-like stack (4 row blocks) and MLP-like matrices of the same shape, plus one other shape.
 ATTN, MLP, OTHER = 3, 6, 2
@@ -299,21 +299,3 @@ def _single_matrix_on_two_ranks(rank, world_size):
     opt.step()
     assert not torch.equal(p.detach(), torch.ones(6, 4))
     return p.detach()
-
-
-def test_applying_a_group_costs_the_same_ops_for_any_number_of_matrices():
-    """On several GPUs the host's launches set the step (docs/performance.md): a group's updates go in as multi-tensor
-    ops, as many for 16 matrices as for 4 (the per-matrix loop made six per matrix)."""
-    def ops_to_apply(count):
-        params = [torch.randn(16, 8).requires_grad_() for _ in range(count)]
-        opt = tg.Muon([dict(params=params)], lr=LR, momentum=MOMENTUM, weight_decay=WD)
-        before, updates = [p.detach().clone() for p in params], torch.randn(count, 16, 8).to(torch.bfloat16)
-        opt.fill_scalars()  # the scheduled lr and decay, as step() fills them
-        with RecordOps() as record, torch.no_grad():
-            opt._apply(params, updates)
-        assert all(not torch.equal(p, b) for p, b in zip(params, before))
-        views = (torch.ops.aten.unbind.int, torch.ops.aten.select.int, torch.ops.aten.slice.Tensor)  # no launch
-        return [op for op in record.ops if op not in views]
-
-    assert ops_to_apply(16) == ops_to_apply(4)
-    assert len(ops_to_apply(4)) <= 10  # with the lr and decay as device tensors: a multiply each before the adds

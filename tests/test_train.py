@@ -3,17 +3,14 @@ one process and on two gloo processes."""
 import dataclasses
 import gc
 import hashlib
-import json
 import math
 import os
 import re
 import subprocess
 import sys
 import threading
-import time
 import types
 import weakref
-import zipfile
 
 import numpy as np
 import pytest
@@ -1048,17 +1045,11 @@ def test_two_process_gloo_smoke_run(tiny_data, tmp_path):
     assert re.findall(r"^rank 1: step times, stage (\d): (\d) steps, wall median", log, re.M) == counts
 
 
-def test_step_times_flag_slow_steps_per_stage_and_time_garbage_collections():
+def test_step_times_flag_slow_steps_per_stage():
     times = tg.StepTimes(tg.Schedule(tg.Config(num_iterations=30, extension_steps=0)))  # steps 1-10, 11-20, 21-30
-    try:
-        for step in range(1, 31):
-            stage = (step - 1) // 10
-            times.add(step, 100.0 * (stage + 1) + (50.0 * (stage + 1) if step in (7, 25) else 0.0))
-        gc.collect()
-        gc.collect(0)
-    finally:
-        times.close()
-    gc.collect()  # after close(): not counted
+    for step in range(1, 31):
+        stage = (step - 1) // 10
+        times[step] = 100.0 * (stage + 1) + (50.0 * (stage + 1) if step in (7, 25) else 0.0)
     gpu_ms = {step: 90.0 * ((step - 1) // 10 + 1) + (45.0 if step == 7 else 0.0) for step in range(2, 31)}
     wall_lines = times.summary({})  # no GPU: judged by wall time
     assert wall_lines[0] == ("step times, stage 0: 10 steps, wall median 100.0 ms, slowest 150.0 ms at step 7 (1.50x); "
@@ -1070,9 +1061,7 @@ def test_step_times_flag_slow_steps_per_stage_and_time_garbage_collections():
                         "1 over 1.2x the median")
     assert lines[2] == ("step times, stage 2: 10 steps, GPU median 270.0 ms, slowest 270.0 ms at step 21 (1.00x); "
                         "0 over 1.2x the median")
-    collections = re.fullmatch(r"garbage collections after the warm-up: (\d+), [\d.]+ ms in all; longest [\d.]+ ms "
-                               r"\(generation [012], step 30\)", lines[3])
-    assert collections and int(collections.group(1)) >= 2, lines[3]  # two explicit ones, maybe automatic ones
+    assert len(lines) == 3
 
 
 def _train_on_rank(rank, world_size, cfg):
@@ -1195,7 +1184,7 @@ def _launched_before_step_on_rank(rank, world_size, cfg):
     """For every optimizer step of a run (launch_step, which Optimizers.step calls): had all of that optimizer's
     reduce-scatters been launched?"""
     launched = []
-    for cls, units in ((tg.DistAdam, "units"), (tg.Muon, "groups")):
+    for cls, units in ((tg.DistAdam, "buckets"), (tg.Muon, "groups")):
         def checked(self, _launch=cls.launch_step, _units=units):
             if not getattr(self, "accumulating", False):  # an accumulating Adam step sends nothing
                 launched.append((type(self).__name__, all(unit.pending is not None for unit in getattr(self, _units))))
@@ -1385,7 +1374,7 @@ def test_check_and_help_flags(tiny_data, tmp_path, monkeypatch, capsys):
     assert code == 1 and "fewer than --val_tokens=1,048,576" in capsys.readouterr().err
     code = tg.main(["--help"])
     usage = capsys.readouterr().out
-    assert code == 0 and "--num_iterations=1270" in usage and "--compile_cache=" in usage
+    assert code == 0 and "--num_iterations=1270" in usage and "--cuda_graphs=auto" in usage
 
 
 def test_every_config_field_has_a_group_and_one_line_of_help_that_help_prints():

@@ -268,7 +268,7 @@ MUON_APPLY_CHECK = textwrap.dedent("""
         w = w.detach()
         ops, fused = w.clone(), w.clone()
         opt.group_index_of[ops] = i
-        opt._apply([ops], u[None])  # the multi-tensor ops
+        opt._apply([ops], u[None])  # the plain-torch path
         tg.muon_apply_(fused, u, opt.scalars[i, 3:], bool(opt.param_groups[i]["weight_decay"]))
         neg_lr, neg_decay = opt.scalars[i, 3:].double()
         w64, u64 = w.double(), u.double()
@@ -278,8 +278,8 @@ MUON_APPLY_CHECK = textwrap.dedent("""
 """)
 
 
-def test_muon_apply_kernel_keeps_the_multi_tensor_ops_bits_in_the_interpreter(interpreter):
-    """muon_apply_ (Muon's update and cautious decay in one pass) against Muon's multi-tensor ops and float64, with
+def test_muon_apply_kernel_keeps_the_plain_torch_bits_in_the_interpreter(interpreter):
+    """muon_apply_ (Muon's update and cautious decay in one pass) against Muon's plain-torch path and float64, with
     and without decay, over a partial block and several blocks."""
     lines = interpreter(MUON_APPLY_CHECK).split("\n")[:2]
     for line in lines:
