@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import difflib
 import functools
 import gc
 import glob
@@ -204,6 +205,8 @@ def parse_cli(argv: list[str]) -> tuple[Config, dict]:
     fields = {f.name: f for f in dataclasses.fields(Config)}
     overrides, flags = {}, {}
     for arg in argv:
+        if arg == "-h":
+            arg = "--help"
         if not arg.startswith("--"):
             raise UserError(f"unexpected argument {arg!r}: arguments take the form --name=value")
         name, has_value, text = arg[2:].partition("=")
@@ -211,7 +214,11 @@ def parse_cli(argv: list[str]) -> tuple[Config, dict]:
             flags[name] = text if has_value else "1"
             continue
         if name not in fields:
-            raise UserError(f"unknown option --{name}; `python train_gpt.py --help` lists them")
+            names = [*fields, *CLI_ONLY_FLAGS]
+            near = [*difflib.get_close_matches(name, names, 3, 0.6), *(n for n in names if name in n)]
+            near = " or ".join(f"--{n}" for n in list(dict.fromkeys(near))[:3])
+            raise UserError(f"unknown option --{name}{f' (did you mean {near}?)' if near else ''}; "
+                            "`python train_gpt.py --help` lists them")
         if not has_value:
             raise UserError(f"--{name} needs a value: --{name}=VALUE")
         try:
@@ -221,7 +228,12 @@ def parse_cli(argv: list[str]) -> tuple[Config, dict]:
     preset = flags.get("preset")
     if preset is not None and preset not in PRESETS:
         raise UserError(f"unknown --preset={preset}; presets: {', '.join(PRESETS)}")
-    cfg = Config(**{**PRESETS.get(preset, {}), **overrides})
+    base = PRESETS.get(preset, {})
+    if overrides.get("init_from") and bool(overrides.get("eval_only")) != bool(overrides.get("sample")):
+        saved = config_from_dict(read_checkpoint(overrides["init_from"], "init_from")["config"])
+        base = {**base, **{f.name: getattr(saved, f.name) for f in fields.values()  # where no flag sets them
+                           if f.metadata["group"] in ("data", "schedule", "model")}}
+    cfg = Config(**{**base, **overrides})
     validate_config(cfg)
     return cfg, flags
 
@@ -758,7 +770,7 @@ _MATCH_PRIMES, _MATCH_MULTIPLIERS = (2147483629, 2147483587), (1000003, 999331)
 
 def longest_matches(tokens: Tensor, starts: Tensor) -> tuple[Tensor, Tensor]:
     """Per t, the longest context of MATCH_LENGTHS seen earlier in the document, ending at p: (tokens[p + 1], its
-    bucket; 0 if none), by a stable sort of hashed keys."""
+    bucket; 0 if none)."""
     T = tokens.numel()
     positions = torch.arange(T, device=tokens.device)
     documents = torch.cumsum(starts.long(), 0)
@@ -1037,8 +1049,7 @@ COPY_BLOCK = 128  # queries per block of the copy pointer's scores
 
 def copy_log_probs(q: Tensor, k: Tensor, sink: Tensor, tokens: Tensor, targets: Tensor, documents: Tensor,
                    band: int, use_triton: bool = False) -> tuple[Tensor, Tensor]:
-    """Softmax over the document's keys in (t - band, t] and the sink: log masses on targets[t] and on the sink.
-    Blocks of queries score their band: no [T, T]."""
+    """Softmax over the document's keys in (t - band, t] and the sink: log masses on targets[t] and on the sink."""
     T, d = q.shape
     sink = sink.float().expand(T)
     if use_triton:
@@ -1140,9 +1151,9 @@ class Comm:
     def distributed(self) -> bool:
         return self.world_size > 1
 
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
+# torch 2.13's names of the tensor collectives; 2.11 has only the older ones, which 2.13 deprecates
+all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 def current_rank_and_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
@@ -1208,8 +1219,8 @@ def union_of_rows(row_lists: list[np.ndarray], num_rows: int) -> np.ndarray:
     return np.flatnonzero(touched)
 
 class _RowExchange:
-    """Sparse gradient exchange (speedrun 2026-02-06): a row-sharded table's sorted touched rows go to their owners,
-    who sum them into their shard. Counts travel at once over gloo (the host waits, not the GPU), rows on the device."""
+    """Sparse gradient exchange (speedrun 2026-02-06): a row-sharded table's touched rows go to their owners, who sum
+    them into their shard; the counts over gloo (the host waits, not the GPU)."""
 
     def __init__(self, rows: np.ndarray, table: Tensor, rank: int, world_size: int, cpu_group):
         self.rank, self.world_size, self.rows_per_rank = rank, world_size, table.size(0) // world_size
@@ -1240,9 +1251,8 @@ class _RowExchange:
 
 class DistAdam(torch.optim.Optimizer):
     """Adam with cautious weight decay, sharded over the ranks (ZeRO-1; speedrun 2025-05). A step: 1. per bucket a
-    reduce-scatter (average) from a backward hook or at step(), a tied pair's sum in the leader's, a sparse table's
-    touched rows; 2. update the owned slice, all-gather it; 3. write the parameters. launch_step does 1, 2, returns 3.
-    While `accumulating`, a step sends and updates nothing: its gradients add to the next's."""
+    reduce-scatter (average), a tied pair's sum in the leader's, a sparse table's touched rows; 2. update the owned
+    slice, all-gather it; 3. write the parameters. `accumulating`: gradients add up, nothing is sent."""
 
     SMALL = 8192  # parameters below this many values share their group's bucket
     DYNAMIC = 1 << 20  # shards below this many values share one compiled update of dynamic shape
@@ -1308,7 +1318,7 @@ class DistAdam(torch.optim.Optimizer):
         elif self.distributed:
             flat = bucket.flat(grads)
             out = flat.new_empty(bucket.shard)
-            work = dist.reduce_scatter_tensor(out, flat, op=dist.ReduceOp.AVG, async_op=True)
+            work = reduce_scatter_single(out, flat, op=dist.ReduceOp.AVG, async_op=True)
             bucket.pending = lambda: (work.wait(), out)[1]
         else:
             flat = bucket.flat(grads)
@@ -1345,7 +1355,7 @@ class DistAdam(torch.optim.Optimizer):
             owned = bucket.owned(flat, self.rank)
             self._update(bucket, owned, grad_shard)
             if self.distributed:
-                gathers.append((bucket, flat, dist.all_gather_into_tensor(flat, owned, async_op=True).wait))
+                gathers.append((bucket, flat, all_gather_single(flat, owned, async_op=True).wait))
             elif not bucket.in_place:
                 gathers.append((bucket, flat, None))
         for bucket in self.buckets:
@@ -1447,8 +1457,8 @@ def orthogonalize(grads: Tensor, use_triton: bool) -> Tensor:
 
 def plan_muon_groups(shapes: list[tuple[int, ...]], world_size: int,
                      layers: list[int] | None = None) -> list[list[int]]:
-    """Groups of one shape, smaller shapes and later layers first (the backward's order), a shape in two halves of
-    world-size multiples where it can (the second's communication overlaps the first's compute)."""
+    """Groups of one shape, small shapes and late layers first (the backward's order), a shape in two halves where it
+    can (the second's communication overlaps the first's compute)."""
     by_shape: dict[tuple[int, ...], list[int]] = {}
     order = range(len(shapes)) if layers is None else sorted(range(len(shapes)), key=lambda i: -layers[i])
     for index in order:
@@ -1462,8 +1472,7 @@ def plan_muon_groups(shapes: list[tuple[int, ...]], world_size: int,
     return groups
 
 class CapturedSteps:
-    """Parts of a step as CUDA graphs: eager until a part's tensors repeat, then captured and replayed (new tensors:
-    captured again). Parts hold no collectives and read their settings from device tensors."""
+    """Step parts as CUDA graphs, captured once their tensors repeat; no collectives, settings in device tensors."""
 
     def __init__(self):
         self.graphs: dict = {}  # key -> (graph, tensors' signature, what the part returned)
@@ -1513,11 +1522,10 @@ class _MuonGroup:
         return getattr(self, name)
 
 class Muon(torch.optim.Optimizer):
-    """NorMuon (Jordan et al. 2024; Li et al. 2025; speedrun 2025-10-24): Nesterov momentum (plus a slow buffer by
-    "slow_share", 2026-08-30), orthogonalised (a batch per kind of row block of "split"), rescaled per row/column.
-    lr: the group's times "lr_mul" times sqrt(max(1, rows/cols)) of the first row block (2025-10-27); cautious decay.
-    A step: 1. per group (plan_muon_groups) a reduce-scatter (average) of the stacked gradients; 2. the owned
-    matrices' updates, then their all-gather; 3. apply. launch_step does 1 and 2 and returns 3."""
+    """NorMuon (Jordan et al. 2024; Li et al. 2025; speedrun 2025-10-24): Nesterov momentum (and a slow buffer,
+    2026-08-30), orthogonalised per kind of row block ("split"), rescaled per row/column; lr x "lr_mul" x
+    sqrt(max(1, rows/cols)) (2025-10-27); cautious decay. A step: 1. a reduce-scatter per group; 2. the owned
+    matrices' updates, all-gathered; 3. apply. launch_step does 1 and 2 and returns 3."""
 
     def __init__(self, params, lr: float, momentum: float, weight_decay: float = 0.0, beta2: float = 0.9,
                  slow_momentum: float = 0.98, use_triton: bool = False, layers: list[int] | None = None,
@@ -1546,7 +1554,7 @@ class Muon(torch.optim.Optimizer):
         stacked = torch.stack(grads + [torch.zeros_like(grads[0])] * group.padding)
         if self.distributed:
             owned = group.buffer("inbox", lambda: stacked.new_empty(group.per_rank, *stacked.shape[1:]))
-            group.pending = (dist.reduce_scatter_tensor(owned, stacked, op=dist.ReduceOp.AVG, async_op=True), owned)
+            group.pending = (reduce_scatter_single(owned, stacked, op=dist.ReduceOp.AVG, async_op=True), owned)
         elif self.cuda_graphs:  # the graph reads the same tensor every step
             group.pending = (None, group.buffer("inbox", lambda: torch.empty_like(stacked)).copy_(stacked))
         else:
@@ -1625,7 +1633,7 @@ class Muon(torch.optim.Optimizer):
             if self.distributed:
                 gathered = group.buffer("gathered", lambda: updates.new_empty(group.per_rank * self.world_size,
                                                                               *updates.shape[1:]))
-                updates, work = gathered, dist.all_gather_into_tensor(gathered, updates, async_op=True)
+                updates, work = gathered, all_gather_single(gathered, updates, async_op=True)
             gathers.append((index, group, updates, work))
             group.pending = None
 
@@ -1682,8 +1690,8 @@ def row_blocks(p: Tensor, settings: dict) -> list[tuple[int, int]]:
     return runs
 
 def normuon_(ortho: Tensor, states: list[dict], split: int, beta2: float, key: str) -> Tensor:
-    """NorMuon's rescaling of updates [n * split, rows, cols]: by the inverse root of a running mean (beta2,
-    state[key]) of the mean square along the shorter side, the norm kept."""
+    """NorMuon: updates [n * split, rows, cols] over the root of a running mean square along the shorter side, the
+    norm kept."""
     blocks, rows, cols = ortho.shape
     reduce_dim = -1 if rows >= cols else -2
     update = ortho.float()
@@ -1797,8 +1805,8 @@ def bos_aligned_batches(paths: list[str], length: int, max_doc_len, repeat: bool
             current = following
 
 def train_batches_for_rank(paths: list[str], cfg: Config, comm: Comm, on_new_pass=None):
-    """Every world_size-th micro-batch of one global sequence (DiLoCo's groups interleave too): any world size trains
-    on the same ones in the same steps, each cut at its stage's doc_len."""
+    """Every world_size-th micro-batch of one global sequence (DiLoCo's groups interleave too), cut at its stage's
+    doc_len: any world size trains on the same ones."""
     replicas, replica = (cfg.diloco_replicas, cfg.replica) if cfg.diloco else (1, 0)
     stride, offset = replicas * comm.world_size, replica * comm.world_size + comm.rank
     stage_of, doc_lens = Schedule(cfg).stage_of_micro_batch, [stage.doc_len for stage in cfg.stages]
@@ -1833,8 +1841,7 @@ def val_batches_for_rank(paths: list[str], cfg: Config, comm: Comm):
         yield np.asarray(stream[index * T: index * T + T + 1])
 
 def bigram_hash(tokens: np.ndarray, rows: int, bos: int) -> np.ndarray:
-    """Each position's bigram row: a Fibonacci hash of (previous token, token) into rows - 1 buckets, the last row
-    where there is no previous token of the document."""
+    """A Fibonacci hash of (previous token, token) into rows - 1 rows; the last row where no previous token is."""
     t = tokens.astype(np.uint64)
     mixed = ((t[:-1] * np.uint64(65536) + t[1:]) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(32)  # wraps mod 2**64
     out = np.empty(len(tokens), dtype=np.int32)
@@ -1872,7 +1879,7 @@ class _Slot:
         self.cu_seqlens = torch.empty(max_documents(length) + 1, dtype=torch.int32, pin_memory=pin)
         self.bigrams = torch.empty(length, dtype=torch.int32, pin_memory=pin) if bigram_rows else None
         self.rows = self.documents = self.longest_document = None
-        self.length, self.copied = 0, None  # copied: a CUDA event, the device copy out of this slot has finished
+        self.length, self.copied = 0, None  # copied: the event of the copy out of this slot
 
     def fill(self, windows: list[np.ndarray]):
         starts, offset = [], 0
@@ -1896,8 +1903,8 @@ class _Slot:
         self.documents, self.longest_document = len(starts), int(np.diff(cu[: len(starts) + 1]).max())
 
 class Prefetcher:
-    """Each forward's inputs (`packed` windows, or `sizes` in turn) built on a thread into rotating pinned slots;
-    next() starts a slot's non-blocking copy, whose event is waited on before the slot is refilled."""
+    """Forwards' inputs (`packed` windows, or `sizes` in turn) built on a thread into rotating pinned slots; a slot is
+    refilled after its copy's event."""
 
     def __init__(self, batches, seq_len: int, device: torch.device, *, bos: int, slots: int = 4,
                  bigram_rows: int = 0, packed: int = 1, sizes=None):
@@ -1916,7 +1923,7 @@ class Prefetcher:
                 if not 0 < size <= packed:
                     raise ValueError(f"a forward of {size} micro-batches in slots of {packed}")
                 group = list(itertools.islice(windows, size))
-                if len(group) < size:  # a partial group at the end is left out, as a stream that ran out
+                if len(group) < size:  # a partial group at the end is left out
                     break
                 slot = self.free.get()
                 if slot is None or self.closed:
@@ -1967,8 +1974,8 @@ def prefetch(windows, cfg: Config, device: torch.device, packed: int, sizes=None
 # Schedule
 
 class Schedule:
-    """Per-step settings: the stages (rows but the last) split the scheduled steps evenly; over their last
-    cooldown_frac the lr decays linearly to the last row's, at which the extension steps run."""
+    """Per-step settings: the stages split the scheduled steps evenly, the lr decays linearly over the last
+    cooldown_frac to the extension row's."""
 
     def __init__(self, cfg: Config):
         self.cfg, self.rows, self.scheduled = cfg, cfg.stages, len(cfg.stages) - 1
@@ -2049,7 +2056,7 @@ class Schedule:
 # The step and the loop
 
 def build_optimizers(model: GPT, cfg: Config, cuda_graphs: bool = False) -> Optimizers:
-    """Muon, then DistAdam (Muon computes while Adam's larger communication is on the wire), a group per Opt."""
+    """Muon, then DistAdam (Muon computes while Adam's larger traffic is on the wire); a group per Opt."""
     named = dict(model.named_parameters())
     muon_groups, adam_groups = {}, {}
     for p in named.values():
@@ -2120,15 +2127,15 @@ class Optimizers(list):
             hook(self, (), {})
 
 def forward_loss(model: GPT, batch: ForwardBatch, windows: tuple[int, int]) -> Tensor:
-    if model.replays_cuda_graphs:  # the previous forward's outputs are used: the graphs may reuse their memory
+    if model.replays_cuda_graphs:  # the last forward's outputs are used: the graphs may reuse their memory
         torch.compiler.cudagraph_mark_step_begin()
     masks = model.prepare_masks(batch.inputs, batch.cu_seqlens, windows, batch.documents, batch.longest_document)
     return model(batch.inputs, batch.targets, masks, batch.bigrams)
 
 def train_step(model: GPT, optimizers: Optimizers, batches: Prefetcher, windows: tuple[int, int], forwards: int,
                mark=None) -> Tensor:
-    """Forwards and backwards, then the optimizers; returns the mean loss. Each forward's loss is divided by the
-    forward count (and averaged over ranks): any world size and packing make the same update. mark: bench timer."""
+    """Forwards, backwards, the optimizers; returns the mean loss. Each forward's loss over the forward count (and
+    averaged over ranks): any world size and packing make the same update."""
     mark = mark or (lambda phase: None)
     model.prepare_grads()
     total, rows = None, []
@@ -2213,8 +2220,7 @@ def resolve_packing(cfg: Config, world_size: int, device_memory_gib: float | Non
     return Packing(stages, max(shared) if shared else most_that_divide(validation))
 
 def cuda_graphs_for(cfg: Config, device: torch.device, packing: Packing, world_size: int) -> tuple[bool, bool]:
-    """(model, Muon) replay CUDA graphs; auto: the model where a stage packs one micro-batch a forward (launches set
-    the pace), Muon on several GPUs."""
+    """(model, Muon) as CUDA graphs; auto: the model where a stage packs one micro-batch, Muon on several GPUs."""
     if device.type != "cuda" or cfg.cuda_graphs == "0":
         return False, False
     if cfg.cuda_graphs == "1":
@@ -2225,8 +2231,9 @@ def check_gpu_features(cfg: Config, device: torch.device, kernels: Kernels) -> N
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     for on, flag, need in ((kernels.fp8_head, "fp8_head", (8, 9)), (kernels.fused_mlp, "fused_mlp", (9, 0))):
         if on and capability < need:
+            name, (major, minor) = torch.cuda.get_device_name(device), capability
             raise UserError(f"--{flag} (on by default) needs compute capability {need[0]}.{need[1]} or newer; "
-                            f"{torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}: pass --{flag}=0")
+                            f"{name} has {major}.{minor}: pass --{flag}=0")
 
 def build_model(cfg: Config, comm: Comm, log) -> tuple[GPT, torch.device, Packing]:
     device = torch.device("cuda", comm.local_rank) if cfg.device == "cuda" else torch.device("cpu")
@@ -2251,8 +2258,7 @@ def build_model(cfg: Config, comm: Comm, log) -> tuple[GPT, torch.device, Packin
 FA3_HOST_INT_SOURCES = r"L\['masks'\]\['P?[SL]'\]\[[123]\]"
 
 def compile_model(model: GPT, cfg: Config, model_graphs: bool) -> None:
-    """One graph of the whole trunk (faster than a graph per block), one of the longest-match search; lookups stay
-    eager."""
+    """One graph of the trunk (faster than a graph per block), one of the longest-match search."""
     if not cfg.compile:
         return
     import torch._functorch.config as functorch
@@ -2273,8 +2279,8 @@ def cache_counts() -> tuple[int, int]:
             inductor["fxgraph_cache_miss"] + aot["autograd_cache_miss"])
 
 def warm_up_forwards(schedule: Schedule, packing: Packing, world_size: int, cuda_graphs: bool) -> dict:
-    """(windows, micro-batches per forward) -> forwards, for each pair the timed region meets; under CUDA graphs as
-    many as a stage runs, at least two (a graph records at its second call)."""
+    """(windows, micro-batches per forward) -> forwards the timed region meets; under CUDA graphs a stage's count,
+    at least two (a graph records at its second call)."""
     runs = {}
     for stage in range(schedule.scheduled + 1):
         if stage == schedule.scheduled and not schedule.cfg.extension_steps:
@@ -2444,7 +2450,7 @@ class RunState:
         self.watch = LossWatch(comm, trainer.device)
         self.val_losses: list[tuple[int, float]] = []
         self.reported = 0  # training losses already averaged into a validation line
-        self.history = self.clock = None  # history: the long-window history the rotary tables were last set for
+        self.history = self.clock = None  # history: the long windows the rotary tables follow
         self.train_time_ms = self.previous_ms = 0.0
 
     def pause(self):
@@ -2543,8 +2549,7 @@ def set_up_as_validated(model: GPT, checkpoint: dict) -> tuple[int, int]:
 @torch.no_grad()
 def generate(model: GPT, cfg: Config, prompt: list[int], windows: tuple[int, int], count: int, temperature: float,
              seed: int, device: torch.device) -> list[int]:
-    """Up to `count` tokens after `prompt`, stopping at a BOS: a forward a token over the text zero-padded, which
-    causal attention ignores."""
+    """Up to `count` tokens after `prompt`, to a BOS: a forward per token over the zero-padded text."""
     length = cfg.micro_batch_tokens
     slot = _Slot(length, False, cfg.bos_token, cfg.bigram_rows)
     generator = torch.Generator().manual_seed(seed)
@@ -2661,7 +2666,7 @@ def gather_optimizer_states(model: GPT, optimizers, comm: Comm, device: torch.de
             flat = state[key]
             if comm.distributed:
                 flat = state[key].new_empty(bucket.padded)
-                dist.all_gather_into_tensor(flat, state[key])
+                all_gather_single(flat, state[key])
             for p, view in zip(bucket.params, bucket.views(flat)):
                 adam_state.setdefault(names[p], {})[key] = view.cpu().clone()
     return muon_state, adam_state
@@ -2714,8 +2719,8 @@ def read_checkpoint(path: str, flag: str) -> dict:
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # mmap: ranks share pages
     except Exception as e:  # truncated, not torch, or objects weights_only refuses
-        reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"--{flag}={path}: not a readable checkpoint ({reason})") from None
+        raise CheckpointError(f"--{flag}={path}: unreadable ({type(e).__name__}): truncated, damaged or not a "
+                              "checkpoint of train_gpt.py; write it again or give another") from None
     if not isinstance(checkpoint, dict) or checkpoint.get("kind") != CHECKPOINT_KIND:
         raise CheckpointError(f"--{flag}={path}: not a checkpoint of train_gpt.py")
     if checkpoint.get("format") != CHECKPOINT_FORMAT:
@@ -2729,7 +2734,8 @@ def check_same_model(checkpoint: dict, cfg: Config, flag: str) -> None:
                  for name, value in model_fields(cfg).items() if saved[name] != value]
     if differing:
         raise CheckpointError(f"--{flag}={getattr(cfg, flag)}: the checkpoint's model differs: "
-                              + ", ".join(differing) + "; pass the model flags it was trained with")
+                              + ", ".join(differing) + ("; pass the model flags it was trained with" if flag == "resume"
+                                                        else "; leave those flags out: the checkpoint gives them"))
 
 def check_resumable(checkpoint: dict, cfg: Config, train_paths: list[str]) -> None:
     check_same_model(checkpoint, cfg, "resume")
@@ -2801,7 +2807,7 @@ def detached_copy(tree, device: torch.device | str | None = None):
 
 class StreamingDiLoCo:
     """Streaming DiLoCo (Douillard et al., 2025) across torchrun jobs: every sync_every/num_fragments steps a
-    fragment's quorum (where a restarted replica heals), pseudogradient all-reduce and, if all commit, outer step."""
+    fragment's quorum (a restarted replica heals), pseudogradient all-reduce and outer step."""
 
     def __init__(self, cfg: Config, model: GPT, optimizers: Optimizers, device: torch.device, log, manager=None):
         torchft = import_torchft()
@@ -2921,7 +2927,7 @@ class RunLog:
 
     def __init__(self, cfg: Config, comm: Comm):
         self.file = None
-        if not comm.is_main:
+        if comm.rank:
             return
         os.makedirs(cfg.log_dir, exist_ok=True)
         self.path = os.path.join(cfg.log_dir, f"{cfg.run_id}.txt")
@@ -2970,8 +2976,7 @@ class TrainingDiverged(UserError):
     pass
 
 class LossWatch:
-    """Reads each step's loss a step late, so the NaN check never stalls the GPU; its event times the step on the GPU
-    (gpu_ms, idle gaps included), telling a slow step from a late launch."""
+    """Each step's loss read a step late (the NaN check never stalls the GPU); its event times the step on the GPU."""
 
     def __init__(self, comm: Comm, device: torch.device):
         self.comm, self.device = comm, device
@@ -2983,7 +2988,7 @@ class LossWatch:
         losses = local_loss.float().reshape(1)
         if self.comm.distributed:
             losses = losses.new_empty(self.comm.world_size)
-            dist.all_gather_into_tensor(losses, local_loss.float().reshape(1))
+            all_gather_single(losses, local_loss.float().reshape(1))
         host, event = losses, None
         if self.device.type == "cuda":
             host = torch.empty(losses.numel(), pin_memory=True).copy_(losses, non_blocking=True)
@@ -3012,8 +3017,7 @@ def compiled_graph_count() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 class RecompileWatch:
-    """Compiles after the warm-up (none should come): new graphs (TORCH_LOGS=recompiles names the failed guard), lazy
-    backwards, CUDA graph recordings."""
+    """Compiles after the warm-up (none should come): new graphs, lazy backwards, CUDA graph recordings."""
 
     def __init__(self):
         from torch._dynamo.callback import CallbackTrigger, callback_handler
@@ -3042,8 +3046,8 @@ class RecompileWatch:
         return (new if self.graphs > graphs else []) + reasons
 
 class StepTimes(dict):
-    """Wall ms by step; summary(): per stage (aim: none over 1.2x the median). On a GPU, GPU time judges: the host
-    runs ahead, its lead absorbing a host pause."""
+    """Wall ms by step; summary() per stage (aim: none over 1.2x the median), by GPU time where there is: the host
+    runs ahead."""
 
     def __init__(self, schedule: Schedule):
         super().__init__()

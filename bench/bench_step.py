@@ -216,7 +216,7 @@ def main() -> int:
     if cfg.device == "cpu":
         tg.keep_freed_cpu_memory()
     try:
-        bench(cfg, comm, steps, lambda text: print(text, flush=True) if comm.is_main else None)
+        bench(cfg, comm, steps, lambda text: print(text, flush=True) if comm.rank == 0 else None)
         return 0
     except tg.UserError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -115,6 +115,24 @@ def test_eval_only_reproduces_the_final_validation(whole_run, tmp_path, world_si
     assert f"val_loss:{loss:.4f}" in (tmp_path / "eval.txt").read_text()
 
 
+def test_eval_only_and_sample_take_the_checkpoints_settings(whole_run, tmp_path, capsys):
+    """--init_from without the model's flags: its run's data, schedule and model settings come from the checkpoint
+    (here the tiny model on 128-token micro-batches, its validation files); a model flag that differs from it is one
+    line naming it."""
+    cfg, whole = whole_run
+    assert tg.main(["--device=cpu", "--eval_only=1", f"--init_from={cfg.save_checkpoint}", f"--log_dir={tmp_path}",
+                    "--run_id=bare"]) == 0
+    assert f"val_loss:{whole.val_losses[-1][1]:.4f}" in (tmp_path / "bare.txt").read_text()
+    sample_cfg, _ = tg.parse_cli(["--device=cpu", "--sample=hello", f"--init_from={cfg.save_checkpoint}"])
+    assert (sample_cfg.num_layers, sample_cfg.micro_batch_tokens, sample_cfg.vocab_size) == (4, 128, cfg.vocab_size)
+    assert tg.main(["--device=cpu", "--eval_only=1", f"--init_from={cfg.save_checkpoint}", "--num_layers=5",
+                    "--attn_layout=SL-LS", "--value_embed_layout=0..1."]) == 1
+    err = capsys.readouterr().err
+    assert ("the checkpoint's model differs: num_layers=4 (here 5), attn_layout=SL-L (here SL-LS), value_embed_layout"
+            "=0..1 (here 0..1.); leave those flags out: the checkpoint gives them\n") in err, err
+    assert err.count("\n") == 1
+
+
 def test_eval_only_from_the_command_line(whole_run, tmp_path, capsys):
     cfg, whole = whole_run
     code = tg.main(["--device=cpu", *TINY, f"--val_files={cfg.val_files}", "--micro_batch_tokens=128",
@@ -136,7 +154,9 @@ def test_bad_checkpoints_get_one_line_and_change_nothing(whole_run, tmp_path, ca
     other_data.write_bytes(open(tg.shard_paths(cfg.train_files, "train_files")[0], "rb").read())
     cases = [
         ([f"--resume={tmp_path / 'missing.pt'}"], f"--resume={tmp_path / 'missing.pt'}: no such file"),
-        ([f"--resume={truncated}"], f"--resume={truncated}: not a readable checkpoint"),
+        ([f"--resume={truncated}"], f"--resume={truncated}: unreadable (RuntimeError): truncated, damaged or not a "
+                                    "checkpoint of train_gpt.py; write it again or give another\n"),
+        (["--eval_only=1", f"--init_from={truncated}"], f"--init_from={truncated}: unreadable"),
         ([f"--resume={foreign}"], f"--resume={foreign}: not a checkpoint of train_gpt.py"),
         ([f"--resume={cfg.save_checkpoint}", "--model_dim=128", "--num_heads=4"],
          "the checkpoint's model differs: model_dim=64 (here 128), num_heads=2 (here 4); pass the model flags"),

@@ -77,22 +77,24 @@ def assert_close(got, want):
 
 
 def test_single_process_equals_the_reference(monkeypatch):
-    for name in ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor"):
-        monkeypatch.setattr(dist, name, lambda *a, **k: pytest.fail("world size 1 must not communicate"))
+    monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: pytest.fail("world size 1 must not communicate"))
+    for name in ("reduce_scatter_single", "all_gather_single"):
+        monkeypatch.setattr(tg, name, lambda *a, **k: pytest.fail("world size 1 must not communicate"))
     got, state_numel = dist_adam_params(0, 1)
     assert_close(got, reference_params(1))
     assert state_numel == 2 * sum(torch.Size(s).numel() for s in SHAPES)
 
 
 def _two_rank_run(rank, world_size, period=1):
-    calls = {"all_reduce": 0, "reduce_scatter_tensor": 0, "all_gather_into_tensor": 0}
+    calls = {"all_reduce": 0, "reduce_scatter_single": 0, "all_gather_single": 0}
     for name in calls:
-        original = getattr(dist, name)
+        module = dist if name == "all_reduce" else tg  # the trainer's names of the tensor collectives
+        original = getattr(module, name)
 
         def counted(*args, _name=name, _original=original, **kwargs):
             calls[_name] += 1
             return _original(*args, **kwargs)
-        setattr(dist, name, counted)
+        setattr(module, name, counted)
     params, state_numel = dist_adam_params(rank, world_size, period)
     return params, state_numel, calls
 
@@ -111,7 +113,7 @@ def test_two_ranks_equal_the_reference_on_the_full_gradient():
         assert state_numel == 2 * (12288 // 2 + 8634 // 2 + 4 // 2 + 16 // 2)
         assert state_numel < 0.51 * full_state
         assert calls["all_reduce"] == 0
-        assert calls["reduce_scatter_tensor"] == calls["all_gather_into_tensor"] == BUCKETS * STEPS
+        assert calls["reduce_scatter_single"] == calls["all_gather_single"] == BUCKETS * STEPS
 
 
 def _hook_run(rank, world_size):
@@ -120,12 +122,12 @@ def _hook_run(rank, world_size):
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
     opt = tg.DistAdam([dict(params=list(model.parameters()), lr=0.01)], lr=0.01)
     launched = []
-    original = dist.reduce_scatter_tensor
+    original = tg.reduce_scatter_single
 
     def counted(*args, **kwargs):
         launched.append(1)
         return original(*args, **kwargs)
-    dist.reduce_scatter_tensor = counted
+    tg.reduce_scatter_single = counted
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(rank))
     opt.before_last_backward()
     model(x).square().mean().backward()
@@ -150,8 +152,8 @@ def _tied_run(rank, world_size):
     follower = leader.detach().clone().requires_grad_()
     opt = tg.DistAdam([dict(params=[follower]), dict(params=[leader])], lr=0.01, tied=(follower, leader), **HYPER)
     ties, weights, reduces, sent = [], [], [], []
-    original = dist.reduce_scatter_tensor
-    dist.reduce_scatter_tensor = lambda *a, **k: (sent.append(1), original(*a, **k))[1]  # counted
+    original = tg.reduce_scatter_single
+    tg.reduce_scatter_single = lambda *a, **k: (sent.append(1), original(*a, **k))[1]  # counted
     try:
         for step in range(TIED_STEPS):
             if step == UNTIE_AT:
@@ -168,7 +170,7 @@ def _tied_run(rank, world_size):
             reduces.append(len(sent))
             sent.clear()
     finally:  # at world size 1 this runs in the test's own process
-        dist.reduce_scatter_tensor = original
+        tg.reduce_scatter_single = original
     return ties, weights, opt.state_dict(), reduces
 
 
@@ -231,7 +233,7 @@ def test_with_period_2_adam_updates_every_other_step_on_two_steps_gradients():
     for params, _, calls in run_on_ranks(_two_rank_run, 2, 2):
         assert_close(params, want)
         # the accumulating steps send nothing
-        assert calls["reduce_scatter_tensor"] == calls["all_gather_into_tensor"] == BUCKETS * STEPS // 2
+        assert calls["reduce_scatter_single"] == calls["all_gather_single"] == BUCKETS * STEPS // 2
 
 
 def test_an_accumulating_step_keeps_rows_only_for_the_sparse_exchange():

@@ -166,15 +166,15 @@ def _muon_params(rank, from_backward, attn_split, rails, graphs):
     opt = tg.Muon([dict(params=attn, split=attn_split), dict(params=mlp, lr_mul=MLP_LR_MUL), dict(params=other)], lr=LR,
                   momentum=MOMENTUM, weight_decay=WD, beta2=BETA2, slow_momentum=rails[0] if rails else 0.0,
                   cuda_graphs=graphs)
-    calls = {"all_reduce": 0, "reduce_scatter_tensor": 0, "all_gather_into_tensor": 0}
+    calls = {"all_reduce": 0, "reduce_scatter_single": 0, "all_gather_single": 0}
     for name in calls:
-        if hasattr(dist, name):
-            original = getattr(dist, name)
+        module = dist if name == "all_reduce" else tg  # the trainer's names of the tensor collectives
+        original = getattr(module, name)
 
-            def counted(*args, _name=name, _original=original, **kwargs):
-                calls[_name] += 1
-                return _original(*args, **kwargs)
-            setattr(dist, name, counted)
+        def counted(*args, _name=name, _original=original, **kwargs):
+            calls[_name] += 1
+            return _original(*args, **kwargs)
+        setattr(module, name, counted)
     for step in range(STEPS):
         if rails is not None:  # as set_hyperparameters writes them
             for group in opt.param_groups:
@@ -218,7 +218,7 @@ def test_two_ranks_match_single_process_on_the_full_gradient(from_backward, attn
     for params, buffers, calls, groups in results:
         assert_close(params, want)
         assert calls["all_reduce"] == 0
-        assert calls["reduce_scatter_tensor"] == calls["all_gather_into_tensor"] == groups * STEPS
+        assert calls["reduce_scatter_single"] == calls["all_gather_single"] == groups * STEPS
     assert sum(r[1] for r in results) == total  # each momentum buffer lives on exactly one rank
 
 

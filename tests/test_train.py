@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import types
+import warnings
 import weakref
 
 import numpy as np
@@ -40,9 +41,18 @@ def run_cli(args, cwd, nproc=1, timeout=600):
 
 # ---------------------------------------------------------------------------------------------- config
 
-def test_unknown_option_is_named():
+def test_unknown_option_is_named_with_the_nearest_names():
     with pytest.raises(tg.UserError, match=r"unknown option --nope; `python train_gpt.py --help` lists them"):
         tg.parse_cli(["--nope=1"])
+    with pytest.raises(tg.UserError, match=r"unknown option --lr \(did you mean --adam_lr or --muon_lr or --outer_lr"):
+        tg.parse_cli(["--lr=0.01"])
+    with pytest.raises(tg.UserError, match=r"unknown option --adam-lr \(did you mean --adam_lr\?\); `python train_gpt"):
+        tg.parse_cli(["--adam-lr=0.01"])
+
+
+def test_dash_h_is_help(capsys):
+    assert tg.parse_cli(["-h"])[1] == {"help": "1"}
+    assert tg.main(["-h"]) == 0 and capsys.readouterr().out.startswith("usage: train_gpt.py")
 
 
 @pytest.mark.parametrize("arg, message", [
@@ -1178,6 +1188,21 @@ def test_world_sizes_1_2_4_and_8_give_the_same_losses_and_states(tiny_data, tmp_
             assert owned["bigram_rows"] and min(owned["bigram_rows"]) > 0, (world_size, rank, owned)
         if world_size == 8:
             assert [set(owned["muon_matrices"]) for _, owned in ranks] == [{2}] * 5 + [{1}] + [{0}] * 2
+
+
+def _future_warnings_on_rank(rank, world_size, cfg):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _train_on_rank(rank, world_size, cfg)
+    return [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
+
+
+def test_two_processes_call_no_deprecated_collective(tiny_data, tmp_path):
+    """torch 2.13 deprecates all_gather_into_tensor and reduce_scatter_tensor, a FutureWarning each call: the trainer
+    takes their new names (all_gather_single, reduce_scatter_single) where torch has them."""
+    cfg = tiny_config(*tiny_data, num_iterations=2, val_loss_every=0, log_dir=str(tmp_path), run_id="future",
+                      micro_batch_tokens=128)
+    assert run_on_ranks(_future_warnings_on_rank, 2, cfg) == [[], []]
 
 
 def _launched_before_step_on_rank(rank, world_size, cfg):
