@@ -244,6 +244,12 @@ def validate_config(cfg: Config) -> None:
             raise UserError(message)
 
     n, layout, ve = cfg.num_layers, cfg.attn_layout, cfg.value_embed_layout
+    for name, value in vars(cfg).items():
+        need(not isinstance(value, float) or math.isfinite(value), f"--{name}={value}: give a finite number")
+    for name, (low, high) in dict(num_iterations=(1, 1e9), extension_steps=(0, 1e9), val_loss_every=(0, 1e9),
+                                  adam_lr=(0, 1), muon_lr=(0, 1), adam_period=(0, 99), cooldown_frac=(1e-6, 1),
+                                  sample_tokens=(1, 1e9), temperature=(0, 99), outer_lr=(1e-6, 9)).items():
+        need(low <= getattr(cfg, name) <= high, f"--{name}={getattr(cfg, name)}: use {low:g} .. {high:g}")
     for name, choices in (("device", ("cuda", "cpu")), ("attn_backend", ("auto", "fa3", "flex", "sdpa")),
                           ("cuda_graphs", ("auto", "1", "0"))):
         need(getattr(cfg, name) in choices, f"--{name}={getattr(cfg, name)}: use one of {', '.join(choices)}")
@@ -268,18 +274,15 @@ def validate_config(cfg: Config) -> None:
          f"--vocab_size={cfg.vocab_size} --bos_token={cfg.bos_token}: shards hold 16-bit tokens, and BOS is one")
     need(cfg.bigram_rows == 0 or (cfg.bigram_rows >= 16 and cfg.bigram_rows % 8 == 0),
          f"--bigram_rows={cfg.bigram_rows}: 0 (off) or a multiple of 8 of at least 16")
-    need(cfg.num_iterations >= 1 and cfg.extension_steps >= 0, "--num_iterations >= 1 and --extension_steps >= 0")
     tokens = cfg.micro_batch_tokens
     need(tokens > 0 and tokens % 128 == 0 and cfg.val_tokens > 0 and cfg.val_tokens % tokens == 0,
          f"--micro_batch_tokens={tokens} --val_tokens={cfg.val_tokens}: a positive multiple of 128, and one of it")
-    need(len(cfg.stages) >= 2 and all(s.batch > 0 and s.batch % 8 == 0 and s.doc_len >= 1 and s.lr > 0 and s.mtp
+    need(len(cfg.stages) >= 2 and all(s.batch > 0 and s.batch % 8 == 0 and s.doc_len >= 1 and 0 < s.lr < 99 and s.mtp
                                       and min(s.mtp[0]) > 0 and min(map(min, s.mtp)) >= 0 for s in cfg.stages),
-         "--stages: a stage and the extension at least; batches positive multiples of 8, doc_len and lr positive, "
-         "mtp weights not negative, the next token's above 0")
+         "--stages: a stage and the extension at least; batches positive multiples of 8, doc_len positive, lr in "
+         "(0, 99), mtp weights not negative, the next token's above 0")
     need(all(0 < short <= long <= tokens for short, long in [s.windows for s in cfg.stages] + [cfg.final_windows]),
          f"--stages, --final_windows: windows 0 < short <= long <= --micro_batch_tokens={tokens}")
-    need(0 < cfg.cooldown_frac <= 1 and cfg.adam_lr >= 0 and cfg.muon_lr >= 0 and cfg.adam_period >= 0,
-         "--cooldown_frac in (0, 1], --adam_lr, --muon_lr and --adam_period at least 0")
     need(cfg.checkpoint_every >= 0 and cfg.checkpoint_every % cfg.period == 0,
          f"--checkpoint_every={cfg.checkpoint_every}: 0 or a multiple of Adam's period ({cfg.period}), not mid-sum")
     need(not cfg.checkpoint_every or cfg.save_checkpoint, "--checkpoint_every needs --save_checkpoint=PATH")
@@ -287,7 +290,6 @@ def validate_config(cfg: Config) -> None:
     need(not (cfg.sample and cfg.eval_only), "--sample and --eval_only=1: choose one")
     need(not cfg.init_from or cfg.eval_only or cfg.sample,
          "--init_from is read by --eval_only=1 or --sample (to train on, use --resume)")
-    need(cfg.sample_tokens >= 1 and cfg.temperature >= 0, "--sample_tokens at least 1, --temperature at least 0")
     if cfg.diloco:
         total, period = cfg.num_iterations + cfg.extension_steps, cfg.sync_every // max(cfg.num_fragments, 1)
         need(cfg.period == 1, f"--adam_period={cfg.adam_period}: DiLoCo needs 1")
@@ -298,9 +300,8 @@ def validate_config(cfg: Config) -> None:
                                           f"--sync_every={cfg.sync_every}, so replicas sync alike")
         need(cfg.checkpoint_every % period == 0,
              f"--checkpoint_every={cfg.checkpoint_every}: with --diloco=1 a multiple of sync_every/num_fragments")
-        need(cfg.outer_lr > 0 and 0 <= cfg.replica < cfg.diloco_replicas and cfg.min_replicas >= 1,
-             f"--outer_lr={cfg.outer_lr} --replica={cfg.replica} --min_replicas={cfg.min_replicas}: a positive lr, "
-             "a replica 0 .. diloco_replicas-1, and at least 1")
+        need(0 <= cfg.replica < cfg.diloco_replicas and cfg.min_replicas >= 1,
+             f"--replica={cfg.replica} --min_replicas={cfg.min_replicas}: a replica 0 .. diloco_replicas-1, at least 1")
 
 def config_help() -> str:
     """--help: each group's flags as --name=default, with their help."""

@@ -319,7 +319,7 @@ def test_diloco_flags_are_checked():
         (["--sync_every=8", "--num_iterations=20"],
          "--num_iterations + --extension_steps = 20 must be a multiple of --sync_every=8"),
         (["--sync_every=4", "--replica=2", "--diloco_replicas=2"], "a replica 0 .. diloco_replicas-1"),
-        (["--sync_every=4", "--outer_lr=0"], "--outer_lr=0.0 --replica=0 --min_replicas=1: a positive lr"),
+        (["--sync_every=4", "--outer_lr=0"], "--outer_lr=0.0: use 1e-06 .. 9"),
         (["--sync_every=4", "--adam_period=2"], "--adam_period=2: DiLoCo needs 1"),
         (["--sync_every=4", "--num_fragments=2", "--checkpoint_every=3", "--save_checkpoint=x.pt"],
          "--checkpoint_every=3: with --diloco=1 a multiple of sync_every/num_fragments"),

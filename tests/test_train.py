@@ -66,7 +66,13 @@ def test_dash_h_is_help(capsys):
     ("--preset=huge", "unknown --preset=huge"),
     ("--bos_token=50257", "--vocab_size=50257 --bos_token=50257"),
     ("--vocab_size=70000", "shards hold 16-bit tokens"),
-    ("--adam_period=-1", "--adam_period at least 0"),
+    ("--adam_period=-1", "--adam_period=-1: use 0 .. 99"),
+    ("--adam_lr=nan", "--adam_lr=nan: give a finite number"),  # every float flag
+    ("--muon_lr=inf", "--muon_lr=inf: give a finite number"),
+    ("--adam_lr=1e30", "--adam_lr=1e+30: use 0 .. 1"),  # its lr**2 decay would overflow in the warm-up
+    ("--muon_lr=-0.1", "--muon_lr=-0.1: use 0 .. 1"),
+    ("--val_loss_every=-5", "--val_loss_every=-5: use 0 .. 1e+09"),
+    ("--stages=8 inf 128:384 896 1; 8 0.1 128:384 896 1", "lr in (0, 99)"),
     ("--paired_head_layers=0,x", "bad value for --paired_head_layers"),
     ("--paired_head_layers=11", "--paired_head_layers=11: distinct layers with attention, 0 .. 10"),
     ("--xsa_layers=6", "--xsa_layers=6: distinct layers with attention"),
