@@ -148,7 +148,7 @@ class Config:
         return self.adam_period or (1 if self.diloco else 2)
 
 PRESETS = {
-    # The default model, every part kept, scaled down to train on two CPU processes in seconds
+    # The default model, every part kept, scaled down for two CPU processes
     "tiny": dict(
         num_layers=4, model_dim=64, num_heads=2, head_dim=32, attn_layout="SL-L", value_embed_layout="0..1",
         paired_head_layers=(0,), xsa_layers=(1,), skip_from=1, skip_to=2, attn_input_from=1, backout_from=1,
@@ -416,10 +416,10 @@ def document_ids(cu_seqlens: Tensor, length: int) -> Tensor:
     starts.index_fill_(0, cu_seqlens.long(), 1)
     return torch.cumsum(starts[:length], dim=0, dtype=torch.int32)
 
-# Attention backends: causal within documents over the last `window` positions; prepare() runs eagerly
+# Attention backends: causal within documents over the last `window` positions
 
 class SdpaAttention:
-    """A dense mask, for CPUs and small T."""
+    """A dense mask: CPUs, small T."""
     name = "sdpa"
 
     def for_paired_heads(self):
@@ -503,7 +503,7 @@ class FlexAttention:
         q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))
         return self.flex_attention(q, k, v, block_mask=mask, scale=1.0)[0].transpose(0, 1)
 
-# FA3's host ints (window, max_seqlen, starts) are symbolic (FA3_HOST_INT_SOURCES): one graph serves every value.
+# FA3's host ints are symbolic (FA3_HOST_INT_SOURCES): one graph serves every value
 _fa3_kernels = None  # set by FlashAttention3
 
 def _fa3_arguments(cu_seqlens: Tensor, window: int, max_seqlen: int, entries: int) -> dict:
@@ -766,7 +766,7 @@ class CopyPointer(nn.Module):
 
 MATCH_LENGTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # repeat lengths (pull request #378)
 MATCH_BUCKETS = 1 + 3 * len(MATCH_LENGTHS)  # none; per length: seen once, twice, 3+ times
-# Two polynomial hashes modulo primes under 2**31 (no int64 overflow): a key of about 62 bits
+# Two polynomial hashes modulo primes under 2**31 (no int64 overflow): a 62-bit key
 _MATCH_PRIMES, _MATCH_MULTIPLIERS = (2147483629, 2147483587), (1000003, 999331)
 
 def longest_matches(tokens: Tensor, starts: Tensor) -> tuple[Tensor, Tensor]:
@@ -1270,7 +1270,7 @@ class DistAdam(torch.optim.Optimizer):
         self.scalars: dict[int, Tensor] = {}  # group index -> [lr, decay] on the device
         self.rank, self.world_size = current_rank_and_world()
         self.distributed = self.world_size > 1
-        # sparse_rows: table -> the key of its rows in each forward's row lists; its gradient rows travel sparsely
+        # sparse_rows: table -> the key of its rows in a forward's row lists
         self.sparse_rows = dict(sparse_rows or {}) if self.distributed else {}
         for p in self.sparse_rows:
             if p.ndim != 2 or p.size(0) % self.world_size or p.numel() < self.SMALL:
@@ -1284,7 +1284,7 @@ class DistAdam(torch.optim.Optimizer):
         self.grad_hooks = _LaunchWhenGradsReady(self.buckets, self._launch_reduce)
         self.launched, self.row_exchanges, self.deferred_rows = [], {}, {}
         self.accumulating = False
-        # tied = (follower, leader): until untie() (in the follower's state) the leader takes both gradients
+        # tied = (follower, leader): until untie() the leader takes both gradients
         self.tied, self.tied_ready = tied, set()
         if tied is not None:
             self.tied_buckets = [next((b for b in self.buckets if len(b.params) == 1 and b.params[0] is p), None)
@@ -1511,7 +1511,7 @@ class _MuonGroup:
         self.params, self.keep = params, keep
         self.per_rank = -(-len(params) // world_size)
         self.padding = self.per_rank * world_size - len(params)
-        self.pending = None  # (work or None, this rank's averaged gradients [per_rank, rows, cols])
+        self.pending = None  # (work or None, this rank's averaged gradients)
         self.inbox = self.outbox = self.gathered = None
 
     def buffer(self, name: str, make) -> Tensor:
@@ -1724,8 +1724,8 @@ def muon_momentum_(grad: Tensor, state: dict, momentum, one_minus_fast, slow: fl
 # ----------------------------------------------------------------------------------------------------
 # Data
 #
-# Shards in the llm.c / speedrun layout: 256 int32 (magic, version, token count, ...), then uint16 tokens, each
-# document after a BOS, all little-endian.
+# Shards in the llm.c layout: 256 int32 (magic, version, token count, ...), then uint16 tokens, each document after
+# a BOS, little-endian.
 
 class DataError(UserError):
     pass
@@ -1866,7 +1866,7 @@ class ForwardBatch:
     targets: Tensor  # [T] int64
     cu_seqlens: Tensor  # [max_documents + 1] int32: the document starts, then T repeated
     bigrams: Tensor | None = None  # [T] int32 rows of the bigram table
-    rows: dict | None = None  # the sorted unique rows the forward reads, on the host: {"bigrams": ...}
+    rows: dict | None = None  # {"bigrams": the sorted rows read}, on the host
     documents: int | None = None  # how many documents cu_seqlens starts
     longest_document: int | None = None
 
@@ -1921,8 +1921,6 @@ class Prefetcher:
         try:
             windows = iter(batches)
             for size in sizes:
-                if not 0 < size <= packed:
-                    raise ValueError(f"a forward of {size} micro-batches in slots of {packed}")
                 group = list(itertools.islice(windows, size))
                 if len(group) < size:  # a partial group at the end is left out
                     break
@@ -2182,7 +2180,7 @@ def dummy_batches(cfg: Config, seed: int):
         window[:: cfg.max_doc_len] = cfg.bos_token
         yield window.astype(np.uint16)
 
-# Auto packs 8 micro-batches a forward only on GPUs of this many GiB (the defaults' peak with 8: 64 GiB)
+# Auto packs 8 micro-batches a forward from this many GiB on (the defaults' peak at 8: 64 GiB)
 PACK_8_MIN_GIB = 72
 
 @dataclass(frozen=True)
@@ -2255,7 +2253,7 @@ def build_model(cfg: Config, comm: Comm, log) -> tuple[GPT, torch.device, Packin
         f"forward: {', '.join(map(str, packing.stages))} by stage, {packing.validation} in validation")
     return model, device, packing
 
-# The ints of FA3's masks among the compiled function's arguments, symbolic: one graph for every value
+# The ints of FA3's masks among the compiled function's arguments
 FA3_HOST_INT_SOURCES = r"L\['masks'\]\['P?[SL]'\]\[[123]\]"
 
 def compile_model(model: GPT, cfg: Config, model_graphs: bool) -> None:
@@ -2263,7 +2261,7 @@ def compile_model(model: GPT, cfg: Config, model_graphs: bool) -> None:
     if not cfg.compile:
         return
     import torch._functorch.config as functorch
-    # AOTAutograd's cache takes graphs with our autograd Functions only so: dynamo traces them, the key covers them
+    # AOTAutograd caches graphs with our autograd Functions only so (dynamo traces them)
     functorch.autograd_cache_allow_custom_autograd_functions = True
     if isinstance(model.attend, FlashAttention3):
         torch.compiler.config.dynamic_sources = FA3_HOST_INT_SOURCES
@@ -2458,7 +2456,7 @@ class RunState:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         self.train_time_ms += 1000 * (time.perf_counter() - self.clock)
-        self.watch.flush(other_work_follows=True)
+        self.watch.flush()
 
     def start_clock(self):
         if self.device.type == "cuda":
@@ -2512,7 +2510,7 @@ class RunState:
         for reason in recompiles.new_reasons():
             log(f"warning: recompiled in the timed region: {reason}")
         log(f"graphs compiled in the timed region: {recompiles.since_warm_up()}")
-        summaries = [step_times.summary(self.watch.gpu_ms)]
+        summaries = [step_times.summary()]
         if comm.distributed:  # a rank's pause shows on the others as waits
             own, summaries = summaries[0], [None] * comm.world_size
             dist.all_gather_object(summaries, own)
@@ -2522,6 +2520,8 @@ class RunState:
         if self.device.type == "cuda":
             log(f"peak memory allocated: {torch.cuda.max_memory_allocated() // 2**20} MiB "
                 f"reserved: {torch.cuda.max_memory_reserved() // 2**20} MiB")
+        if bad := not_finite(self.trainer.model.state_dict()):
+            raise TrainingDiverged(f"the final weights are not finite ({', '.join(bad[:3])})")
         log(weights_checksum(self.trainer.model))
         return TrainResult(self.watch.losses, self.val_losses, self.train_time_ms)
 
@@ -2703,9 +2703,18 @@ def write_atomically(target: Path, write):
     finally:
         temporary.unlink(missing_ok=True)
 
+def not_finite(tree: dict, prefix: str = "") -> list[str]:
+    """Names of the tensors in nested dicts holding NaN or inf."""
+    return [name for key, value in tree.items() for name in (
+        not_finite(value, f"{prefix}{key}.") if isinstance(value, dict) else [prefix + key] if isinstance(value, Tensor)
+        and value.is_floating_point() and not torch.isfinite(value).all() else [])]
+
 def save_checkpoint(path: str, model: GPT, optimizers, cfg: Config, comm: Comm, device: torch.device, step: int,
                     progress: dict) -> None:
     muon_state, adam_state = gather_optimizer_states(model, optimizers, comm, device)
+    if bad := not_finite(dict(model=model.state_dict(), muon=muon_state, adam=adam_state)):  # the same on every rank
+        raise TrainingDiverged(f"at step {step} weights or optimizer state are not finite ({', '.join(bad[:3])}): "
+                               f"{path} is not written, earlier checkpoints stay")
     if comm.rank == 0:
         checkpoint = dict(kind=CHECKPOINT_KIND, format=CHECKPOINT_FORMAT, step=step, config=config_to_dict(cfg),
                           model={name: t.detach().cpu().clone() for name, t in model.state_dict().items()},
@@ -2727,6 +2736,9 @@ def read_checkpoint(path: str, flag: str) -> dict:
     if checkpoint.get("format") != CHECKPOINT_FORMAT:
         raise CheckpointError(f"--{flag}={path}: checkpoint format {checkpoint.get('format')}, this code reads "
                               f"{CHECKPOINT_FORMAT}")
+    if bad := not_finite({part: checkpoint[part] for part in ("model", "muon", "adam")}):
+        raise CheckpointError(f"--{flag}={path}: holds values that are not finite ({', '.join(bad[:3])}); take an "
+                              "earlier checkpoint")
     return checkpoint
 
 def check_same_model(checkpoint: dict, cfg: Config, flag: str) -> None:
@@ -2953,9 +2965,10 @@ class RunLog:
             print(text, flush=True)
             self._write(text)
 
-    def finish(self):
+    def finish(self, error: str = ""):
+        """The end marker, or after an error its line and `==== failed ====`."""
         if self.file is not None:
-            self._write("==== end ====")
+            self._write(f"{error}\n==== failed ====" if error else "==== end ====")
             self.file.close()
             self.file = None
 
@@ -2977,13 +2990,11 @@ class TrainingDiverged(UserError):
     pass
 
 class LossWatch:
-    """Each step's loss read a step late (the NaN check never stalls the GPU); its event times the step on the GPU."""
+    """Each step's loss read a step late: the NaN check never stalls the GPU."""
 
     def __init__(self, comm: Comm, device: torch.device):
-        self.comm, self.device = comm, device
-        self.pending = self.previous_end = None
+        self.comm, self.device, self.pending = comm, device, None
         self.losses: list[float] = []  # mean over the ranks, a step each
-        self.gpu_ms: dict[int, float] = {}  # 1-based step -> GPU ms since the previous step's end
 
     def push(self, step: int, local_loss: Tensor):
         losses = local_loss.float().reshape(1)
@@ -2993,20 +3004,17 @@ class LossWatch:
         host, event = losses, None
         if self.device.type == "cuda":
             host = torch.empty(losses.numel(), pin_memory=True).copy_(losses, non_blocking=True)
-            event = torch.cuda.Event(enable_timing=True)
+            event = torch.cuda.Event()
             event.record()
         self.flush()
         self.pending = (step, host, event)
 
-    def flush(self, other_work_follows: bool = False):
+    def flush(self):
         if self.pending is None:
             return
         (step, host, event), self.pending = self.pending, None
         if event is not None:
             event.synchronize()
-            if self.previous_end is not None:
-                self.gpu_ms[step + 1] = self.previous_end.elapsed_time(event)
-            self.previous_end = None if other_work_follows else event
         losses = host.tolist()
         bad = [rank for rank, loss in enumerate(losses) if not math.isfinite(loss)]
         if bad:
@@ -3047,25 +3055,22 @@ class RecompileWatch:
         return (new if self.graphs > graphs else []) + reasons
 
 class StepTimes(dict):
-    """Wall ms by step; summary() per stage (aim: none over 1.2x the median), by GPU time where there is: the host
-    runs ahead."""
+    """Wall ms by step (the loss read a step late paces the host); summary() per stage, the aim none over 1.2x its
+    median."""
 
     def __init__(self, schedule: Schedule):
         super().__init__()
         self.schedule = schedule
 
-    def summary(self, gpu_ms: dict[int, float]) -> list[str]:
+    def summary(self) -> list[str]:
         by_stage, lines = {}, []
         for step in self:
             by_stage.setdefault(self.schedule.stage(step - 1), []).append(step)
         for stage, steps in sorted(by_stage.items()):
-            judge, what = (gpu_ms, "GPU") if any(step in gpu_ms for step in steps) else (self, "wall")
-            timed = [step for step in steps if step in judge]  # a step after a pause lacks GPU time
-            median = float(np.median([judge[step] for step in timed]))
-            at = max(timed, key=judge.get)
-            lines.append(f"step times, stage {stage}: {len(steps)} steps, {what} median {median:.1f} ms, slowest "
-                         f"{judge[at]:.1f} ms at step {at} ({judge[at] / median:.2f}x); "
-                         f"{sum(judge[step] > 1.2 * median for step in timed)} over 1.2x the median")
+            median, at = float(np.median([self[step] for step in steps])), max(steps, key=self.get)
+            lines.append(f"step times, stage {stage}: {len(steps)} steps, median {median:.1f} ms, slowest "
+                         f"{self[at]:.1f} ms at step {at} ({self[at] / median:.2f}x); "
+                         f"{sum(self[step] > 1.2 * median for step in steps)} over 1.2x the median")
         return lines
 
 def seconds_since_process_start() -> float | None:
@@ -3140,7 +3145,7 @@ def check_inputs(cfg: Config) -> None:
             raise UserError(LIGHTHOUSE_MISSING)
 
 def main(argv: list[str] | None = None) -> int:
-    comm = None
+    comm = log = None
     try:
         cfg, flags = parse_cli(sys.argv[1:] if argv is None else argv)
         if "help" in flags:
@@ -3168,10 +3173,16 @@ def main(argv: list[str] | None = None) -> int:
         log.finish()
         return 0
     except UserError as e:
-        # before the process group exists, every rank hits the same mistake: rank 0 alone says it
+        # before the process group, every rank hits the same mistake: rank 0 says it
         if comm is not None or os.environ.get("RANK", "0") == "0":
             print(f"error: {e}", file=sys.stderr)
+        if log is not None:
+            log.finish(f"error: {e}")
         return 1
+    except BaseException as e:
+        if log is not None:
+            log.finish(f"error: {type(e).__name__}: {e}")
+        raise
     finally:
         if comm is not None and dist.is_initialized():
             gc.collect()  # DistAdam's gloo group goes now, not at exit
@@ -3576,9 +3587,6 @@ def symmetric_matmul(X: Tensor, out: Tensor, alpha: float = 1.0, beta: float = 0
 
 def muon_apply_(weight: Tensor, update: Tensor, scalars: Tensor, decay: bool) -> None:
     """Muon._apply's ops on one fp32 matrix in one pass; no FMAs: bit-equal."""
-    if not (weight.is_contiguous() and update.is_contiguous()) or update.shape != weight.shape:
-        raise ValueError(f"muon_apply_ needs a contiguous weight and update of one shape, got {tuple(weight.shape)} "
-                         f"and {tuple(update.shape)}")
     n = weight.numel()
     _muon_apply_kernel[(triton.cdiv(n, MUON_APPLY_BLOCK),)](
         weight, update, scalars, n, DECAY=decay, BLOCK=MUON_APPLY_BLOCK, enable_fp_fusion=False)

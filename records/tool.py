@@ -7,7 +7,8 @@
     python records/tool.py extract LOG [-o FILE]      # the exact train_gpt.py a log (or a record's logs) ran
 
 A, B, ... are record directories (records/<date>_<name>/ with *.txt logs), log files, or (for diff) .py files.
-A log that is malformed or cut off (no final "==== end ====") is an error naming the file and line.
+A log that is malformed or cut off (no final "==== end ====") is an error naming the file and line; so is a failed
+run's log ("==== failed ===="), with the error that ended it.
 """
 from __future__ import annotations
 
@@ -82,15 +83,19 @@ def parse_log(path: Path) -> Run:
     if lines[2 + count] != "==== end code ====":
         fail(3 + count, "expected '==== end code ====' after the code block")
     run = Run(path=Path(path), code="\n".join(code_lines) + "\n", sha256=header.group(1))
-    section, ended = None, False
+    section, ended, error = None, False, ""
     for number, line in enumerate(lines[3 + count:], start=4 + count):
         heading = SECTION.match(line)
         if heading:
             section = heading.group(1)
+            if section == "failed":  # the trainer's last line before it is the error that ended the run
+                fail(number, f"the run failed: {error or 'no error line'}")
             ended = section == "end"
             continue
         if ended and line.strip():
             fail(number, "text after '==== end ===='")
+        if line.startswith("error: "):
+            error = line
         if section == "environment" and ": " in line:
             key, value = line.split(": ", 1)
             run.env[key] = value

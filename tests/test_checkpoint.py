@@ -251,3 +251,48 @@ def test_a_run_may_end_on_a_step_that_only_sums_gradients_and_still_save():
 def test_sample_flags_are_checked(flags, message):
     with pytest.raises(tg.UserError, match=re.escape(message)):
         tg.parse_cli(["--preset=tiny", *flags])
+
+
+def test_weights_that_are_not_finite_are_never_checkpointed_nor_loaded(module_tiny_data, tmp_path, monkeypatch,
+                                                                       capsys):
+    """Muon's lr made NaN in step 4's update: its loss is still finite (read a step late it would stop the run only at
+    step 5), but the step-4 checkpoint is not written and the run ends there with one line; the step-2 checkpoint
+    stays. A checkpoint made non-finite afterwards is refused on load, and final weights that are not finite end a
+    run without a checkpoint."""
+    set_hyperparameters = tg.set_hyperparameters
+
+    def poisoned(optimizers, schedule, step):
+        set_hyperparameters(optimizers, schedule, step)
+        if step == 3:
+            for group in optimizers[0].param_groups:
+                group["lr"] = float("nan")
+    monkeypatch.setattr(tg, "set_hyperparameters", poisoned)
+    train, val = module_tiny_data
+    base = ["--device=cpu", *TINY, f"--train_files={train}", f"--val_files={val}", "--micro_batch_tokens=128",
+            "--num_iterations=8", f"--log_dir={tmp_path}"]
+    path = tmp_path / "nan.pt"
+    assert tg.main(base + ["--run_id=nan", f"--save_checkpoint={path}", "--checkpoint_every=2"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: at step 4 weights or optimizer state are not finite (model.blocks.0.attn.qkvo_w, ")
+    assert err.endswith(f"{tmp_path / 'nan_step000004.pt'} is not written, earlier checkpoints stay\n"), err
+    assert sorted(p.name for p in tmp_path.glob("*.pt")) == ["nan_step000002.pt"]
+    assert (tmp_path / "nan.txt").read_text().endswith("==== failed ====\n")
+    good = tmp_path / "nan_step000002.pt"
+    checkpoint = tg.read_checkpoint(str(good), "resume")
+    checkpoint = {**checkpoint, "adam": {**checkpoint["adam"]}}
+    name = next(iter(checkpoint["adam"]))
+    checkpoint["adam"][name] = {key: value * float("nan") if isinstance(value, torch.Tensor) else value
+                                for key, value in checkpoint["adam"][name].items()}
+    bad = tmp_path / "bad.pt"
+    torch.save(checkpoint, bad)
+    with pytest.raises(tg.CheckpointError, match=rf"holds values that are not finite \(adam\.{re.escape(name)}\."):
+        tg.read_checkpoint(str(bad), "resume")
+    monkeypatch.setattr(tg, "set_hyperparameters", set_hyperparameters)
+    report = tg.RunState.report
+
+    def poisoned_report(self, step_times):
+        self.trainer.model.bigram_embed.weight.data[-1] = float("nan")  # a row no batch reads
+        return report(self, step_times)
+    monkeypatch.setattr(tg.RunState, "report", poisoned_report)
+    assert tg.main(base + ["--run_id=final"]) == 1
+    assert capsys.readouterr().err == "error: the final weights are not finite (bigram_embed.weight)\n"

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import train_gpt as tg
-from helpers import (BOS, REPO, TINY, TOKENS, VOCAB, cu_seqlens_of, learnable_documents, random_tiny_model,
+from helpers import (BOS, REPO, TINY, TOKENS, VOCAB, cu_seqlens_of, learnable_documents, load_script, random_tiny_model,
                      run_forked, run_on_ranks, train_scheduled_steps, write_shard)
 
 BATCHES = dict(bos=BOS, vocab_size=VOCAB)  # bos_aligned_batches' and Prefetcher's arguments for these shards
@@ -1055,10 +1055,10 @@ def test_two_process_gloo_smoke_run(tiny_data, tmp_path):
     assert not re.search(r"^compile_time:", log, re.M)  # nothing compiled
     assert "\ngraphs compiled in the timed region: 0\n" in log
     # 4 scheduled steps over the tiny preset's 3 stages, steps 1-2, 3 and 4, then the 2 extension steps
-    counts = re.findall(r"^step times, stage (\d): (\d) steps, wall median [\d.]+ ms, slowest [\d.]+ ms at step \d", log,
+    counts = re.findall(r"^step times, stage (\d): (\d) steps, median [\d.]+ ms, slowest [\d.]+ ms at step \d", log,
                         re.M)
     assert counts == [("0", "2"), ("1", "1"), ("2", "1"), ("3", "2")]
-    assert re.findall(r"^rank 1: step times, stage (\d): (\d) steps, wall median", log, re.M) == counts
+    assert re.findall(r"^rank 1: step times, stage (\d): (\d) steps, median", log, re.M) == counts
 
 
 def test_step_times_flag_slow_steps_per_stage():
@@ -1066,17 +1066,13 @@ def test_step_times_flag_slow_steps_per_stage():
     for step in range(1, 31):
         stage = (step - 1) // 10
         times[step] = 100.0 * (stage + 1) + (50.0 * (stage + 1) if step in (7, 25) else 0.0)
-    gpu_ms = {step: 90.0 * ((step - 1) // 10 + 1) + (45.0 if step == 7 else 0.0) for step in range(2, 31)}
-    wall_lines = times.summary({})  # no GPU: judged by wall time
-    assert wall_lines[0] == ("step times, stage 0: 10 steps, wall median 100.0 ms, slowest 150.0 ms at step 7 (1.50x); "
-                             "1 over 1.2x the median")
-    assert wall_lines[1] == ("step times, stage 1: 10 steps, wall median 200.0 ms, slowest 200.0 ms at step 11 "
-                             "(1.00x); 0 over 1.2x the median")
-    lines = times.summary(gpu_ms)  # by GPU time: step 25's long wall time was the host's, step 7's the GPU's
-    assert lines[0] == ("step times, stage 0: 10 steps, GPU median 90.0 ms, slowest 135.0 ms at step 7 (1.50x); "
+    lines = times.summary()
+    assert lines[0] == ("step times, stage 0: 10 steps, median 100.0 ms, slowest 150.0 ms at step 7 (1.50x); "
                         "1 over 1.2x the median")
-    assert lines[2] == ("step times, stage 2: 10 steps, GPU median 270.0 ms, slowest 270.0 ms at step 21 (1.00x); "
+    assert lines[1] == ("step times, stage 1: 10 steps, median 200.0 ms, slowest 200.0 ms at step 11 (1.00x); "
                         "0 over 1.2x the median")
+    assert lines[2] == ("step times, stage 2: 10 steps, median 300.0 ms, slowest 450.0 ms at step 25 (1.50x); "
+                        "1 over 1.2x the median")
     assert len(lines) == 3
 
 
@@ -1194,6 +1190,24 @@ def test_world_sizes_1_2_4_and_8_give_the_same_losses_and_states(tiny_data, tmp_
             assert owned["bigram_rows"] and min(owned["bigram_rows"]) > 0, (world_size, rank, owned)
         if world_size == 8:
             assert [set(owned["muon_matrices"]) for _, owned in ranks] == [{2}] * 5 + [{1}] + [{0}] * 2
+
+
+def test_a_diverging_run_says_why_in_its_log_and_the_records_tool_reports_it_failed(tiny_data, tmp_path, capsys,
+                                                                                     monkeypatch):
+    """A NaN loss at step 3 (forced): one error line on stderr, the same line and `==== failed ====` end the log, and
+    records/tool.py names the run as failed with that error."""
+    push = tg.LossWatch.push
+    monkeypatch.setattr(tg.LossWatch, "push", lambda self, step, loss: push(self, step, loss * math.nan if step == 2
+                                                                            else loss))
+    train, val = tiny_data
+    code = tg.main(["--device=cpu", *TINY, f"--train_files={train}", f"--val_files={val}", "--num_iterations=6",
+                    "--micro_batch_tokens=128", f"--log_dir={tmp_path}", "--run_id=nan"])
+    message = "error: training diverged: loss is nan at step 3 on rank 0"
+    assert code == 1 and capsys.readouterr().err == message + "\n"
+    assert (tmp_path / "nan.txt").read_text().endswith(f"\n{message}\n==== failed ====\n")
+    tool = load_script("records/tool.py")
+    with pytest.raises(tool.ToolError, match=f"the run failed: {message}"):
+        tool.parse_log(tmp_path / "nan.txt")
 
 
 def _future_warnings_on_rank(rank, world_size, cfg):
