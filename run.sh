@@ -17,6 +17,16 @@ if ! gpus=$(python -c "import torch; print(torch.cuda.device_count())" 2>/dev/nu
 fi
 # torchrun's own default for several processes, one thread each, set here so that it prints no banner about it
 quiet_threads() { if [ "$NPROC" -gt 1 ]; then export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}; fi; }
+# torchrun with its stderr filtered: once a process says "error: ...", that line shows once, and what follows it on
+# stderr (the other processes' tracebacks, torchrun's failure report) is left out; before it everything passes.
+launch() {
+    local status=0
+    torchrun --standalone --nproc_per_node="$NPROC" train_gpt.py "$@" 2> >(awk '
+        /^error: / { if (!seen[$0]++) { print; fflush() } failed = 1; next }
+        !failed { print; fflush() }' >&2) || status=$?
+    wait 2>/dev/null || true  # the filter has written everything
+    exit "$status"
+}
 # --help and --check are answered by train_gpt.py alone: nothing launches.
 case " $* " in
     *" --help "*|*" -h "*) exec python train_gpt.py --help ;;
@@ -28,7 +38,7 @@ case " $* " in
     *" --device=cpu "*)
         echo "launching ${NPROC:=1} process(es) on the CPU"
         quiet_threads
-        exec torchrun --standalone --nproc_per_node="$NPROC" train_gpt.py "$@" ;;
+        launch "$@" ;;
 esac
 if [ -n "${NPROC:-}" ] && [ "$NPROC" -gt "$gpus" ]; then
     echo "error: NPROC=$NPROC, but torch sees $gpus GPU(s)" >&2
@@ -46,4 +56,4 @@ if [ "$NPROC" -eq 0 ]; then
 fi
 echo "launching on $NPROC of $gpus GPUs"
 quiet_threads
-exec torchrun --standalone --nproc_per_node="$NPROC" train_gpt.py "$@"
+launch "$@"

@@ -24,7 +24,6 @@ import math
 import os
 import platform
 import queue
-import subprocess
 import sys
 import threading
 import time
@@ -58,8 +57,7 @@ class Stage(typing.NamedTuple):
     doc_len: int  # tokens kept per training document
     mtp: tuple[tuple[float, float], ...]
 
-# The speedrun's stages: batch (2025-11), windows (2024-11) and lr (2025-12) grow; documents cut at 896 tokens first
-# (2026-02-10); far MTP tokens dropped (2025-12-22).
+# The speedrun's stages (batch 2025-11, windows 2024-11, lr 2025-12, doc_len 2026-02-10, MTP 2025-12-22)
 STAGES = (
     Stage(8, 1.0, (128, 384), 896, ((1, 1), (0.5, 0.5), (0.25, 0))),
     Stage(16, 1.52, (384, 896), 2048, ((1, 1), (0.5, 0))),
@@ -144,7 +142,7 @@ class Config:
 
     @property
     def period(self) -> int:
-        """--adam_period, else 2 (speedrun 2025-09-30), or 1 under DiLoCo: syncs land between any two steps."""
+        """--adam_period, else 2 (speedrun 2025-09-30), or 1 under DiLoCo (syncs land between any two steps)."""
         return self.adam_period or (1 if self.diloco else 2)
 
 PRESETS = {
@@ -580,7 +578,7 @@ def make_attention(cfg: Config, device: torch.device, seq_len: int):
                                 "FlashAttention-3 or use --attn_backend=auto") from None
     return FlexAttention(seq_len, device) if choice == "flex" or (choice == "auto" and cuda) else SdpaAttention()
 
-# MUDD's per-token inputs of the last layer
+# MUDD's inputs of the last layer
 LayerMix = collections.namedtuple("LayerMix", "value value_gate scales")
 # TokenGates' per-token inputs of a layer, None where absent
 LayerGates = collections.namedtuple("LayerGates", "inject xsa out")
@@ -1220,8 +1218,7 @@ def union_of_rows(row_lists: list[np.ndarray], num_rows: int) -> np.ndarray:
     return np.flatnonzero(touched)
 
 class _RowExchange:
-    """Sparse gradient exchange (speedrun 2026-02-06): a row-sharded table's touched rows go to their owners, who sum
-    them into their shard; the counts over gloo (the host waits, not the GPU)."""
+    """Sparse gradients (speedrun 2026-02-06): touched rows go to their owners; the counts over gloo (host, not GPU)."""
 
     def __init__(self, rows: np.ndarray, table: Tensor, rank: int, world_size: int, cpu_group):
         self.rank, self.world_size, self.rows_per_rank = rank, world_size, table.size(0) // world_size
@@ -1730,7 +1727,8 @@ def muon_momentum_(grad: Tensor, state: dict, momentum, one_minus_fast, slow: fl
 class DataError(UserError):
     pass
 
-def read_shard(path: str) -> np.ndarray:
+def shard_tokens(path: str) -> int:
+    """The token count, the header and size checked."""
     size, header_bytes = os.path.getsize(path), SHARD_HEADER_INTS * 4
     if size < header_bytes:
         raise DataError(f"{path}: {size} bytes, too short for the {header_bytes}-byte shard header")
@@ -1742,11 +1740,18 @@ def read_shard(path: str) -> np.ndarray:
     if size != (expected := header_bytes + 2 * num_tokens):
         raise DataError(f"{path}: header says {num_tokens:,} tokens ({expected:,} bytes) but the file has {size:,} "
                         "bytes; the file is truncated or corrupt, download or build it again")
-    return np.memmap(path, dtype="<u2", mode="r", offset=header_bytes, shape=(num_tokens,))
+    return num_tokens
 
-def shard_paths(pattern: str, flag: str) -> list[str]:
-    """The shards matching a glob, each header checked before any compiling."""
-    paths = sorted(glob.glob(pattern))
+def read_shard(path: str) -> np.ndarray:
+    """Read whole, not mapped: a file cut under a running job cannot kill it."""
+    tokens = np.fromfile(path, dtype="<u2", count=(count := shard_tokens(path)), offset=SHARD_HEADER_INTS * 4)
+    if len(tokens) != count:
+        raise DataError(f"{path}: cut while being read ({len(tokens):,} of {count:,} tokens)")
+    return tokens
+
+def shard_paths(pattern: str, flag: str, vocab_size: int = 0) -> list[str]:
+    """The shards of a glob, headers (with vocab_size tokens too) checked; every bad one in one line."""
+    paths, bad = sorted(glob.glob(pattern)), []
     if not paths:
         raise DataError(f"--{flag}={pattern!r} matches no files. Download FineWeb shards with "
                         f"`python data/cached_fineweb10B.py 9` or point --{flag} at your own shards")
@@ -1754,7 +1759,15 @@ def shard_paths(pattern: str, flag: str) -> list[str]:
         if os.path.isdir(path):
             raise DataError(f"--{flag}={pattern!r} matches the folder {path}: give the shard files, e.g. "
                             f"--{flag}='{os.path.join(path, '*.bin')}'")
-        read_shard(path)
+        try:
+            if vocab_size:
+                check_vocabulary(read_shard(path), vocab_size, path)
+            else:
+                shard_tokens(path)
+        except DataError as e:
+            bad.append(str(e))
+    if bad:
+        raise DataError(bad[0] if len(bad) == 1 else f"{len(bad)} bad shards: " + " | ".join(bad))
     return paths
 
 def check_vocabulary(tokens: np.ndarray, vocab_size: int, where: str) -> None:
@@ -1904,8 +1917,7 @@ class _Slot:
         self.documents, self.longest_document = len(starts), int(np.diff(cu[: len(starts) + 1]).max())
 
 class Prefetcher:
-    """Forwards' inputs (`packed` windows, or `sizes` in turn) built on a thread into rotating pinned slots; a slot is
-    refilled after its copy's event."""
+    """Forwards' inputs (`packed` windows, or `sizes` in turn) built on a thread into rotating pinned slots."""
 
     def __init__(self, batches, seq_len: int, device: torch.device, *, bos: int, slots: int = 4,
                  bigram_rows: int = 0, packed: int = 1, sizes=None):
@@ -2278,8 +2290,7 @@ def cache_counts() -> tuple[int, int]:
             inductor["fxgraph_cache_miss"] + aot["autograd_cache_miss"])
 
 def warm_up_forwards(schedule: Schedule, packing: Packing, world_size: int, cuda_graphs: bool) -> dict:
-    """(windows, micro-batches per forward) -> forwards the timed region meets; under CUDA graphs a stage's count,
-    at least two (a graph records at its second call)."""
+    """(windows, micro-batches per forward) -> forwards the timed region meets; under CUDA graphs at least two."""
     runs = {}
     for stage in range(schedule.scheduled + 1):
         if stage == schedule.scheduled and not schedule.cfg.extension_steps:
@@ -2294,7 +2305,7 @@ def warm_up_forwards(schedule: Schedule, packing: Packing, world_size: int, cuda
 
 def warm_up(model: GPT, optimizers, cfg: Config, comm: Comm, schedule: Schedule, device: torch.device,
             packing: Packing, log):
-    """Every graph the timed region needs, on random data; then the initial weights and an empty state again."""
+    """Every graph the timed region needs, on random data; then the initial weights and state again."""
     initial = {name: t.detach().clone() for name, t in model.state_dict().items()}
     runs = warm_up_forwards(schedule, packing, comm.world_size, model.replays_cuda_graphs)
     sizes = [size for (_, size), forwards in runs.items() for _ in range(forwards)]
@@ -2791,7 +2802,7 @@ def import_torchft():
     return torchft
 
 def diloco_fragments(model: GPT, count: int) -> list[nn.Module]:
-    """`count` contiguous groups of blocks; the input side joins the first, the output side the last."""
+    """`count` contiguous groups of blocks, the input side in the first, the output side in the last."""
     bounds = [round(i * len(model.blocks) / count) for i in range(count + 1)]
     fragments = [nn.Module() for _ in range(count)]
     for fragment, lo, hi in zip(fragments, bounds, bounds[1:]):
@@ -2865,9 +2876,7 @@ class StreamingDiLoCo:
         self.step = state["step"] * self.sync_every // state["sync_every"]  # a peer's sync_every may differ
 
     def state_dict(self) -> dict:
-        """What only this replica holds; --checkpoint_every sees that no all-reduce is in flight."""
-        if any(fragment._allreduce_work for fragment in self.diloco._fragments):
-            raise RuntimeError("DiLoCo checkpoint asked for during a fragment's all-reduce")
+        """What only this replica holds; taken with no all-reduce in flight (validate_config's checkpoint_every)."""
         return detached_copy({
             "manager": self.manager.state_dict(), "local_step": self.diloco._local_step,
             "fragments": [{"global_weights": f.original_parameters, "outer_optimizer": opt.state_dict()}
@@ -2952,7 +2961,7 @@ class RunLog:
             f"==== code train_gpt.py sha256={hashlib.sha256(source).hexdigest()} lines={len(lines)} ====", *lines,
             "==== end code ====", "==== environment ====",
             *(f"{key}: {value}" for key, value in environment(cfg, comm).items()),
-            "==== nvidia-smi ====", nvidia_smi(), "==== config ====", "config: " + json.dumps(config_to_dict(cfg)),
+            "==== config ====", "config: " + json.dumps(config_to_dict(cfg)),
             "==== training ===="]))
         print(f"logging to {self.path}", flush=True)
 
@@ -2979,12 +2988,6 @@ def environment(cfg: Config, comm: Comm) -> dict[str, str]:
             "triton": triton.__version__ if triton is not None else "not installed", "device": cfg.device,
             "world_size": str(comm.world_size), "hardware": f"{comm.world_size}x {hardware}",
             "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:])}
-
-def nvidia_smi() -> str:
-    try:
-        return subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "not available"
 
 class TrainingDiverged(UserError):
     pass
@@ -3130,7 +3133,7 @@ def check_inputs(cfg: Config) -> None:
             raise UserError(NO_CUDA)
         check_gpu_features(cfg, torch.device("cuda", 0), choose_kernels(cfg, torch.device("cuda", 0)))
     if not (cfg.eval_only or cfg.sample):
-        document_starts(shard_paths(cfg.train_files, "train_files")[0], cfg.bos_token, cfg.vocab_size)
+        shard_paths(cfg.train_files, "train_files", cfg.vocab_size)
     if not cfg.sample:
         next(val_batches_for_rank(shard_paths(cfg.val_files, "val_files"), cfg, Comm()))
     if cfg.resume:  # memory-mapped: reading it again costs little

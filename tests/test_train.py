@@ -315,6 +315,43 @@ def test_tokens_outside_the_vocabulary_are_named(tmp_path):
             pass
 
 
+def test_check_names_every_bad_training_shard_in_one_line(tmp_path):
+    """--check reads every training shard: a bad token in the second and a cut third are one line naming both."""
+    good = learnable_documents(5_000, seed=8)
+    bad = good.copy()
+    bad[777] = 50256
+    write_shard(tmp_path / "t_000001.bin", good)
+    write_shard(tmp_path / "t_000002.bin", bad)
+    cut = write_shard(tmp_path / "t_000003.bin", good)
+    cut.write_bytes(cut.read_bytes()[:-100])
+    val = write_shard(tmp_path / "v_000000.bin", good)
+    cfg = tg.Config(**TOKENS, device="cpu", train_files=str(tmp_path / "t_*.bin"), val_files=str(val), val_tokens=4096)
+    with pytest.raises(tg.DataError) as err:
+        tg.check_inputs(cfg)
+    assert str(err.value).startswith(f"2 bad shards: {tmp_path / 't_000002.bin'}: token 50256 at position 777 is not "
+                                     "below --vocab_size=128")
+    assert f" | {tmp_path / 't_000003.bin'}: header says 5,0" in str(err.value) and "\n" not in str(err.value)
+
+
+CUT_UNDER_THE_LOADER = """
+import os, sys, numpy as np, train_gpt as tg
+sys.path.insert(0, "tests")
+from helpers import learnable_documents, write_shard
+path = write_shard(__import__("pathlib").Path(sys.argv[1]), learnable_documents(400_000, seed=3))
+batches = tg.bos_aligned_batches([str(path)], 4097, 4096, repeat=False, bos=127, vocab_size=128)
+next(batches)
+os.truncate(path, 4096)  # the file cut to its header and a few tokens while the run reads it
+print(sum(int(tokens[start:end].max()) < 128 for tokens, spans in batches for start, end in spans) > 50)
+"""
+
+
+def test_a_shard_cut_under_a_running_loader_does_not_kill_it(tmp_path):
+    """The loader reads a shard whole (a mapped file cut under it would end the process with SIGBUS)."""
+    result = subprocess.run([sys.executable, "-c", CUT_UNDER_THE_LOADER, str(tmp_path / "s.bin")], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "True", (result.returncode, result.stderr[-500:])
+
+
 def test_empty_glob_is_named(tmp_path):
     with pytest.raises(tg.DataError, match=r"--val_files='.*none_\*\.bin' matches no files"):
         tg.shard_paths(str(tmp_path / "none_*.bin"), "val_files")
@@ -1463,6 +1500,7 @@ def test_run_sh_checks_before_launching(tmp_path, tiny_data):
         pytest.skip("on a GPU machine run.sh would launch a real run")
     (tmp_path / "notes.bin").write_bytes(b"not tokens" * 200)
     train, val = tiny_data
+    short = write_shard(tmp_path / "short_000001.bin", learnable_documents(3_000, seed=1))
     cases = {  # started together: each is mostly a Python start and torch's import
         "no_cuda": ([], {}),
         "missing": (["--device=cpu", "--train_files=nowhere/*.bin"], {}),
@@ -1470,6 +1508,8 @@ def test_run_sh_checks_before_launching(tmp_path, tiny_data):
         "three": (["--device=cpu", *TINY, f"--train_files={train}", f"--val_files={val}"], {"NPROC": "3"}),
         "check": (["--check", "--device=cpu", *TINY, f"--train_files={train}", f"--val_files={val}"], {}),
         "help": (["--help"], {}),
+        "ran_out": (["--device=cpu", *TINY, f"--train_files={short}", f"--val_files={val}", "--val_loss_every=0",
+                     f"--log_dir={tmp_path}"], {"NPROC": "2"}),
     }
     procs = {name: subprocess.Popen(["bash", str(REPO / "run.sh"), *args], stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, text=True, env=dict(os.environ, **env))
@@ -1491,6 +1531,8 @@ def test_run_sh_checks_before_launching(tmp_path, tiny_data):
     assert code == 0 and out.strip() == "ok: config, device and data files look right" and not err
     code, out, err = done["help"]
     assert code == 0 and out.startswith("usage: train_gpt.py") and "--stages=" in out and not err
+    code, out, err = done["ran_out"]  # both processes say it, torchrun reports it: the launcher shows it once
+    assert code == 1 and err.startswith("error: the training data ran out") and err.count("\n") == 1, err
 
 
 def test_cuda_graphs_give_every_parameter_a_kept_gradient_and_mark_each_forward(tiny_data, monkeypatch):
