@@ -93,6 +93,7 @@ class Config:
     device: str = _run("cuda", "cuda | cpu (gloo, float32, no Triton)")
     save_checkpoint: str = _run("", "checkpoint written at the end; empty: none")
     checkpoint_every: int = _run(0, "steps between <name>_stepNNNNNN.pt checkpoints; 0: none")
+    keep_checkpoints: int = _run(3, "the newest periodic checkpoints kept; 0: all")
     resume: str = _run("", "checkpoint to resume training from, as if never stopped")
     eval_only: bool = _run(False, "only validate --init_from's weights")
     init_from: str = _run("", "checkpoint for --eval_only or --sample")
@@ -245,8 +246,9 @@ def validate_config(cfg: Config) -> None:
     for name, value in vars(cfg).items():
         need(not isinstance(value, float) or math.isfinite(value), f"--{name}={value}: give a finite number")
     for name, (low, high) in dict(num_iterations=(1, 1e9), extension_steps=(0, 1e9), val_loss_every=(0, 1e9),
-                                  adam_lr=(0, 1), muon_lr=(0, 1), adam_period=(0, 99), cooldown_frac=(1e-6, 1),
-                                  sample_tokens=(1, 1e9), temperature=(0, 99), outer_lr=(1e-6, 9)).items():
+                                  keep_checkpoints=(0, 1e9), adam_lr=(0, 1), muon_lr=(0, 1), adam_period=(0, 99),
+                                  cooldown_frac=(1e-6, 1), sample_tokens=(1, 1e9), temperature=(0, 99),
+                                  outer_lr=(1e-6, 9)).items():
         need(low <= getattr(cfg, name) <= high, f"--{name}={getattr(cfg, name)}: use {low:g} .. {high:g}")
     for name, choices in (("device", ("cuda", "cpu")), ("attn_backend", ("auto", "fa3", "flex", "sdpa")),
                           ("cuda_graphs", ("auto", "1", "0"))):
@@ -435,7 +437,7 @@ class SdpaAttention:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0).transpose(0, 1)
 
 class FlexAttention:
-    """Block masks (speedrun 2024-11) by eager ops, not create_block_mask (pytorch#182060), in place for CUDA graphs."""
+    """Block masks (speedrun 2024-11) by eager ops, not create_block_mask (slow, pytorch#182060), kept in place."""
     name = "flex"
     block_size = 128
 
@@ -464,7 +466,7 @@ class FlexAttention:
         return mask_mod
 
     def _block_lists(self, window: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Document ids grow: blocks share one exactly when the query block's first is the key block's last."""
+        """Blocks share a document exactly when the query block's first is the key block's last."""
         size, offset = self.block_size, self.block_offset
         first, last = self.doc[::size], self.doc[size - 1::size]
         nearest = (offset * size - (size - 1)).clamp(min=0)  # smallest q_idx - kv_idx over the block pair
@@ -543,7 +545,7 @@ def _fa3_backward(ctx, grad, _lse_grad):
 fa3_varlen.register_autograd(_fa3_backward, setup_context=_fa3_save)
 
 class FlashAttention3:
-    """Its backward runs a block per (sequence, key tile), empty or not: where allowed, one start per 256 tokens."""
+    """Its backward runs a block per (sequence, key tile), empty or not: one start per 256 tokens where allowed."""
     name = "fa3"
 
     def __init__(self, module, max_doc_len: int):
@@ -822,7 +824,7 @@ class LongestMatch(nn.Module):
         return scale[:, None] * rows + self.bucket_embed[buckets].to(rows.dtype)
 
 class _RowLookup(torch.autograd.Function):
-    """The backward adds rows into .grad and returns none; AccumulateGrad still runs DistAdam's hooks."""
+    """The backward adds rows into .grad; AccumulateGrad still runs DistAdam's hooks."""
     @staticmethod
     def forward(ctx, indices: Tensor, use_triton: bool, dtypes: tuple, *tables: Tensor):
         ctx.save_for_backward(indices)
@@ -919,7 +921,7 @@ class GPT(nn.Module):
         return masks
 
     def prepare_grads(self):
-        """Zeroed .grads: the tables', all under CUDA graphs (else .grad lives in the graph's pool)."""
+        """Zeroed .grads: the tables', and all under CUDA graphs (else .grad lives in the graph's pool)."""
         params = self.parameters() if self.replays_cuda_graphs else [self.embed.weight] + [
             t.weight for t in self.value_embeds] + ([self.bigram_embed.weight] if self.bigram_embed is not None else [])
         for p in params:
@@ -927,7 +929,7 @@ class GPT(nn.Module):
                 p.grad = torch.zeros_like(p)
 
     def forward(self, tokens: Tensor, targets: Tensor | None, masks: dict, bigrams: Tensor | None = None) -> Tensor:
-        """Mean loss (logits without targets); lookups run eagerly, the rest in `trunk`."""
+        """Mean loss (logits without targets); lookups eager, the rest in `trunk`."""
         use_triton, compute = self.kernels.triton, self.compute_dtype
         if self.longest_match is not None:
             candidates, buckets = self.find_matches(tokens, self.starts_of(tokens))
@@ -1019,8 +1021,9 @@ class GPT(nn.Module):
         copy = None
         if self.copy_pointer is not None:
             copy = (self.cfg.vocab_size, *self.copy_pointer(x, tokens, targets, torch.cumsum(starts.long(), 0)))
-        if self.kernels.fp8_head:
-            return fp8_softcapped_head(x, self.lm_head.weight, targets, LOGIT_CAP, mtp, copy)
+        if self.kernels.fp8_head:  # copy: (the gate's column, log_copy, log_sink)
+            return _Fp8SoftcappedHead.apply(x, self.lm_head.weight, targets, LOGIT_CAP, *(mtp or (None, 0)),
+                                            *(copy or (0, None, None)))
         z = softcap(x @ self.lm_head.weight.to(x.dtype).T, LOGIT_CAP)
         if copy is not None:
             return copy_mixture_losses(z, targets, *copy, mtp).mean()
@@ -1070,7 +1073,7 @@ def copy_log_probs(q: Tensor, k: Tensor, sink: Tensor, tokens: Tensor, targets: 
 
 def copy_mixture_losses(z: Tensor, targets: Tensor, slot: int, log_copy: Tensor, log_sink: Tensor,
                         mtp: tuple | None) -> Tensor:
-    """Column `slot` the gate, alpha its share, a the sink's: p(y) = p_lm(y) (1 - alpha (1 - a)) + alpha p_copy(y)."""
+    """Column `slot` the gate of share alpha, a the sink's: p(y) = p_lm(y) (1 - alpha (1 - a)) + alpha p_copy(y)."""
     lse = torch.logsumexp(z, dim=1)
     gate = z[:, slot]
     u = torch.minimum(gate - lse, torch.full_like(lse, -1e-7))  # the other columns' lse: log(1 - e^u), Maechler 2012
@@ -1116,7 +1119,7 @@ class _Fp8SoftcappedHead(torch.autograd.Function):
     def backward(ctx, grad_loss: Tensor):
         x_q, w_q, x_scale, w_scale, grad_q, *pointer_grads = ctx.saved_tensors
         grad_scale = grad_loss.float() / grad_q.size(0) / GRAD_E5M2_MAX
-        # _scaled_mm's second operand is column-major; the transposed copies are small
+        # _scaled_mm's second operand is column-major
         grad_x = torch._scaled_mm(grad_q, w_q.t().contiguous().t(), scale_a=grad_scale, scale_b=w_scale,
                                   out_dtype=ctx.x_dtype)
         grad_w = torch._scaled_mm(transpose_fp8(grad_q), x_q.t().contiguous().t(), scale_a=grad_scale,
@@ -1126,13 +1129,6 @@ class _Fp8SoftcappedHead(torch.autograd.Function):
             row_scale = grad_loss.float() / grad_q.size(0)
             grad_copy, grad_sink = ((g * row_scale).to(ctx.copy_dtype) for g in pointer_grads)
         return grad_x, grad_w.to(ctx.w_dtype), None, None, None, None, None, grad_copy, grad_sink
-
-def fp8_softcapped_head(x: Tensor, weight: Tensor, targets: Tensor, cap: tuple, mtp: tuple | None = None,
-                        copy: tuple | None = None) -> Tensor:
-    """copy = (the gate's column, log_copy, log_sink)."""
-    weights, period = mtp if mtp is not None else (None, 0)
-    slot, log_copy, log_sink = copy or (0, None, None)
-    return _Fp8SoftcappedHead.apply(x, weight, targets, cap, weights, period, slot, log_copy, log_sink)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1186,7 +1182,7 @@ class _LaunchWhenGradsReady:
             self.handles.pop().remove()
 
 class _AdamBucket:
-    """One group's parameters (one, or small ones packed) sharing a reduce-scatter; rank r owns shard r."""
+    """A group's parameters (one, or small ones packed) in one reduce-scatter; rank r owns shard r."""
 
     def __init__(self, params: list[Tensor], group_index: int, world_size: int):
         self.params, self.group_index = params, group_index
@@ -2012,7 +2008,7 @@ class Schedule:
         return step == self.total_steps or (self.cfg.val_loss_every > 0 and step % self.cfg.val_loss_every == 0)
 
     def validation_step(self, step: int) -> int:
-        """Step whose windows the validation before `step` uses: the last trained one, but at the end."""
+        """The step whose windows validation before `step` uses: the last trained one, but at the end."""
         return step - 1 if 0 < step < self.total_steps else step
 
     def micro_batches(self, step: int) -> int:
@@ -2169,7 +2165,7 @@ def train_step(model: GPT, optimizers: Optimizers, batches: Prefetcher, windows:
 
 def evaluate(model: GPT, cfg: Config, comm: Comm, val_paths: list[str], windows: tuple[int, int],
              device: torch.device, packed: int) -> float:
-    """Mean loss over the validation tokens, autograd on: it reuses the training graphs, no extra compile."""
+    """Mean loss over the validation tokens, autograd on: the training graphs serve, no extra compile."""
     batches = prefetch(val_batches_for_rank(val_paths, cfg, comm), cfg, device, packed)
     count = cfg.val_tokens // cfg.micro_batch_tokens // comm.world_size // packed
     total = torch.zeros((), device=device)
@@ -2197,7 +2193,7 @@ PACK_8_MIN_GIB = 72
 
 @dataclass(frozen=True)
 class Packing:
-    """Micro-batches per forward in each stage and in validation (a training size): each size is a graph."""
+    """Micro-batches per forward by stage and in validation (a training size): each size is a graph."""
     stages: tuple[int, ...]
     validation: int
 
@@ -2260,9 +2256,9 @@ def build_model(cfg: Config, comm: Comm, log) -> tuple[GPT, torch.device, Packin
     if comm.distributed:  # the same seed gives the same init, but make certain
         for t in model.state_dict().values():
             dist.broadcast(t, 0)
-    log(f"model: {sum(p.numel() for p in model.parameters()):,} parameters, attention backend {attend.name}, compute "
-        f"dtype {compute_dtype}, world size {comm.world_size}; micro-batches of {cfg.micro_batch_tokens} tokens per "
-        f"forward: {', '.join(map(str, packing.stages))} by stage, {packing.validation} in validation")
+    log(f"model: {sum(p.numel() for p in model.parameters()):,} parameters, {attend.name} attention, {compute_dtype}, "
+        f"world size {comm.world_size}; micro-batches of {cfg.micro_batch_tokens} tokens per forward: "
+        f"{', '.join(map(str, packing.stages))} by stage, {packing.validation} in validation")
     return model, device, packing
 
 # The ints of FA3's masks among the compiled function's arguments
@@ -2357,11 +2353,10 @@ def build_and_warm_up(cfg: Config, comm: Comm, log) -> Trainer:
                         "--forward_micro_batches or --micro_batch_tokens") from None
     if device.type == "cuda":
         torch.cuda.synchronize()
-    recompiles, (hits, misses), since_start = RecompileWatch(), cache_counts(), seconds_since_process_start()
+    recompiles, (hits, misses) = RecompileWatch(), cache_counts()
     if cfg.compile:
         log(f"compile_time:{time.perf_counter() - start:.1f}s graphs:{recompiles.graphs} cache_hits:{hits} "
-            f"cache_misses:{misses}" + (f" since_process_start:{since_start:.1f}s" if since_start is not None else "")
-            + f"; CUDA graphs: model {int(model_graphs)}, Muon {int(muon_graphs)}")
+            f"cache_misses:{misses}; CUDA graphs: model {int(model_graphs)}, Muon {int(muon_graphs)}")
     return Trainer(model, optimizers, schedule, device, recompiles, packing)
 
 def train(cfg: Config, comm: Comm, log) -> TrainResult:
@@ -2376,6 +2371,8 @@ def train(cfg: Config, comm: Comm, log) -> TrainResult:
     run = RunState(cfg, comm, log, trainer)
     diloco = StreamingDiLoCo(cfg, model, optimizers, device, log) if cfg.diloco else None
     start = 0
+    if cfg.save_checkpoint and comm.rank == 0:
+        tidy_checkpoints(cfg)
     if checkpoint is not None:
         start = run.restore(checkpoint, diloco)
         log(f"resumed from {cfg.resume} at step {start}")
@@ -2409,6 +2406,8 @@ def train(cfg: Config, comm: Comm, log) -> TrainResult:
                 run.pause()
                 save_checkpoint(path, model, optimizers, cfg, comm, device, step, run.progress(train_paths, diloco))
                 log(f"checkpoint: {path} at step {step}")
+                if comm.rank == 0:
+                    tidy_checkpoints(cfg)
                 run.start_clock()
             if step == total:
                 break
@@ -2446,14 +2445,11 @@ def train(cfg: Config, comm: Comm, log) -> TrainResult:
             diloco.close()
     return run.report(step_times)
 
-@dataclass
-class TrainResult:
-    train_losses: list[float]  # per step, the mean over the ranks
-    val_losses: list[tuple[int, float]]  # (step, loss)
-    train_time_ms: float
+# train_losses: per step, the mean over the ranks; val_losses: (step, loss)
+TrainResult = collections.namedtuple("TrainResult", "train_losses val_losses train_time_ms")
 
 class RunState:
-    """What the loop keeps between steps besides the model: the clock, the losses, the window history."""
+    """What the loop keeps besides the model: the clock, the losses, the window history."""
 
     def __init__(self, cfg: Config, comm: Comm, log, trainer: Trainer):
         self.cfg, self.comm, self.log, self.trainer, self.device = cfg, comm, log, trainer, trainer.device
@@ -2590,7 +2586,7 @@ def gpt2_encoding():
                         "pip install tiktoken; offline, see data/tokenize_text.py's help") from None
 
 def sample_from_checkpoint(cfg: Config, comm: Comm, log, codec=None) -> str:
-    """--sample: a continuation of the prompt from --init_from's weights; codec: (encode, decode), GPT-2's."""
+    """--sample: the prompt continued by --init_from's weights; codec: (encode, decode), GPT-2's."""
     checkpoint = read_checkpoint(cfg.init_from, "init_from")
     check_same_model(checkpoint, cfg, "init_from")
     if codec is None:
@@ -2641,6 +2637,20 @@ def config_from_dict(values: dict) -> Config:
 def checkpoint_path_at(path: str, step: int) -> str:
     base = Path(path)
     return str(base.with_name(f"{base.stem}_step{step:06d}{base.suffix or '.pt'}"))
+
+def tidy_checkpoints(cfg: Config) -> None:
+    """The newest keep_checkpoints periodic checkpoints stay; a killed writer's temporaries go."""
+    base = Path(cfg.save_checkpoint)
+    periodic = sorted(base.parent.glob(f"{base.stem}_step{'[0-9]' * 6}{base.suffix or '.pt'}"), key=os.path.getmtime)
+    for old in periodic[:-cfg.keep_checkpoints] if cfg.keep_checkpoints else []:
+        old.unlink()
+    for temporary in base.parent.glob(f".{base.stem}*.tmp"):  # write_atomically's .NAME.PID.tmp
+        try:
+            os.kill(int(temporary.name.split(".")[-2]), 0)  # its writer alive
+        except ProcessLookupError:
+            temporary.unlink(missing_ok=True)
+        except (ValueError, PermissionError):
+            pass
 
 def data_fingerprint(paths: list[str]) -> list[tuple[str, int]]:
     return [(os.path.basename(path), os.path.getsize(path)) for path in paths]
@@ -2715,7 +2725,7 @@ def write_atomically(target: Path, write):
         temporary.unlink(missing_ok=True)
 
 def not_finite(tree: dict, prefix: str = "") -> list[str]:
-    """Names of the tensors in nested dicts holding NaN or inf."""
+    """Names of the tensors holding NaN or inf."""
     return [name for key, value in tree.items() for name in (
         not_finite(value, f"{prefix}{key}.") if isinstance(value, dict) else [prefix + key] if isinstance(value, Tensor)
         and value.is_floating_point() and not torch.isfinite(value).all() else [])]
@@ -2945,7 +2955,7 @@ class StreamingDiLoCo:
 # Instrumentation
 
 class RunLog:
-    """Rank 0 writes log_dir/<run_id>.txt: source, environment, config, a line per step (records/tool.py reads it)."""
+    """Rank 0 writes log_dir/<run_id>.txt: source, environment, config, a line per step (for records/tool.py)."""
 
     def __init__(self, cfg: Config, comm: Comm):
         self.file = None
@@ -2975,7 +2985,7 @@ class RunLog:
             self._write(text)
 
     def finish(self, error: str = ""):
-        """The end marker, or after an error its line and `==== failed ====`."""
+        """The end marker, or the error and `==== failed ====`."""
         if self.file is not None:
             self._write(f"{error}\n==== failed ====" if error else "==== end ====")
             self.file.close()
@@ -2993,7 +3003,7 @@ class TrainingDiverged(UserError):
     pass
 
 class LossWatch:
-    """Each step's loss read a step late: the NaN check never stalls the GPU."""
+    """Each step's loss read a step late: its NaN check never stalls the GPU."""
 
     def __init__(self, comm: Comm, device: torch.device):
         self.comm, self.device, self.pending = comm, device, None
@@ -3029,7 +3039,7 @@ def compiled_graph_count() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 class RecompileWatch:
-    """Compiles after the warm-up (none should come): new graphs, lazy backwards, CUDA graph recordings."""
+    """Compiles after the warm-up (none should come): graphs, lazy backwards, CUDA graph recordings."""
 
     def __init__(self):
         from torch._dynamo.callback import CallbackTrigger, callback_handler
@@ -3075,14 +3085,6 @@ class StepTimes(dict):
                          f"{self[at]:.1f} ms at step {at} ({self[at] / median:.2f}x); "
                          f"{sum(self[step] > 1.2 * median for step in steps)} over 1.2x the median")
         return lines
-
-def seconds_since_process_start() -> float | None:
-    try:
-        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-        uptime = float(Path("/proc/uptime").read_text().split()[0])
-        return uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: start time in clock ticks
-    except (OSError, ValueError, IndexError, AttributeError):
-        return None
 
 def weights_checksum(model: nn.Module) -> str:
     total = squares = 0.0

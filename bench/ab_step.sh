@@ -48,7 +48,7 @@ for flags in "$@"; do
     env "${settings[@]}" "${caches[@]}" timeout "${RUN_LIMIT_S:-300}" "${command[@]}" "${options[@]}" \
         > "$OUT/ab_$n.txt" 2>&1
     echo "== [$n] $flags (exit $?)"
-    grep -E "^compile_time|^data|per forward|^ +[0-9]+ +[0-9]+ +\(|^ {31}|^graphs|step times|peak memory|^profile|^  +[0-9.]+ +[0-9.]+%|Error|error:" \
+    grep -E "^compile_time|^cold start|^data|per forward|^ +[0-9]+ +[0-9]+ +\(|^ {31}|^graphs|step times|peak memory|^profile|^  +[0-9.]+ +[0-9.]+%|Error|error:" \
         "$OUT/ab_$n.txt" | cut -c1-220
 done
 [ "${COLD:-0}" = 1 ] || [ "${PACK_CACHE:-1}" = 0 ] || pack_inductor_cache

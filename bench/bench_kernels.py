@@ -88,7 +88,7 @@ def bench_head():
     def run(fp8: bool, dtype=torch.bfloat16):
         xs, w = x.detach().to(dtype).requires_grad_(), weight.detach().clone().requires_grad_()
         if fp8:
-            loss = tg.fp8_softcapped_head(xs, w, targets, tg.LOGIT_CAP)
+            loss = tg._Fp8SoftcappedHead.apply(xs, w, targets, tg.LOGIT_CAP, None, 0)
         else:
             loss = tg.multi_token_losses(tg.softcap(xs @ w.to(dtype).T, tg.LOGIT_CAP), targets, None).mean()
         loss.backward()

@@ -115,8 +115,21 @@ def profile_summary(run_step, steps: int, trace_path: Path) -> list[str]:
     return lines
 
 
+def seconds_since_process_start() -> float | None:
+    """Since this process began (Linux): the whole cold start."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: start time in clock ticks
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+
 def bench(cfg: tg.Config, comm: tg.Comm, steps: int, say) -> None:
     trainer = tg.build_and_warm_up(cfg, comm, say)
+    if (since := seconds_since_process_start()) is not None:
+        say(f"cold start: {since:.1f}s from the process's start to the first timed step")
     model, optimizers, schedule, device = trainer.model, trainer.optimizers, trainer.schedule, trainer.device
     cuda, peak = device.type == "cuda", peak_flops(device)
     world = comm.world_size

@@ -296,3 +296,21 @@ def test_weights_that_are_not_finite_are_never_checkpointed_nor_loaded(module_ti
     monkeypatch.setattr(tg.RunState, "report", poisoned_report)
     assert tg.main(base + ["--run_id=final"]) == 1
     assert capsys.readouterr().err == "error: the final weights are not finite (bigram_embed.weight)\n"
+
+
+def test_tidying_keeps_the_newest_periodic_checkpoints_and_a_live_writers_temporary(tmp_path):
+    """After each periodic checkpoint and at a run's start: the newest --keep_checkpoints of the run's periodic ones
+    (by time: a fresh run's step 2 is newer than an old run's step 8) stay (0: all), with its final one and other
+    runs' files; a temporary whose writer is dead goes, a live one's stays."""
+    cfg = tg.Config(save_checkpoint=str(tmp_path / "run.pt"), keep_checkpoints=2)
+    names = [f"run_step{step:06d}.pt" for step in (2, 4, 6, 8)] + [
+        "run.pt", "other_step000002.pt", f".run.pt.{os.getpid()}.tmp", ".run_step000010.pt.999999999.tmp", ".x.tmp"]
+    for age, name in enumerate(reversed(names)):
+        (tmp_path / name).write_bytes(b"x")
+        os.utime(tmp_path / name, (1e9 - age, 1e9 - age))  # the newest last: step 8, by its time, not its name
+    tg.tidy_checkpoints(dataclasses.replace(cfg, keep_checkpoints=0))
+    assert not (tmp_path / ".run_step000010.pt.999999999.tmp").exists() and len(list(tmp_path.iterdir())) == 8
+    tg.tidy_checkpoints(cfg)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [f".run.pt.{os.getpid()}.tmp", ".x.tmp", "other_step000002.pt", "run.pt", "run_step000006.pt",
+         "run_step000008.pt"])

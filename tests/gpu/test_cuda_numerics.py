@@ -594,7 +594,7 @@ def test_fused_mlp_and_fp8_head_give_the_same_bits_every_time():
         for leaf in (x, fc_w, proj_w, head):
             leaf.grad = None
         y = tg._FusedReLU2MLP.apply(x, fc_w, proj_w)
-        loss = tg.fp8_softcapped_head(tg.rms_norm(y), head, targets, (23.0, 5.0, 7.5), mtp)
+        loss = tg._Fp8SoftcappedHead.apply(tg.rms_norm(y), head, targets, (23.0, 5.0, 7.5), *mtp)
         loss.backward()
         return [t.detach().clone() for t in (y, loss, x.grad, fc_w.grad, proj_w.grad, head.grad)]
 
