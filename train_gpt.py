@@ -29,6 +29,7 @@ import threading
 import time
 import typing
 import uuid
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -353,6 +354,10 @@ Kernels = collections.namedtuple("Kernels", "triton fused_mlp fp8_head", default
 def choose_kernels(cfg: Config, device: torch.device) -> Kernels:
     on = device.type == "cuda" and triton is not None and cfg.triton_kernels
     return Kernels(on, on and cfg.fused_mlp, on and cfg.fp8_head)
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
 
 def rms_norm(x: Tensor) -> Tensor:
     return F.rms_norm(x, (x.size(-1),))
@@ -2310,8 +2315,7 @@ def warm_up(model: GPT, optimizers, cfg: Config, comm: Comm, schedule: Schedule,
     try:
         for number, ((windows, size), forwards) in enumerate(runs.items(), 1):
             train_step(model, optimizers, batches, windows, forwards=forwards)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+            synchronize(device)
             log(f"warm-up {number}/{len(runs)}: windows {windows[0]}/{windows[1]}, {size} micro-batch(es) per "
                 f"forward, {forwards} forward(s), done at {time.perf_counter() - start:.1f}s")
     finally:
@@ -2351,8 +2355,7 @@ def build_and_warm_up(cfg: Config, comm: Comm, log) -> Trainer:
         raise UserError(f"out of GPU memory in the warm-up, with up to {packing.largest} micro-batch(es) of "
                         f"{cfg.micro_batch_tokens} tokens per forward ({str(e).splitlines()[0]}): lower "
                         "--forward_micro_batches or --micro_batch_tokens") from None
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    synchronize(device)
     recompiles, (hits, misses) = RecompileWatch(), cache_counts()
     if cfg.compile:
         log(f"compile_time:{time.perf_counter() - start:.1f}s graphs:{recompiles.graphs} cache_hits:{hits} "
@@ -2460,14 +2463,12 @@ class RunState:
         self.train_time_ms = self.previous_ms = 0.0
 
     def pause(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
+        synchronize(self.device)
         self.train_time_ms += 1000 * (time.perf_counter() - self.clock)
         self.watch.flush()
 
     def start_clock(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
+        synchronize(self.device)
         self.clock = time.perf_counter()
 
     def elapsed_ms(self) -> float:
@@ -2757,6 +2758,10 @@ def read_checkpoint(path: str, flag: str) -> dict:
     if checkpoint.get("format") != CHECKPOINT_FORMAT:
         raise CheckpointError(f"--{flag}={path}: checkpoint format {checkpoint.get('format')}, this code reads "
                               f"{CHECKPOINT_FORMAT}")
+    with zipfile.ZipFile(path) as archive:  # torch.save's zip: a CRC-32 for every record
+        damaged = archive.testzip()
+    if damaged:
+        raise CheckpointError(f"--{flag}={path}: damaged ({damaged} fails its CRC-32); take an earlier checkpoint")
     if bad := not_finite({part: checkpoint[part] for part in ("model", "muon", "adam")}):
         raise CheckpointError(f"--{flag}={path}: holds values that are not finite ({', '.join(bad[:3])}); take an "
                               "earlier checkpoint")
@@ -2966,11 +2971,14 @@ class RunLog:
         self.file = open(self.path, "w", encoding="utf-8")
         source = Path(__file__).read_bytes()
         lines = source.decode("utf-8").splitlines()
+        hardware = (torch.cuda.get_device_name() if cfg.device == "cuda"
+                    else f"cpu ({platform.machine()}, {os.cpu_count()} cores)")
         self._write("\n".join([
             f"#### train_gpt.py log v{LOG_FORMAT_VERSION} run_id={cfg.run_id}",
             f"==== code train_gpt.py sha256={hashlib.sha256(source).hexdigest()} lines={len(lines)} ====", *lines,
-            "==== end code ====", "==== environment ====",
-            *(f"{key}: {value}" for key, value in environment(cfg, comm).items()),
+            "==== end code ====", "==== environment ====", f"python: {sys.version.split()[0]}",
+            f"torch: {torch.__version__}", f"triton: {getattr(triton, '__version__', 'not installed')}",
+            f"hardware: {comm.world_size}x {hardware}", f"command: {' '.join([Path(sys.argv[0]).name] + sys.argv[1:])}",
             "==== config ====", "config: " + json.dumps(config_to_dict(cfg)),
             "==== training ===="]))
         print(f"logging to {self.path}", flush=True)
@@ -2990,14 +2998,6 @@ class RunLog:
             self._write(f"{error}\n==== failed ====" if error else "==== end ====")
             self.file.close()
             self.file = None
-
-def environment(cfg: Config, comm: Comm) -> dict[str, str]:
-    hardware = (torch.cuda.get_device_name() if cfg.device == "cuda"
-                else f"cpu ({platform.machine()}, {os.cpu_count()} cores)")
-    return {"python": sys.version.split()[0], "torch": torch.__version__,
-            "triton": triton.__version__ if triton is not None else "not installed", "device": cfg.device,
-            "world_size": str(comm.world_size), "hardware": f"{comm.world_size}x {hardware}",
-            "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:])}
 
 class TrainingDiverged(UserError):
     pass

@@ -146,6 +146,8 @@ def test_bad_checkpoints_get_one_line_and_change_nothing(whole_run, tmp_path, ca
     good = open(cfg.save_checkpoint, "rb").read()
     truncated = tmp_path / "truncated.pt"
     truncated.write_bytes(good[: len(good) // 2])
+    flipped = tmp_path / "flipped.pt"  # one bit of a tensor's data changed: torch loads it as it is
+    flipped.write_bytes(good[: len(good) // 2] + bytes([good[len(good) // 2] ^ 1]) + good[len(good) // 2 + 1:])
     foreign = tmp_path / "foreign.pt"
     torch.save({"weights": torch.zeros(3)}, foreign)
     base = ["--device=cpu", *TINY, f"--train_files={cfg.train_files}", f"--val_files={cfg.val_files}",
@@ -157,6 +159,7 @@ def test_bad_checkpoints_get_one_line_and_change_nothing(whole_run, tmp_path, ca
         ([f"--resume={truncated}"], f"--resume={truncated}: unreadable (RuntimeError): truncated, damaged or not a "
                                     "checkpoint of train_gpt.py; write it again or give another\n"),
         (["--eval_only=1", f"--init_from={truncated}"], f"--init_from={truncated}: unreadable"),
+        ([f"--resume={flipped}"], f"--resume={flipped}: damaged ("),
         ([f"--resume={foreign}"], f"--resume={foreign}: not a checkpoint of train_gpt.py"),
         ([f"--resume={cfg.save_checkpoint}", "--model_dim=128", "--num_heads=4"],
          "the checkpoint's model differs: model_dim=64 (here 128), num_heads=2 (here 4); pass the model flags"),

@@ -1082,7 +1082,7 @@ def test_two_process_gloo_smoke_run(tiny_data, tmp_path):
     assert lines[1] == (f"==== code train_gpt.py sha256={hashlib.sha256(source).hexdigest()} "
                         f"lines={len(source.decode().splitlines())} ====")
     assert source.decode() in log
-    assert "world_size: 2" in log and "==== config ====" in log and lines[-1] == "==== end ===="
+    assert "hardware: 2x cpu" in log and "==== config ====" in log and lines[-1] == "==== end ===="
     steps = [STEP_LINE.match(line) for line in lines if line.startswith("step:")]
     assert all(steps), [line for line in lines if line.startswith("step:")]
     assert [int(m.group(1)) for m in steps if m.group(3) is None] == [1, 2, 3, 4, 5, 6]
