@@ -120,8 +120,8 @@ def test_eval_only_and_sample_take_the_checkpoints_settings(whole_run, tmp_path,
     (here the tiny model on 128-token micro-batches, its validation files); a model flag that differs from it is one
     line naming it."""
     cfg, whole = whole_run
-    assert tg.main(["--device=cpu", "--eval_only=1", f"--init_from={cfg.save_checkpoint}", f"--log_dir={tmp_path}",
-                    "--run_id=bare"]) == 0
+    assert tg.main(["--device=cpu", "--compile=0", "--eval_only=1", f"--init_from={cfg.save_checkpoint}",
+                    f"--log_dir={tmp_path}", "--run_id=bare"]) == 0
     assert f"val_loss:{whole.val_losses[-1][1]:.4f}" in (tmp_path / "bare.txt").read_text()
     sample_cfg, _ = tg.parse_cli(["--device=cpu", "--sample=hello", f"--init_from={cfg.save_checkpoint}"])
     assert (sample_cfg.num_layers, sample_cfg.micro_batch_tokens, sample_cfg.vocab_size) == (4, 128, cfg.vocab_size)

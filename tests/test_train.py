@@ -337,11 +337,11 @@ CUT_UNDER_THE_LOADER = """
 import os, sys, numpy as np, train_gpt as tg
 sys.path.insert(0, "tests")
 from helpers import learnable_documents, write_shard
-path = write_shard(__import__("pathlib").Path(sys.argv[1]), learnable_documents(400_000, seed=3))
+path = write_shard(__import__("pathlib").Path(sys.argv[1]), learnable_documents(250_000, seed=3))
 batches = tg.bos_aligned_batches([str(path)], 4097, 4096, repeat=False, bos=127, vocab_size=128)
 next(batches)
 os.truncate(path, 4096)  # the file cut to its header and a few tokens while the run reads it
-print(sum(int(tokens[start:end].max()) < 128 for tokens, spans in batches for start, end in spans) > 50)
+print(sum(int(tokens[start:end].max()) < 128 for tokens, spans in batches for start, end in spans) > 30)
 """
 
 
@@ -1118,6 +1118,13 @@ def _train_on_rank(rank, world_size, cfg):
     return tg.train(cfg, comm, tg.RunLog(cfg, comm)).train_losses
 
 
+def _train_noting_future_warnings_on_rank(rank, world_size, cfg):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        losses = _train_on_rank(rank, world_size, cfg)
+    return losses, [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
+
+
 # The tiny model's defaults are compared at 1, 2, 4 and 8 processes below; these options at 1 and 2 (the later
 # records' ideas, defaults of the full model, among them)
 @pytest.mark.parametrize("extras", [dict(adam_period=3, num_iterations=4), dict(paired_head_layers="0,1"),
@@ -1127,7 +1134,11 @@ def test_world_size_1_and_2_give_the_same_losses(tiny_data, tmp_path, extras):
     cfg = tiny_config(*tiny_data, **{**dict(num_iterations=3), **extras}, val_loss_every=0, log_dir=str(tmp_path),
                       run_id="w1", micro_batch_tokens=128)
     single = tg.train(cfg, tg.Comm(), tg.RunLog(cfg, tg.Comm())).train_losses
-    two, two_again = run_on_ranks(_train_on_rank, 2, dataclasses.replace(cfg, run_id="w2"))
+    (two, warned), (two_again, _) = run_on_ranks(_train_noting_future_warnings_on_rank, 2,
+                                                 dataclasses.replace(cfg, run_id="w2"))
+    # torch 2.13 deprecates all_gather_into_tensor and reduce_scatter_tensor (a FutureWarning each call): the
+    # trainer takes their new names (all_gather_single, reduce_scatter_single) where torch has them
+    assert warned == []
     assert len(single) == cfg.num_iterations and two == two_again
     assert single[0] > single[-1]  # it trained
     np.testing.assert_allclose(two, single, rtol=1e-5)
@@ -1245,21 +1256,6 @@ def test_a_diverging_run_says_why_in_its_log_and_the_records_tool_reports_it_fai
     tool = load_script("records/tool.py")
     with pytest.raises(tool.ToolError, match=f"the run failed: {message}"):
         tool.parse_log(tmp_path / "nan.txt")
-
-
-def _future_warnings_on_rank(rank, world_size, cfg):
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        _train_on_rank(rank, world_size, cfg)
-    return [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
-
-
-def test_two_processes_call_no_deprecated_collective(tiny_data, tmp_path):
-    """torch 2.13 deprecates all_gather_into_tensor and reduce_scatter_tensor, a FutureWarning each call: the trainer
-    takes their new names (all_gather_single, reduce_scatter_single) where torch has them."""
-    cfg = tiny_config(*tiny_data, num_iterations=2, val_loss_every=0, log_dir=str(tmp_path), run_id="future",
-                      micro_batch_tokens=128)
-    assert run_on_ranks(_future_warnings_on_rank, 2, cfg) == [[], []]
 
 
 def _launched_before_step_on_rank(rank, world_size, cfg):
