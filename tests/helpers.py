@@ -59,6 +59,21 @@ def learnable_documents(num_tokens: int, seed: int) -> np.ndarray:
     return np.concatenate(out)[:num_tokens]
 
 
+def count_collectives() -> dict:
+    """From now on in this process, counts of all_reduce and of the trainer's tensor collectives (its names)."""
+    import train_gpt as tg
+    calls = {"all_reduce": 0, "reduce_scatter_single": 0, "all_gather_single": 0}
+    for name in calls:
+        module = dist if name == "all_reduce" else tg
+        original = getattr(module, name)
+
+        def counted(*args, _name=name, _original=original, **kwargs):
+            calls[_name] += 1
+            return _original(*args, **kwargs)
+        setattr(module, name, counted)
+    return calls
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import train_gpt as tg
-from helpers import RecordOps, run_on_ranks
+from helpers import RecordOps, count_collectives, run_on_ranks
 
 # Shapes like the model's: large matrices (divisible and not by the world size) and small scalars
 # that get packed into one bucket.
@@ -86,15 +86,7 @@ def test_single_process_equals_the_reference(monkeypatch):
 
 
 def _two_rank_run(rank, world_size, period=1):
-    calls = {"all_reduce": 0, "reduce_scatter_single": 0, "all_gather_single": 0}
-    for name in calls:
-        module = dist if name == "all_reduce" else tg  # the trainer's names of the tensor collectives
-        original = getattr(module, name)
-
-        def counted(*args, _name=name, _original=original, **kwargs):
-            calls[_name] += 1
-            return _original(*args, **kwargs)
-        setattr(module, name, counted)
+    calls = count_collectives()
     params, state_numel = dist_adam_params(rank, world_size, period)
     return params, state_numel, calls
 

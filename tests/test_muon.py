@@ -4,10 +4,9 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 import train_gpt as tg
-from helpers import run_on_ranks
+from helpers import count_collectives, run_on_ranks
 
 # A QKVO-like stack (4 row blocks) and MLP-like matrices of the same shape, plus one other shape.
 ATTN, MLP, OTHER = 3, 6, 2
@@ -166,15 +165,7 @@ def _muon_params(rank, from_backward, attn_split, rails, graphs):
     opt = tg.Muon([dict(params=attn, split=attn_split), dict(params=mlp, lr_mul=MLP_LR_MUL), dict(params=other)], lr=LR,
                   momentum=MOMENTUM, weight_decay=WD, beta2=BETA2, slow_momentum=rails[0] if rails else 0.0,
                   cuda_graphs=graphs)
-    calls = {"all_reduce": 0, "reduce_scatter_single": 0, "all_gather_single": 0}
-    for name in calls:
-        module = dist if name == "all_reduce" else tg  # the trainer's names of the tensor collectives
-        original = getattr(module, name)
-
-        def counted(*args, _name=name, _original=original, **kwargs):
-            calls[_name] += 1
-            return _original(*args, **kwargs)
-        setattr(module, name, counted)
+    calls = count_collectives()
     for step in range(STEPS):
         if rails is not None:  # as set_hyperparameters writes them
             for group in opt.param_groups:
