@@ -144,7 +144,7 @@ class Config:
 
     @property
     def period(self) -> int:
-        """--adam_period, else 2 (speedrun 2025-09-30), or 1 under DiLoCo (syncs land between any two steps)."""
+        """--adam_period, else 2 (speedrun 2025-09-30), or 1 under DiLoCo (a sync lands between any two steps)."""
         return self.adam_period or (1 if self.diloco else 2)
 
 PRESETS = {
@@ -1586,7 +1586,7 @@ class Muon(torch.optim.Optimizer):
         return updates
 
     def fill_scalars(self):
-        """Per group (one_minus_fast, momentum, slow_share, -lr, -decay), in one copy from pinned memory."""
+        """Per group (one_minus_fast, momentum, slow_share, -lr, -decay), one copy from pinned memory."""
         rows = []
         for settings in self.param_groups:
             momentum, fast = settings["momentum"], settings.get("fast_momentum")
@@ -1603,7 +1603,7 @@ class Muon(torch.optim.Optimizer):
             self.scalars.copy_(values, non_blocking=True)
 
     def zero_state_(self):
-        """A new optimizer's state; under cuda_graphs zeroed in place, where the graphs read it."""
+        """A new optimizer's state; under cuda_graphs zeroed in place (the graphs read it)."""
         if not self.cuda_graphs:
             self.state.clear()
         for state in self.state.values():
@@ -1709,7 +1709,7 @@ def normuon_(ortho: Tensor, states: list[dict], split: int, beta2: float, key: s
     return (update * (inverse_root * (norm / rescaled_norm.clamp_min(1e-10)))).to(ortho.dtype)
 
 def muon_momentum_(grad: Tensor, state: dict, momentum, one_minus_fast, slow: float, slow_share) -> Tensor:
-    """Nesterov momentum over a mix of the usual and the slow buffer (slow_share; ANVIL2's two rails)."""
+    """Nesterov momentum over the usual and the slow buffer mixed (slow_share; ANVIL2's two rails)."""
     if "momentum_buffer" not in state:
         state["momentum_buffer"] = torch.zeros_like(grad)
         state["slow_momentum_buffer"] = torch.zeros_like(grad)
@@ -1945,7 +1945,7 @@ class Prefetcher:
                 slot.fill(group)
                 self.ready.put(slot)
             self.ready.put(StopIteration())
-        except BaseException as e:  # handed to the training thread, which raises it
+        except BaseException as e:  # the training thread raises it
             self.ready.put(e)
 
     def next(self) -> ForwardBatch:
@@ -1962,7 +1962,7 @@ class Prefetcher:
             batch = ForwardBatch(*(t.to(self.device, non_blocking=True) if t is not None else None for t in tensors))
             item.copied = torch.cuda.Event()
             item.copied.record()
-        else:  # the slot is reused, so the CPU path hands out copies
+        else:  # the slot is reused: the CPU path hands out copies
             batch = ForwardBatch(*(t.clone() if t is not None else None for t in tensors))
         batch.rows, batch.documents, batch.longest_document = item.rows, item.documents, item.longest_document
         self.free.put(item)
@@ -1987,7 +1987,7 @@ def prefetch(windows, cfg: Config, device: torch.device, packed: int, sizes=None
 
 class Schedule:
     """Per-step settings: the stages split the scheduled steps evenly, the lr decays linearly over the last
-    cooldown_frac to the extension row's."""
+    cooldown_frac to the last row's."""
 
     def __init__(self, cfg: Config):
         self.cfg, self.rows, self.scheduled = cfg, cfg.stages, len(cfg.stages) - 1
@@ -2013,7 +2013,7 @@ class Schedule:
         return step == self.total_steps or (self.cfg.val_loss_every > 0 and step % self.cfg.val_loss_every == 0)
 
     def validation_step(self, step: int) -> int:
-        """The step whose windows validation before `step` uses: the last trained one, but at the end."""
+        """The step whose windows validation before `step` uses: the last trained, but at the end."""
         return step - 1 if 0 < step < self.total_steps else step
 
     def micro_batches(self, step: int) -> int:
@@ -2640,14 +2640,15 @@ def checkpoint_path_at(path: str, step: int) -> str:
     return str(base.with_name(f"{base.stem}_step{step:06d}{base.suffix or '.pt'}"))
 
 def tidy_checkpoints(cfg: Config) -> None:
-    """The newest keep_checkpoints periodic checkpoints stay; a killed writer's temporaries go."""
+    """The newest keep_checkpoints periodic checkpoints stay, and one resumed; dead writers' temporaries go."""
     base = Path(cfg.save_checkpoint)
-    periodic = sorted(base.parent.glob(f"{base.stem}_step{'[0-9]' * 6}{base.suffix or '.pt'}"), key=os.path.getmtime)
+    periodic = sorted((p for p in base.parent.glob(f"{base.stem}_step{'[0-9]' * 6}{base.suffix or '.pt'}")
+                       if not (cfg.resume and p.samefile(cfg.resume))), key=os.path.getmtime)
     for old in periodic[:-cfg.keep_checkpoints] if cfg.keep_checkpoints else []:
         old.unlink()
     for temporary in base.parent.glob(f".{base.stem}*.tmp"):  # write_atomically's .NAME.PID.tmp
         try:
-            os.kill(int(temporary.name.split(".")[-2]), 0)  # its writer alive
+            os.kill(int(temporary.name.split(".")[-2]), 0)  # its writer lives
         except ProcessLookupError:
             temporary.unlink(missing_ok=True)
         except (ValueError, PermissionError):
@@ -2669,7 +2670,7 @@ def _owner_state_everywhere(state: dict | None, owner: int, comm: Comm, device: 
     return full
 
 def gather_optimizer_states(model: GPT, optimizers, comm: Comm, device: torch.device) -> tuple[dict, dict]:
-    """(Muon's, DistAdam's) whole state by parameter name, the same at any world size."""
+    """(Muon's, DistAdam's) whole state by parameter name, as at any world size."""
     names = {p: name for name, p in model.named_parameters()}
     muon, adam = optimizers
     muon_state = {}
@@ -2681,7 +2682,7 @@ def gather_optimizer_states(model: GPT, optimizers, comm: Comm, device: torch.de
     adam_state = {}
     for bucket in adam.buckets:
         state = adam.state.get(bucket.params[0], {})
-        first = {key: value for key, value in state.items() if not isinstance(value, Tensor)}  # the untie flag
+        first = {key: value for key, value in state.items() if not isinstance(value, Tensor)}  # "untied"
         if "step" in state:
             first["step"] = state["step"].item()
         adam_state[names[bucket.params[0]]] = first
@@ -2715,7 +2716,7 @@ def scatter_optimizer_states(model: GPT, optimizers, muon_state: dict, adam_stat
             adam.state[bucket.params[0]] = state
 
 def write_atomically(target: Path, write):
-    """write(temporary), then a rename onto target: readers see the old file or the new one."""
+    """write(temporary), then a rename onto target: readers see the old file or the new."""
     target.parent.mkdir(parents=True, exist_ok=True)
     temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
@@ -2734,7 +2735,7 @@ def not_finite(tree: dict, prefix: str = "") -> list[str]:
 def save_checkpoint(path: str, model: GPT, optimizers, cfg: Config, comm: Comm, device: torch.device, step: int,
                     progress: dict) -> None:
     muon_state, adam_state = gather_optimizer_states(model, optimizers, comm, device)
-    if bad := not_finite(dict(model=model.state_dict(), muon=muon_state, adam=adam_state)):  # the same on every rank
+    if bad := not_finite(dict(model=model.state_dict(), muon=muon_state, adam=adam_state)):  # alike on every rank
         raise TrainingDiverged(f"at step {step} weights or optimizer state are not finite ({', '.join(bad[:3])}): "
                                f"{path} is not written, earlier checkpoints stay")
     if comm.rank == 0:
@@ -2750,7 +2751,7 @@ def read_checkpoint(path: str, flag: str) -> dict:
         raise CheckpointError(f"--{flag}={path}: no such file")
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # mmap: ranks share pages
-    except Exception as e:  # truncated, not torch, or objects weights_only refuses
+    except Exception as e:  # truncated, not torch, or refused by weights_only
         raise CheckpointError(f"--{flag}={path}: unreadable ({type(e).__name__}): truncated, damaged or not a "
                               "checkpoint of train_gpt.py; write it again or give another") from None
     if not isinstance(checkpoint, dict) or checkpoint.get("kind") != CHECKPOINT_KIND:
@@ -2796,7 +2797,7 @@ def check_resumable(checkpoint: dict, cfg: Config, train_paths: list[str]) -> No
                               f"run's {total} steps")
 
 def load_checkpoint_weights(model: GPT, checkpoint: dict) -> None:
-    """Into the existing tensors: compiled graphs keep their addresses."""
+    """Into the existing tensors: graphs keep their addresses."""
     with torch.no_grad():
         for name, tensor in model.state_dict().items():
             tensor.copy_(checkpoint["model"][name])

@@ -313,7 +313,9 @@ def test_tidying_keeps_the_newest_periodic_checkpoints_and_a_live_writers_tempor
         os.utime(tmp_path / name, (1e9 - age, 1e9 - age))  # the newest last: step 8, by its time, not its name
     tg.tidy_checkpoints(dataclasses.replace(cfg, keep_checkpoints=0))
     assert not (tmp_path / ".run_step000010.pt.999999999.tmp").exists() and len(list(tmp_path.iterdir())) == 8
+    tg.tidy_checkpoints(dataclasses.replace(cfg, resume=str(tmp_path / "run_step000002.pt")))  # the one resumed stays
+    assert (tmp_path / "run_step000002.pt").exists() and not (tmp_path / "run_step000004.pt").exists()
     tg.tidy_checkpoints(cfg)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         [f".run.pt.{os.getpid()}.tmp", ".x.tmp", "other_step000002.pt", "run.pt", "run_step000006.pt",
-         "run_step000008.pt"])
+         "run_step000008.pt"])  # without --resume the oldest goes too
