@@ -3,6 +3,7 @@ import gc
 import importlib.util
 import os
 import pickle
+import re
 import signal
 import socket
 import subprocess
@@ -362,3 +363,23 @@ def cu_seqlens_of(tokens, bos: int):
     import train_gpt as tg
     starts = tg.micro_batch_document_starts(tokens.cpu().numpy(), bos).tolist()
     return torch.tensor(starts + [len(tokens)], dtype=torch.int32, device=tokens.device)
+
+
+# A step line of the trainer's log
+STEP_LINE = re.compile(r"^step:(\d+)/(\d+)( val_loss:(\S+))? train_time:(\d+)ms step_avg:(\S+)ms( train_loss:\S+)?$")
+
+
+def tiny_config(train, val, **overrides):
+    """The tiny preset on the CPU over these shards, with overrides as flags."""
+    import train_gpt as tg
+    cfg, _ = tg.parse_cli(["--device=cpu", *TINY, f"--train_files={train}", f"--val_files={val}"]
+                          + [f"--{k}={v}" for k, v in overrides.items()])
+    return cfg
+
+
+def run_cli(args, cwd, nproc=1, timeout=600):
+    """train_gpt.py in a subprocess, under torchrun for nproc > 1."""
+    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                    f"--nproc_per_node={nproc}"]
+    return subprocess.run(launcher + [str(REPO / "train_gpt.py")] + args, cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout)
