@@ -1182,7 +1182,7 @@ class _LaunchWhenGradsReady:
         self.armed = False
         self.ready.clear()
 
-    def remove(self):  # the cycle parameter -> hook -> optimizer keeps the gloo group alive into a risky teardown
+    def remove(self):  # the cycle parameter -> hook -> optimizer keeps gloo alive into a risky teardown
         while self.handles:
             self.handles.pop().remove()
 
@@ -1392,7 +1392,7 @@ class DistAdam(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict):
         super().load_state_dict(state_dict)
-        for state in self.state.values():  # a loaded "step" stays where it was saved (torchft: the CPU)
+        for state in self.state.values():  # a loaded "step" stays where saved (torchft: the CPU)
             if "step" in state:
                 state["step"] = state["step"].to(state["exp_avg"].device)
 
@@ -1410,16 +1410,16 @@ class DistAdam(torch.optim.Optimizer):
 
 def adam_update_(p: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: Tensor, lr: Tensor,
                  decay: Tensor, beta1: float, beta2: float, eps: float) -> None:
-    """Adam on a flat slice with cautious weight decay (Chen et al. 2025; speedrun 2025-12-18): only where update and
-    weight agree in sign."""
+    """Adam on a flat slice, cautious weight decay (Chen et al. 2025; speedrun 2025-12-18) where update and weight
+    agree in sign."""
     exp_avg.lerp_(grad, 1 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
     bias1, bias2 = 1 - beta1 ** step, 1 - beta2 ** step
     update = (lr / bias1) * exp_avg / (exp_avg_sq.sqrt() / bias2.sqrt() + eps)
     p.sub_(update + decay * (update * p > 0) * p)
 
-# Polar Express (Amsel et al. 2025; speedrun 2025-09-29): X <- a X + (b A + c A^2) X with A = X X^T, safety factor
-# 2e-2: singular values from (0, 1] into about [0.7, 1.1].
+# Polar Express (Amsel et al. 2025; speedrun 2025-09-29): X <- a X + (b A + c A^2) X, A = X X^T, safety 2e-2:
+# singular values from (0, 1] into about [0.7, 1.1]
 POLAR_EXPRESS_COEFFS = (
     (8.156554524902461, -22.48329292557795, 15.878769915207462),
     (4.042929935166739, -2.808917465908714, 0.5000178451051316),
@@ -1432,7 +1432,7 @@ def orthogonalized_dtype(grads: Tensor) -> torch.dtype:
     return torch.bfloat16 if grads.is_cuda else torch.float32
 
 def orthogonalize(grads: Tensor, use_triton: bool) -> Tensor:
-    """About U V^T of each matrix's SVD, in bf16 on a GPU; use_triton: symmetric products (speedrun 2025-07)."""
+    """About U V^T of each matrix's SVD, bf16 on a GPU; use_triton: symmetric products (speedrun 2025-07)."""
     X = grads.to(orthogonalized_dtype(grads))
     transposed = X.size(-2) > X.size(-1)
     if transposed:  # iterate on the smaller Gram matrix
@@ -1541,7 +1541,7 @@ class Muon(torch.optim.Optimizer):
         for group in self.param_groups:
             if len({self.shape_factor(p, group) for p in group["params"]}) > 1:
                 raise ValueError("Muon: the matrices of a param group need one shape factor (shape and split)")
-        self.scalars: Tensor | None = None  # the groups' scheduled settings on the device (fill_scalars)
+        self.scalars: Tensor | None = None  # the groups' settings on the device (fill_scalars)
         self.cuda_graphs, self.graphs = cuda_graphs, CapturedSteps() if cuda_graphs else None
         self.fused_apply = use_triton and all(p.dtype == torch.float32 for p in params)
 
@@ -1596,7 +1596,7 @@ class Muon(torch.optim.Optimizer):
         values = torch.tensor(rows, dtype=torch.float32)
         device = self.param_groups[0]["params"][0].device
         if device.type == "cuda":
-            values = values.pin_memory()  # the pinned allocator keeps the block until the copy has run
+            values = values.pin_memory()  # the pinned allocator keeps it until the copy has run
         if self.scalars is None:
             self.scalars = values.to(device, non_blocking=True)
         else:
@@ -1772,7 +1772,7 @@ def shard_paths(pattern: str, flag: str, vocab_size: int = 0) -> list[str]:
     return paths
 
 def check_vocabulary(tokens: np.ndarray, vocab_size: int, where: str) -> None:
-    """A token past the tables is an error naming the data: the GPU's row gather does not check."""
+    """A token past the tables is an error naming the data (the GPU's row gather does not check)."""
     if len(tokens) and int(tokens.max()) >= vocab_size:
         position = int(np.argmax(tokens >= vocab_size))
         raise DataError(f"{where}: token {int(tokens[position])} at position {position:,} is not below "
@@ -1866,7 +1866,7 @@ def bigram_hash(tokens: np.ndarray, rows: int, bos: int) -> np.ndarray:
     return out
 
 def max_documents(seq_len: int) -> int:
-    """cu_seqlens' fixed length (one shape for FA3): 16 tokens a document is far below what text has."""
+    """cu_seqlens' fixed length (one shape for FA3): 16 tokens a document, far below text's."""
     return seq_len // 16 + 1
 
 def micro_batch_document_starts(inputs: np.ndarray, bos: int) -> np.ndarray:
@@ -2746,6 +2746,8 @@ def save_checkpoint(path: str, model: GPT, optimizers, cfg: Config, comm: Comm, 
     if comm.distributed:
         dist.barrier()
 
+_scanned_checkpoints = set()  # (path, size, mtime): CRCs and values passed
+
 def read_checkpoint(path: str, flag: str) -> dict:
     if not os.path.isfile(path):
         raise CheckpointError(f"--{flag}={path}: no such file")
@@ -2759,6 +2761,9 @@ def read_checkpoint(path: str, flag: str) -> dict:
     if checkpoint.get("format") != CHECKPOINT_FORMAT:
         raise CheckpointError(f"--{flag}={path}: checkpoint format {checkpoint.get('format')}, this code reads "
                               f"{CHECKPOINT_FORMAT}")
+    key = (os.path.realpath(path), (stat := os.stat(path)).st_size, stat.st_mtime_ns)
+    if key in _scanned_checkpoints:
+        return checkpoint
     with zipfile.ZipFile(path) as archive:  # torch.save's zip: a CRC-32 for every record
         damaged = archive.testzip()
     if damaged:
@@ -2766,6 +2771,7 @@ def read_checkpoint(path: str, flag: str) -> dict:
     if bad := not_finite({part: checkpoint[part] for part in ("model", "muon", "adam")}):
         raise CheckpointError(f"--{flag}={path}: holds values that are not finite ({', '.join(bad[:3])}); take an "
                               "earlier checkpoint")
+    _scanned_checkpoints.add(key)
     return checkpoint
 
 def check_same_model(checkpoint: dict, cfg: Config, flag: str) -> None:
@@ -3135,12 +3141,12 @@ def check_inputs(cfg: Config) -> None:
         if not torch.cuda.is_available():
             raise UserError(NO_CUDA)
         check_gpu_features(cfg, torch.device("cuda", 0), choose_kernels(cfg, torch.device("cuda", 0)))
-    if not (cfg.eval_only or cfg.sample):
-        shard_paths(cfg.train_files, "train_files", cfg.vocab_size)
+    train_paths = None if cfg.eval_only or cfg.sample else shard_paths(cfg.train_files, "train_files", cfg.vocab_size)
     if not cfg.sample:
         next(val_batches_for_rank(shard_paths(cfg.val_files, "val_files"), cfg, Comm()))
-    if cfg.resume:  # memory-mapped: reading it again costs little
-        check_resumable(read_checkpoint(cfg.resume, "resume"), cfg, shard_paths(cfg.train_files, "train_files"))
+    if cfg.resume:  # scanned once a process: the run's own read maps it, no more
+        paths = train_paths or shard_paths(cfg.train_files, "train_files")
+        check_resumable(read_checkpoint(cfg.resume, "resume"), cfg, paths)
     if cfg.init_from:
         check_same_model(read_checkpoint(cfg.init_from, "init_from"), cfg, "init_from")
     if cfg.sample:
