@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -383,3 +384,8 @@ def run_cli(args, cwd, nproc=1, timeout=600):
                                                     f"--nproc_per_node={nproc}"]
     return subprocess.run(launcher + [str(REPO / "train_gpt.py")] + args, cwd=cwd, capture_output=True,
                           text=True, timeout=timeout)
+
+
+def dense_lookup(indices, use_triton, dtypes, *tables):
+    """What _RowLookup computes, through autograd's dense embedding gradients."""
+    return tuple(torch.nn.functional.embedding(indices, table).to(dtype) for table, dtype in zip(tables, dtypes))

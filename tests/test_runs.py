@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import train_gpt as tg
-from helpers import (BOS, REPO, STEP_LINE, TINY, learnable_documents, load_script, random_tiny_model, run_cli,
-                     run_forked, run_on_ranks, tiny_config, write_shard)
+from helpers import (BOS, REPO, STEP_LINE, TINY, dense_lookup, learnable_documents, load_script, random_tiny_model,
+                     run_cli, run_forked, run_on_ranks, tiny_config, write_shard)
 
 
 def test_two_process_gloo_smoke_run(tiny_data, tmp_path):
@@ -332,11 +332,6 @@ def test_out_of_memory_in_the_warm_up_names_the_flags(tiny_data, tmp_path, monke
     assert capsys.readouterr().err.strip() == (
         "error: out of GPU memory in the warm-up, with up to 4 micro-batch(es) of 256 tokens per forward (CUDA out of "
         "memory. Tried to allocate 2.00 GiB): lower --forward_micro_batches or --micro_batch_tokens")
-
-
-def dense_lookup(indices, use_triton, dtypes, *tables):
-    """What _RowLookup computes, through autograd's dense embedding gradients."""
-    return tuple(torch.nn.functional.embedding(indices, table).to(dtype) for table, dtype in zip(tables, dtypes))
 
 
 def table_grads_after_two_forwards(cfg, dense: bool):

@@ -330,7 +330,7 @@ def test_muon_parts_as_cuda_graphs_give_the_steps_run_kernel_by_kernel():
 def test_row_embedding_grads_match_dense_ones_on_the_gpu():
     """The row lookups' table gradients (the gather and row-gradient kernels, added into a dense .grad) against
     autograd's dense embedding gradients, over two micro-batches of the compiled bf16 model."""
-    from test_train import dense_lookup
+    from helpers import dense_lookup
     cfg, _ = tg.parse_cli([*TINY, "--micro_batch_tokens=1024", "--compile=1"])
     grads = {}
     lookup = tg._RowLookup.apply
