@@ -79,6 +79,7 @@ class Config:
     val_files: str = _data("data/fineweb10B/fineweb_val_*.bin", "validation shards, a glob")
     val_tokens: int = _data(10_485_760, "tokens per validation, a multiple of micro_batch_tokens")
     train_repeat: bool = _data(False, "reuse the training shards when they run out")
+    val_mask: str = _data("", "data/canonical_pairs.py's file: validation also gives the loss over canonical tokens")
     vocab_size: int = _data(50257, "vocabulary size (GPT-2's)")
     bos_token: int = _data(50256, "document-start token (GPT-2's <|endoftext|>)")
     num_iterations: int = _schedule(1270, "scheduled steps, split over the stages")
@@ -2183,6 +2184,57 @@ def evaluate(model: GPT, cfg: Config, comm: Comm, val_paths: list[str], windows:
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
     return total.item() / (count * comm.world_size)
 
+def read_val_mask(cfg: Config) -> np.ndarray:
+    """--val_mask's [vocab_size, vocab_size / 8] bits: row p, bit x, is 1 where x never follows p."""
+    try:
+        mask = np.load(cfg.val_mask, mmap_mode="r")
+    except (OSError, ValueError) as e:
+        raise UserError(f"--val_mask={cfg.val_mask}: not readable ({e}); write it with data/canonical_pairs.py")
+    if mask.dtype != np.uint8 or mask.shape != (cfg.vocab_size, (cfg.vocab_size + 7) // 8):
+        raise UserError(f"--val_mask={cfg.val_mask}: {mask.dtype} {mask.shape}, not the bits of --vocab_size="
+                        f"{cfg.vocab_size} tokens; write it with data/canonical_pairs.py")
+    return mask
+
+@torch.no_grad()
+def canonical_gap(model: GPT, cfg: Config, comm: Comm, val_paths: list[str], windows: tuple[int, int],
+                  device: torch.device, mask: Tensor) -> float:
+    """The mean over validation tokens of log(1 - (1 - a) m): m the LM's probability of the tokens that never follow
+    the input token, a the copy pointer's share. Added to the loss: the loss with those tokens' probability given to
+    the others (speedrun #350), exact without the pointer, else an upper bound (the pointer's mass on them stays).
+    The trunk runs eagerly: a compiled graph without targets would be a compile outside the warm-up."""
+    batches = prefetch(val_batches_for_rank(val_paths, cfg, comm), cfg, device, 1)
+    total, bits = torch.zeros((), device=device), 1 << torch.arange(8, device=device, dtype=torch.uint8)
+    compiled = model.__dict__.get("trunk")
+    model.trunk = functools.partial(GPT.trunk, model)
+    try:
+        for _ in range(cfg.val_tokens // cfg.micro_batch_tokens // comm.world_size):
+            batch = batches.next()
+            masks = model.prepare_masks(batch.inputs, batch.cu_seqlens, windows, batch.documents,
+                                        batch.longest_document)
+            z = model(batch.inputs, None, masks, batch.bigrams).float()
+            for rows in torch.arange(len(z), device=device).split(4096):
+                lse = z[rows].logsumexp(-1)
+                never = (mask[batch.inputs[rows].long()][..., None] & bits).bool().flatten(1)[:, : cfg.vocab_size]
+                # over all columns, the pointer's gate's too: m is already (1 - a) times the LM's own probability
+                m = ((z[rows, : cfg.vocab_size] - lse[:, None]).exp() * never).sum(-1)
+                total += torch.log1p(-m.clamp(max=1 - 1e-6)).sum()
+    finally:
+        batches.close()
+        del model.trunk
+        if compiled is not None:
+            model.trunk = compiled
+    if comm.distributed:
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    return total.item() / (cfg.val_tokens // cfg.micro_batch_tokens // comm.world_size * comm.world_size
+                           * cfg.micro_batch_tokens)
+
+def canonical_text(model: GPT, cfg: Config, comm: Comm, val_paths, windows, device, val_loss: float) -> str:
+    """' val_loss_canonical:...' under --val_mask, else ''."""
+    if not cfg.val_mask:
+        return ""
+    mask = torch.from_numpy(np.array(read_val_mask(cfg))).to(device)
+    return f" val_loss_canonical:{val_loss + canonical_gap(model, cfg, comm, val_paths, windows, device, mask):.4f}"
+
 def dummy_batches(cfg: Config, seed: int):
     rng = np.random.default_rng(seed)
     while True:
@@ -2492,9 +2544,10 @@ class RunState:
         self.val_losses.append((step, val_loss))
         recent = self.watch.losses[self.reported:]
         self.reported = len(self.watch.losses)
+        canonical = canonical_text(model, self.cfg, self.comm, val_paths, schedule.windows(seen), self.device, val_loss)
         self.log(f"step:{step}/{schedule.total_steps} val_loss:{val_loss:.4f} train_time:{self.train_time_ms:.0f}ms "
                  f"step_avg:{self.train_time_ms / max(step, 1):.2f}ms"
-                 + (f" train_loss:{sum(recent) / len(recent):.4f}" if recent else ""))
+                 + (f" train_loss:{sum(recent) / len(recent):.4f}" if recent else "") + canonical)
         self.start_clock()
 
     def progress(self, train_paths: list[str], diloco) -> dict:
@@ -2543,7 +2596,8 @@ def evaluate_checkpoint(cfg: Config, comm: Comm, log) -> float:
     compile_model(model, cfg, model_graphs=False)
     windows = set_up_as_validated(model, checkpoint)
     val_loss = evaluate(model, cfg, comm, val_paths, windows, device, packing.validation)
-    log(f"eval_only: {cfg.init_from} at step {checkpoint['step']} val_loss:{val_loss:.4f} "
+    canonical = canonical_text(model, cfg, comm, val_paths, windows, device, val_loss)
+    log(f"eval_only: {cfg.init_from} at step {checkpoint['step']} val_loss:{val_loss:.4f}{canonical} "
         f"({cfg.val_tokens} tokens of {cfg.val_files})")
     return val_loss
 
@@ -3144,6 +3198,8 @@ def check_inputs(cfg: Config) -> None:
     train_paths = None if cfg.eval_only or cfg.sample else shard_paths(cfg.train_files, "train_files", cfg.vocab_size)
     if not cfg.sample:
         next(val_batches_for_rank(shard_paths(cfg.val_files, "val_files"), cfg, Comm()))
+    if cfg.val_mask:
+        read_val_mask(cfg)
     if cfg.resume:  # scanned once a process: the run's own read maps it, no more
         paths = train_paths or shard_paths(cfg.train_files, "train_files")
         check_resumable(read_checkpoint(cfg.resume, "resume"), cfg, paths)

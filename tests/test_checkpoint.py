@@ -115,6 +115,45 @@ def test_eval_only_reproduces_the_final_validation(whole_run, tmp_path, world_si
     assert f"val_loss:{loss:.4f}" in (tmp_path / "eval.txt").read_text()
 
 
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_val_mask_adds_the_canonical_loss_to_the_validation(whole_run, tmp_path, world_size):
+    """--val_mask: val_loss as without it, and val_loss_canonical that plus the mean of log(1 - the softmax's mass on
+    the tokens the mask rules out after each input token), here in float64 from the model's logits; a mask of the
+    wrong shape is one line."""
+    cfg, whole = whole_run
+    rng = np.random.default_rng(0)
+    never = rng.random((cfg.vocab_size, cfg.vocab_size)) < 0.3
+    np.save(tmp_path / "mask.npy", np.packbits(never, axis=1, bitorder="little"))
+    eval_cfg = dataclasses.replace(cfg, run_id="eval", eval_only=True, init_from=cfg.save_checkpoint,
+                                   save_checkpoint="", checkpoint_every=0, log_dir=str(tmp_path),
+                                   val_mask=str(tmp_path / "mask.npy"))
+    loss = _evaluate_on_rank(0, 1, eval_cfg) if world_size == 1 else run_on_ranks(_evaluate_on_rank, 2, eval_cfg)[0]
+    assert loss == pytest.approx(whole.val_losses[-1][1], rel=1e-5)
+    log = (tmp_path / "eval.txt").read_text()
+    canonical = float(re.search(r"eval_only: .* val_loss_canonical:(\d+\.\d+)", log).group(1))
+    checkpoint = tg.read_checkpoint(cfg.save_checkpoint, "init_from")
+    model = tg.GPT(cfg, tg.SdpaAttention(), torch.float32)
+    tg.load_checkpoint_weights(model, checkpoint)
+    windows = tg.set_up_as_validated(model, checkpoint)
+    batches = tg.prefetch(tg.val_batches_for_rank(tg.shard_paths(cfg.val_files, "val_files"), cfg, tg.Comm()), cfg,
+                          torch.device("cpu"), 1)
+    gaps = []
+    with torch.no_grad():
+        for _ in range(cfg.val_tokens // cfg.micro_batch_tokens):
+            batch = batches.next()
+            masks = model.prepare_masks(batch.inputs, batch.cu_seqlens, windows, batch.documents,
+                                        batch.longest_document)
+            p = model(batch.inputs, None, masks, batch.bigrams).double().softmax(-1)[:, : cfg.vocab_size]
+            ruled_out = torch.from_numpy(never[batch.inputs.numpy()])
+            gaps.append(torch.log1p(-(p * ruled_out).sum(-1)))
+    batches.close()
+    want = loss + torch.cat(gaps).mean().item()
+    assert want < loss and canonical == pytest.approx(want, abs=1.5e-4)  # the log's 4 decimals
+    np.save(tmp_path / "mask.npy", np.zeros((cfg.vocab_size, 3), dtype=np.uint8))
+    with pytest.raises(tg.UserError, match=r"^--val_mask=.*mask.npy: uint8 \(\d+, 3\), not the bits of --vocab"):
+        tg.read_val_mask(eval_cfg)
+
+
 def test_eval_only_and_sample_take_the_checkpoints_settings(whole_run, tmp_path, capsys):
     """--init_from without the model's flags: its run's data, schedule and model settings come from the checkpoint
     (here the tiny model on 128-token micro-batches, its validation files); a model flag that differs from it is one
