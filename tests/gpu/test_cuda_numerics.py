@@ -7,7 +7,7 @@ import train_gpt as tg
 import dataclasses
 
 from helpers import (BOS, TINY, VOCAB, copy_mixture_reference, cu_seqlens_of, dense_pointer_reference,
-                     pointer_log_masses, relative_error)
+                     pointer_log_masses, random_tiny_model, relative_error, tiny_config)
 from test_train import random_attention_inputs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -623,3 +623,18 @@ def test_muon_fused_apply_keeps_the_bits(graphs):
         return [p.detach().cpu() for p in attn + mlp]
     fast, slow = train(True), train(False)
     assert all(torch.equal(a, b) for a, b in zip(fast, slow))
+
+
+def test_canonical_gap_on_the_gpu_matches_the_cpu(tiny_data):
+    """--val_mask's correction (tests/test_checkpoint.py checks it in float64 on the CPU) for one tiny model on the GPU
+    and on the CPU, float32 and SDPA on both."""
+    import numpy as np
+    cfg = tiny_config(*tiny_data)
+    never = np.random.default_rng(0).random((cfg.vocab_size, cfg.vocab_size)) < 0.3
+    bits = torch.from_numpy(np.packbits(never, axis=1, bitorder="little"))
+    gaps = []
+    for device in (torch.device("cpu"), torch.device("cuda")):
+        model = random_tiny_model(cfg).to(device)
+        gaps.append(tg.canonical_gap(model, cfg, tg.Comm(), tg.shard_paths(cfg.val_files, "val_files"), (32, 64),
+                                     device, bits.to(device)))
+    assert gaps[0] < 0 and abs(gaps[0] - gaps[1]) < 1e-4, gaps
