@@ -2201,11 +2201,11 @@ def canonical_gap(model: GPT, cfg: Config, comm: Comm, val_paths: list[str], win
     """The mean over validation tokens of log(1 - (1 - a) m): m the LM's probability of the tokens that never follow
     the input token, a the copy pointer's share. Added to the loss: the loss with those tokens' probability given to
     the others (speedrun #350), exact without the pointer, else an upper bound (the pointer's mass on them stays).
-    The trunk runs eagerly: a compiled graph without targets would be a compile outside the warm-up."""
+    Trunk and match search run eagerly: compiled graphs of this pass would be compiles outside the warm-up."""
     batches = prefetch(val_batches_for_rank(val_paths, cfg, comm), cfg, device, 1)
     total, bits = torch.zeros((), device=device), 1 << torch.arange(8, device=device, dtype=torch.uint8)
-    compiled = model.__dict__.get("trunk")
-    model.trunk = functools.partial(GPT.trunk, model)
+    compiled = {name: model.__dict__.get(name) for name in ("trunk", "find_matches")}
+    model.trunk, model.find_matches = functools.partial(GPT.trunk, model), longest_matches
     try:
         for _ in range(cfg.val_tokens // cfg.micro_batch_tokens // comm.world_size):
             batch = batches.next()
@@ -2220,9 +2220,8 @@ def canonical_gap(model: GPT, cfg: Config, comm: Comm, val_paths: list[str], win
                 total += torch.log1p(-m.clamp(max=1 - 1e-6)).sum()
     finally:
         batches.close()
-        del model.trunk
-        if compiled is not None:
-            model.trunk = compiled
+        for name, value in compiled.items():
+            delattr(model, name) if value is None else setattr(model, name, value)
     if comm.distributed:
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
     return total.item() / (cfg.val_tokens // cfg.micro_batch_tokens // comm.world_size * comm.world_size

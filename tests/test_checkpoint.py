@@ -149,6 +149,14 @@ def test_val_mask_adds_the_canonical_loss_to_the_validation(whole_run, tmp_path,
     batches.close()
     want = loss + torch.cat(gaps).mean().item()
     assert want < loss and canonical == pytest.approx(want, abs=1.5e-4)  # the log's 4 decimals
+
+    def compiled(*args):  # the pass runs eagerly, and leaves a compiled model as it was
+        raise AssertionError("a compiled graph ran")
+    model.trunk = model.find_matches = compiled
+    gap = tg.canonical_gap(model, cfg, tg.Comm(), tg.shard_paths(cfg.val_files, "val_files"), windows,
+                           torch.device("cpu"), torch.from_numpy(np.packbits(never, axis=1, bitorder="little")))
+    assert gap == pytest.approx(torch.cat(gaps).mean().item(), abs=1e-6)
+    assert model.trunk is compiled and model.find_matches is compiled
     np.save(tmp_path / "mask.npy", np.zeros((cfg.vocab_size, 3), dtype=np.uint8))
     with pytest.raises(tg.UserError, match=r"^--val_mask=.*mask.npy: uint8 \(\d+, 3\), not the bits of --vocab"):
         tg.read_val_mask(eval_cfg)
