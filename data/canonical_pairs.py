@@ -143,10 +143,25 @@ def noncanonical_pairs(ranks: dict[bytes, int], vocab_size: int) -> np.ndarray:
     return mask
 
 
-def main() -> int:
-    out = Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).parent / "gpt2_noncanonical.npy")
-    import tiktoken
-    encoding = tiktoken.get_encoding("gpt2")
+def main(argv=None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] in (["-h"], ["--help"]):
+        print(__doc__.strip())
+        return 0
+    if len(args) > 1:
+        print("error: one argument at most, the file to write (default data/gpt2_noncanonical.npy)", file=sys.stderr)
+        return 1
+    out = Path(args[0]) if args else Path(__file__).parent / "gpt2_noncanonical.npy"
+    if not out.parent.is_dir():
+        print(f"error: {out.parent} is not a folder; create it or name another file", file=sys.stderr)
+        return 1
+    try:
+        import tiktoken
+        encoding = tiktoken.get_encoding("gpt2")
+    except Exception as e:  # no package, no network, no cached files
+        print(f"error: tiktoken's gpt2 encoding did not load ({type(e).__name__}): pip install tiktoken; offline, see "
+              "data/tokenize_text.py's help", file=sys.stderr)
+        return 1
     mask = noncanonical_pairs(encoding._mergeable_ranks, encoding.n_vocab)
     temporary = out.with_name(f".{out.name}.tmp")
     with open(temporary, "wb") as f:
@@ -155,7 +170,6 @@ def main() -> int:
     print(f"{out}: {int(np.unpackbits(mask, bitorder='little').sum()):,} pairs never adjacent, "
           f"{mask.any(1).sum():,} tokens with some")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

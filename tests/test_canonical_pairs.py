@@ -103,3 +103,9 @@ def _is_text(token: bytes) -> bool:
         return True
     except UnicodeDecodeError:
         return False
+
+
+def test_a_missing_folder_is_one_line(tmp_path, capsys):
+    assert cp.main([str(tmp_path / "nowhere" / "mask.npy")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "nowhere is not a folder" in err and err.count("\n") == 1
