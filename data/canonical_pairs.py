@@ -1,7 +1,7 @@
 """Pairs of tokens that GPT-2's encoder never writes side by side, for validation over canonical tokens only
 (`--val_mask`; the idea is the speedrun's pull request #350):
 
-    python data/canonical_pairs.py [OUT]      # default data/gpt2_noncanonical.npy (316 MB), about a minute
+    python data/canonical_pairs.py [OUT]      # default data/gpt2_noncanonical.npy (316 MB), about 10 seconds
 
 Row p of the result holds, bit x % 8 of byte x // 8, whether token x can never follow token p in an encoding. A
 bit is set only where that holds in every text: where the boundary between p and x always falls inside one
