@@ -2198,10 +2198,9 @@ def read_val_mask(cfg: Config) -> np.ndarray:
 @torch.no_grad()
 def canonical_gap(model: GPT, cfg: Config, comm: Comm, val_paths: list[str], windows: tuple[int, int],
                   device: torch.device, mask: Tensor) -> float:
-    """The mean over validation tokens of log(1 - (1 - a) m): m the LM's probability of the tokens that never follow
-    the input token, a the copy pointer's share. Added to the loss: the loss with those tokens' probability given to
-    the others (speedrun #350), exact without the pointer, else an upper bound (the pointer's mass on them stays).
-    Trunk and match search run eagerly: compiled graphs of this pass would be compiles outside the warm-up."""
+    """Mean of log(1 - m) over validation tokens, m the probability of tokens that never follow the input token: added
+    to the loss, the loss with their probability given to the others (speedrun #350); with the copy pointer an upper
+    bound (its share on them stays). Eager: compiled graphs here would compile outside the warm-up."""
     batches = prefetch(val_batches_for_rank(val_paths, cfg, comm), cfg, device, 1)
     total, bits = torch.zeros((), device=device), 1 << torch.arange(8, device=device, dtype=torch.uint8)
     compiled = {name: model.__dict__.get(name) for name in ("trunk", "find_matches")}
@@ -2215,7 +2214,7 @@ def canonical_gap(model: GPT, cfg: Config, comm: Comm, val_paths: list[str], win
             for rows in torch.arange(len(z), device=device).split(4096):
                 lse = z[rows].logsumexp(-1)
                 never = (mask[batch.inputs[rows].long()][..., None] & bits).bool().flatten(1)[:, : cfg.vocab_size]
-                # over all columns, the pointer's gate's too: m is already (1 - a) times the LM's own probability
+                # over all columns, the pointer's gate too: m is (1 - its share) times the LM's own probability
                 m = ((z[rows, : cfg.vocab_size] - lse[:, None]).exp() * never).sum(-1)
                 total += torch.log1p(-m.clamp(max=1 - 1e-6)).sum()
     finally:
