@@ -2202,11 +2202,12 @@ def canonical_gap(model: GPT, cfg: Config, comm: Comm, val_paths: list[str], win
     to the loss, the loss with their probability given to the others (speedrun #350); with the copy pointer an upper
     bound (its share on them stays). Eager: compiled graphs here would compile outside the warm-up."""
     batches = prefetch(val_batches_for_rank(val_paths, cfg, comm), cfg, device, 1)
+    count = cfg.val_tokens // cfg.micro_batch_tokens // comm.world_size
     total, bits = torch.zeros((), device=device), 1 << torch.arange(8, device=device, dtype=torch.uint8)
     compiled = {name: model.__dict__.get(name) for name in ("trunk", "find_matches")}
     model.trunk, model.find_matches = functools.partial(GPT.trunk, model), longest_matches
     try:
-        for _ in range(cfg.val_tokens // cfg.micro_batch_tokens // comm.world_size):
+        for _ in range(count):
             batch = batches.next()
             masks = model.prepare_masks(batch.inputs, batch.cu_seqlens, windows, batch.documents,
                                         batch.longest_document)
@@ -2223,8 +2224,7 @@ def canonical_gap(model: GPT, cfg: Config, comm: Comm, val_paths: list[str], win
             delattr(model, name) if value is None else setattr(model, name, value)
     if comm.distributed:
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
-    return total.item() / (cfg.val_tokens // cfg.micro_batch_tokens // comm.world_size * comm.world_size
-                           * cfg.micro_batch_tokens)
+    return total.item() / (count * comm.world_size * cfg.micro_batch_tokens)
 
 def canonical_text(model: GPT, cfg: Config, comm: Comm, val_paths, windows, device, val_loss: float) -> str:
     """' val_loss_canonical:...' under --val_mask, else ''."""
