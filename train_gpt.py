@@ -1,8 +1,8 @@
 """Train a GPT-2-small-class model to a target FineWeb validation loss, as fast as one node allows.
 
-    torchrun --standalone --nproc_per_node=8 train_gpt.py               # a record attempt
-    python train_gpt.py --device=cpu --preset=tiny                      # a tiny run on the CPU
-    python train_gpt.py --help                                          # every config field
+    torchrun --standalone --nproc_per_node=8 train_gpt.py  # a record attempt
+    python train_gpt.py --device=cpu --preset=tiny         # a tiny run on the CPU
+    python train_gpt.py --help                             # every config field
 
 Top to bottom: config, model and loss, optimizers, data, schedule, the loop, checkpoints, DiLoCo, instrumentation,
 main; the Triton kernels as an appendix. Importing it runs nothing. Ideas and constants come from the NanoGPT speedrun
@@ -167,9 +167,8 @@ def format_value(value, name: str = "") -> str:
     if isinstance(value, bool):
         return str(int(value))
     if isinstance(value, tuple) and value and isinstance(value[0], Stage):
-        weights = [",".join(f"{a:g}" if a == b else f"{a:g}>{b:g}" for a, b in s.mtp) for s in value]
-        return "; ".join(f"{s.batch} {s.lr:g} {s.windows[0]}:{s.windows[1]} {s.doc_len} {mtp}"
-                         for s, mtp in zip(value, weights))
+        return "; ".join(f"{s.batch} {s.lr:g} {s.windows[0]}:{s.windows[1]} {s.doc_len} "
+                         + ",".join(f"{a:g}" if a == b else f"{a:g}>{b:g}" for a, b in s.mtp) for s in value)
     if isinstance(value, tuple):
         return (":" if name == "final_windows" else ",").join(map(str, value))
     return str(value)
@@ -183,16 +182,16 @@ def parse_stages(text: str) -> tuple:
         rows.append(Stage(int(batch), float(lr), (int(short), int(long)), int(doc_len), weights))
     return tuple(rows)
 
-def parse_value(name: str, kind, text: str):
-    if kind in (bool, "bool"):
+def parse_value(name: str, kind: str, text: str):
+    if kind == "bool":
         if text.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
             raise ValueError("expected 1 or 0")
         return text.lower() in ("1", "true", "yes", "on")
-    if kind in (int, "int"):
+    if kind == "int":
         return int(text.replace("_", ""))
-    if kind in (float, "float"):
+    if kind == "float":
         return float(text)
-    if kind in (str, "str"):
+    if kind == "str":
         return text
     if name == "stages":
         return parse_stages(text)
