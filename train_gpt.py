@@ -524,7 +524,7 @@ def fa3_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, window: int,
     return out, lse
 
 @fa3_varlen.register_fake
-def _(q, k, v, cu_seqlens, window, max_seqlen, entries):
+def _(q, k, v, *_):
     return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 @torch.library.custom_op("gpt::fa3_varlen_backward", mutates_args=())
@@ -536,7 +536,7 @@ def fa3_varlen_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
     return dq, dk, dv
 
 @fa3_varlen_backward.register_fake
-def _(grad, q, k, v, out, lse, cu_seqlens, window, max_seqlen, entries):
+def _(grad, q, k, v, *_):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 def _fa3_save(ctx, inputs, output):
@@ -583,7 +583,7 @@ def make_attention(cfg: Config, device: torch.device, seq_len: int):
             if choice == "fa3":
                 raise UserError("--attn_backend=fa3 but flash_attn_interface does not import; install "
                                 "FlashAttention-3 or use --attn_backend=auto") from None
-    return FlexAttention(seq_len, device) if choice == "flex" or (choice == "auto" and cuda) else SdpaAttention()
+    return FlexAttention(seq_len, device) if cuda and choice != "sdpa" else SdpaAttention()
 
 # MUDD's inputs of the last layer
 LayerMix = collections.namedtuple("LayerMix", "value value_gate scales")
@@ -1067,10 +1067,10 @@ def copy_log_probs(q: Tensor, k: Tensor, sink: Tensor, tokens: Tensor, targets: 
     scores = torch.bmm(q.view(blocks, COPY_BLOCK, d), keys).float() * d ** -0.5
     key_at = torch.arange(blocks, device=q.device)[:, None] * COPY_BLOCK - band + torch.arange(width, device=q.device)
     back = torch.arange(T, device=q.device).view(blocks, COPY_BLOCK, 1) - key_at[:, None, :]
-    key_documents = F.pad(documents, (band, 0), value=-1).unfold(0, width, COPY_BLOCK)[:, None, :]
-    seen = (back >= 0) & (back < band) & (key_documents == documents.view(blocks, COPY_BLOCK, 1))
-    key_tokens = F.pad(tokens, (band, 0), value=-1).unfold(0, width, COPY_BLOCK)[:, None, :]
-    hits = seen & (key_tokens == targets.view(blocks, COPY_BLOCK, 1))
+    def at_keys(t: Tensor) -> Tensor:  # [blocks, 1, width], -1 before the start
+        return F.pad(t, (band, 0), value=-1).unfold(0, width, COPY_BLOCK)[:, None, :]
+    seen = (back >= 0) & (back < band) & (at_keys(documents) == documents.view(blocks, COPY_BLOCK, 1))
+    hits = seen & (at_keys(tokens) == targets.view(blocks, COPY_BLOCK, 1))
     # -1e9, not -inf: finite gradients without a hit
     log_z = torch.logaddexp(torch.logsumexp(scores.masked_fill(~seen, -1e9), -1), sink)
     log_hits = torch.logsumexp(scores.masked_fill(~hits, -1e9), -1)
