@@ -1248,7 +1248,22 @@ class _RowExchange:
             return shard.div_(self.world_size).view(-1)
         return finish
 
-class DistAdam(torch.optim.Optimizer):
+class _ShardedOptimizer(torch.optim.Optimizer):
+    """A step: launch_step() does steps 1 and 2 and returns step 3; grad_hooks launch step 1 within the backward."""
+
+    def __init__(self, params, defaults: dict):
+        super().__init__(params, defaults)
+        self.rank, self.world_size = current_rank_and_world()
+        self.distributed = self.world_size > 1
+
+    @torch.no_grad()
+    def step(self):
+        self.launch_step()()
+
+    def close(self):
+        self.grad_hooks.remove()
+
+class DistAdam(_ShardedOptimizer):
     """Adam with cautious weight decay, sharded over the ranks (ZeRO-1; speedrun 2025-05). A step: 1. per bucket a
     reduce-scatter (average), a tied pair's sum in the leader's, a sparse table's touched rows; 2. update the owned
     slice, all-gather it; 3. write the parameters. `accumulating`: gradients add up, nothing is sent."""
@@ -1266,8 +1281,6 @@ class DistAdam(torch.optim.Optimizer):
             torch.compile(adam_update_, dynamic=dynamic, fullgraph=True, options=untuned) if compiled else adam_update_
             for dynamic in (False, True)]
         self.scalars: dict[int, Tensor] = {}  # group index -> [lr, decay] on the device
-        self.rank, self.world_size = current_rank_and_world()
-        self.distributed = self.world_size > 1
         # sparse_rows: table -> the key of its rows in a forward's row lists
         self.sparse_rows = dict(sparse_rows or {}) if self.distributed else {}
         for p in self.sparse_rows:
@@ -1329,12 +1342,7 @@ class DistAdam(torch.optim.Optimizer):
             super().zero_grad(set_to_none)
 
     @torch.no_grad()
-    def step(self):
-        self.launch_step()()
-
-    @torch.no_grad()
     def launch_step(self):
-        """Steps 1 and 2; returns step 3."""
         if self.accumulating:
             return lambda: None
         for bucket in self.buckets:
@@ -1377,9 +1385,6 @@ class DistAdam(torch.optim.Optimizer):
             if tied:
                 self.tied[0].copy_(self.tied[1])
         return finish
-
-    def close(self):
-        self.grad_hooks.remove()
 
     def is_tied(self) -> bool:
         return self.tied is not None and not self.state[self.tied[0]].get("untied", False)
@@ -1520,19 +1525,17 @@ class _MuonGroup:
             setattr(self, name, make())
         return getattr(self, name)
 
-class Muon(torch.optim.Optimizer):
+class Muon(_ShardedOptimizer):
     """NorMuon (Jordan et al. 2024; Li et al. 2025; speedrun 2025-10-24): Nesterov momentum (and a slow buffer,
     2026-08-30), orthogonalised per kind of row block ("split"), rescaled per row/column; lr x "lr_mul" x
     sqrt(max(1, rows/cols)) (2025-10-27); cautious decay. A step: 1. a reduce-scatter per group; 2. the owned
-    matrices' updates, all-gathered; 3. apply. launch_step does 1 and 2 and returns 3."""
+    matrices' updates, all-gathered; 3. apply."""
 
     def __init__(self, params, lr: float, momentum: float, weight_decay: float = 0.0, beta2: float = 0.9,
                  slow_momentum: float = 0.98, use_triton: bool = False, layers: list[int] | None = None,
                  cuda_graphs: bool = False):
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, split=1, lr_mul=1.0))
         self.beta2, self.slow_momentum, self.use_triton = beta2, slow_momentum, use_triton
-        self.rank, self.world_size = current_rank_and_world()
-        self.distributed = self.world_size > 1
         params = [p for group in self.param_groups for p in group["params"]]
         self.group_index_of = {p: i for i, group in enumerate(self.param_groups) for p in group["params"]}
         plan = plan_muon_groups([tuple(p.shape) for p in params], self.world_size, layers)
@@ -1611,12 +1614,7 @@ class Muon(torch.optim.Optimizer):
                 buffer.zero_()
 
     @torch.no_grad()
-    def step(self):
-        self.launch_step()()
-
-    @torch.no_grad()
     def launch_step(self):
-        """Steps 1 and 2; returns step 3."""
         for group in self.groups:
             if group.pending is None:
                 self._launch_reduce(group)
@@ -1672,9 +1670,6 @@ class Muon(torch.optim.Optimizer):
             if decays:
                 p.add_(torch.where(update * p >= 0, p, 0) * neg_lr_decay[1])
             p.add_(update * neg_lr_decay[0])
-
-    def close(self):
-        self.grad_hooks.remove()
 
     @staticmethod
     def shape_factor(p: Tensor, settings: dict) -> float:
