@@ -1280,7 +1280,7 @@ class DistAdam(_ShardedOptimizer):
         self.update_, self.update_small_ = [
             torch.compile(adam_update_, dynamic=dynamic, fullgraph=True, options=untuned) if compiled else adam_update_
             for dynamic in (False, True)]
-        self.scalars: dict[int, Tensor] = {}  # group index -> [lr, decay] on the device
+        self.scalars = {}  # group index -> [lr, decay] on the device
         # sparse_rows: table -> the key of its rows in a forward's row lists
         self.sparse_rows = dict(sparse_rows or {}) if self.distributed else {}
         for p in self.sparse_rows:
@@ -1479,8 +1479,8 @@ class CapturedSteps:
     """Step parts as CUDA graphs, captured once their tensors repeat; no collectives, settings in device tensors."""
 
     def __init__(self):
-        self.graphs: dict = {}  # key -> (graph, tensors' signature, what the part returned)
-        self.seen: dict = {}  # key -> tensors' signature after the last eager run
+        self.graphs = {}  # key -> (graph, tensors' signature, what the part returned)
+        self.seen = {}  # key -> tensors' signature after the last eager run
 
     @staticmethod
     def signature(tensors: list) -> tuple:
@@ -1544,7 +1544,7 @@ class Muon(_ShardedOptimizer):
         for group in self.param_groups:
             if len({self.shape_factor(p, group) for p in group["params"]}) > 1:
                 raise ValueError("Muon: the matrices of a param group need one shape factor (shape and split)")
-        self.scalars: Tensor | None = None  # the groups' settings on the device (fill_scalars)
+        self.scalars = None  # the groups' settings on the device (fill_scalars)
         self.cuda_graphs, self.graphs = cuda_graphs, CapturedSteps() if cuda_graphs else None
         self.fused_apply = use_triton and all(p.dtype == torch.float32 for p in params)
 
@@ -1565,7 +1565,7 @@ class Muon(_ShardedOptimizer):
     def _owned_updates(self, group: _MuonGroup, grads: Tensor) -> Tensor:
         first = self.rank * group.per_rank
         owned = group.params[first: first + group.per_rank]
-        by_run: dict[tuple[int, int, int, int], list[int]] = {}  # (first row, height, blocks, run) -> matrices
+        by_run = {}  # (first row, height, blocks, run) -> matrices
         directions = []
         for i, p in enumerate(owned):
             one_minus_fast, momentum, slow_share = self.scalars[self.group_index_of[p], :3].unbind(0)
