@@ -2890,7 +2890,7 @@ def diloco_fragments(model: GPT, count: int) -> list[nn.Module]:
 def detached_copy(tree, device: torch.device | str | None = None):
     """Tensors cloned: torchft may serve a checkpoint while training goes on."""
     if isinstance(tree, Tensor):
-        return tree.detach().to(device, copy=True) if device is not None else tree.detach().clone()
+        return tree.detach().to(device, copy=True)  # device None: where it is
     if isinstance(tree, dict):
         return {key: detached_copy(value, device) for key, value in tree.items()}
     if isinstance(tree, (list, tuple)):
