@@ -430,7 +430,7 @@ class SdpaAttention:
     def for_paired_heads(self):
         return self
 
-    def prepare(self, length: int, cu_seqlens: Tensor, windows: dict, documents=None, longest=None) -> dict:
+    def prepare(self, length: int, cu_seqlens: Tensor, windows: dict, *_) -> dict:  # *_: FA3's hints
         doc = document_ids(cu_seqlens, length)
         pos = torch.arange(length, device=cu_seqlens.device)
         distance = pos[:, None] - pos[None, :]
@@ -488,7 +488,7 @@ class FlexAttention:
     def for_paired_heads(self):
         return FlexAttention(2 * self.seq_len, self.doc.device)
 
-    def prepare(self, length: int, cu_seqlens: Tensor, windows: dict, documents=None, longest=None) -> dict:
+    def prepare(self, length: int, cu_seqlens: Tensor, windows: dict, *_) -> dict:
         if length != self.seq_len:
             if length not in self.other_lengths:
                 self.other_lengths[length] = FlexAttention(length, self.doc.device)
@@ -1917,15 +1917,15 @@ class Prefetcher:
 
     def __init__(self, batches, seq_len: int, device: torch.device, *, bos: int, slots: int = 4,
                  bigram_rows: int = 0, packed: int = 1, sizes=None):
-        self.device, self.slots, self.source, self.closed = device, slots, batches, False
+        self.device, self.source, self.closed = device, batches, False
         self.free, self.ready = queue.Queue(), queue.Queue()
         for _ in range(slots):
             self.free.put(_Slot(seq_len, device.type == "cuda", bos, bigram_rows, packed))
         sizes = itertools.repeat(packed) if sizes is None else sizes
-        self.thread = threading.Thread(target=self._fill, args=(batches, sizes, packed), daemon=True)
+        self.thread = threading.Thread(target=self._fill, args=(batches, sizes), daemon=True)
         self.thread.start()
 
-    def _fill(self, batches, sizes, packed: int):
+    def _fill(self, batches, sizes):
         try:
             windows = iter(batches)
             for size in sizes:
@@ -2848,11 +2848,11 @@ def check_resumable(checkpoint: dict, cfg: Config, train_paths: list[str]) -> No
         raise CheckpointError(f"--resume={cfg.resume}: the checkpoint is at step {checkpoint['step']}, past this "
                               f"run's {total} steps")
 
+@torch.no_grad()
 def load_checkpoint_weights(model: GPT, checkpoint: dict) -> None:
     """Into the existing tensors: graphs keep their addresses."""
-    with torch.no_grad():
-        for name, tensor in model.state_dict().items():
-            tensor.copy_(checkpoint["model"][name])
+    for name, tensor in model.state_dict().items():
+        tensor.copy_(checkpoint["model"][name])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -3063,10 +3063,10 @@ class LossWatch:
         self.losses: list[float] = []  # mean over the ranks, a step each
 
     def push(self, step: int, local_loss: Tensor):
-        losses = local_loss.float().reshape(1)
+        local = losses = local_loss.float().reshape(1)
         if self.comm.distributed:
-            losses = losses.new_empty(self.comm.world_size)
-            all_gather_single(losses, local_loss.float().reshape(1))
+            losses = local.new_empty(self.comm.world_size)
+            all_gather_single(losses, local)
         host, event = losses, None
         if self.device.type == "cuda":
             host = torch.empty(losses.numel(), pin_memory=True).copy_(losses, non_blocking=True)
