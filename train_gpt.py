@@ -1953,13 +1953,12 @@ class Prefetcher:
         length = item.length
         tensors = (item.inputs[:length], item.targets[:length], item.cu_seqlens[: max_documents(length) + 1],
                    item.bigrams[:length] if item.bigrams is not None else None)
-        if self.device.type == "cuda":
-            batch = ForwardBatch(*(t.to(self.device, non_blocking=True) if t is not None else None for t in tensors))
+        cuda = self.device.type == "cuda"  # else copies: the slot is reused
+        batch = ForwardBatch(*(t if t is None else t.to(self.device, non_blocking=True) if cuda else t.clone()
+                               for t in tensors), item.rows, item.documents, item.longest_document)
+        if cuda:
             item.copied = torch.cuda.Event()
             item.copied.record()
-        else:  # the slot is reused: the CPU path hands out copies
-            batch = ForwardBatch(*(t.clone() if t is not None else None for t in tensors))
-        batch.rows, batch.documents, batch.longest_document = item.rows, item.documents, item.longest_document
         self.free.put(item)
         return batch
 
