@@ -1517,6 +1517,9 @@ class _MuonGroup:
         self.pending = None  # (work or None, this rank's averaged gradients)
         self.inbox = self.outbox = self.gathered = None
 
+    def owned(self, rank: int) -> list[Tensor]:
+        return self.params[rank * self.per_rank: (rank + 1) * self.per_rank]
+
     def buffer(self, name: str, make) -> Tensor:
         """make(), or with keep (CUDA graphs) the tensor `name` made once."""
         if not self.keep:
@@ -1563,8 +1566,7 @@ class Muon(_ShardedOptimizer):
             group.pending = (None, stacked)
 
     def _owned_updates(self, group: _MuonGroup, grads: Tensor) -> Tensor:
-        first = self.rank * group.per_rank
-        owned = group.params[first: first + group.per_rank]
+        owned = group.owned(self.rank)
         by_run = {}  # (first row, height, blocks, run) -> matrices
         directions = []
         for i, p in enumerate(owned):
@@ -1653,8 +1655,7 @@ class Muon(_ShardedOptimizer):
         group = self.groups[index]
         tensors = [self.scalars] + list(group.params)
         if kind == "updates":
-            first = self.rank * group.per_rank
-            states = [self.state[p] for p in group.params[first: first + group.per_rank]]
+            states = [self.state[p] for p in group.owned(self.rank)]
             return tensors + [group.inbox, group.outbox] + [t for state in states for t in state.values()]
         return tensors + [group.gathered if self.distributed else group.outbox]
 
@@ -2746,7 +2747,7 @@ def scatter_optimizer_states(model: GPT, optimizers, muon_state: dict, adam_stat
     muon, adam = optimizers
     muon.state.clear()
     for group in muon.groups:
-        for p in group.params[comm.rank * group.per_rank: (comm.rank + 1) * group.per_rank]:
+        for p in group.owned(comm.rank):
             muon.state[p] = {key: value.to(device) for key, value in muon_state[names[p]].items()}
     adam.state.clear()
     for bucket in adam.buckets:
