@@ -237,7 +237,7 @@ def parse_cli(argv: list[str]) -> tuple[Config, dict]:
     validate_config(cfg)
     return cfg, flags
 
-def validate_config(cfg: Config) -> None:
+def validate_config(cfg: Config):
     """Raises a one-line UserError naming the flag of an unusable setting."""
     def need(ok: bool, message: str):
         if not ok:
@@ -355,7 +355,7 @@ def choose_kernels(cfg: Config, device: torch.device) -> Kernels:
     on = device.type == "cuda" and triton is not None and cfg.triton_kernels
     return Kernels(on, on and cfg.fused_mlp, on and cfg.fp8_head)
 
-def synchronize(device: torch.device) -> None:
+def synchronize(device: torch.device):
     if device.type == "cuda":
         torch.cuda.synchronize()
 
@@ -393,7 +393,7 @@ class Rotary(nn.Module):
         self.set_window_history([])
 
     @torch.no_grad()
-    def set_window_history(self, windows: list[int]) -> None:
+    def set_window_history(self, windows: list[int]):
         freqs, scale = self.base_freqs, self.base_attn_scale
         for old, new in zip(windows, windows[1:]):
             if new != old:
@@ -1414,7 +1414,7 @@ class DistAdam(_ShardedOptimizer):
                 *group["betas"], group["eps"])
 
 def adam_update_(p: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: Tensor, lr: Tensor,
-                 decay: Tensor, beta1: float, beta2: float, eps: float) -> None:
+                 decay: Tensor, beta1: float, beta2: float, eps: float):
     """Adam on a flat slice, cautious weight decay (Chen et al. 2025; speedrun 2025-12-18) where update and weight
     agree in sign."""
     exp_avg.lerp_(grad, 1 - beta1)
@@ -1767,7 +1767,7 @@ def shard_paths(pattern: str, flag: str, vocab_size: int = 0) -> list[str]:
         raise DataError(bad[0] if len(bad) == 1 else f"{len(bad)} bad shards: " + " | ".join(bad))
     return paths
 
-def check_vocabulary(tokens: np.ndarray, vocab_size: int, where: str) -> None:
+def check_vocabulary(tokens: np.ndarray, vocab_size: int, where: str):
     """A token past the tables is an error naming the data (the GPU's row gather does not check)."""
     if len(tokens) and int(tokens.max()) >= vocab_size:
         position = int(np.argmax(tokens >= vocab_size))
@@ -2283,7 +2283,7 @@ def cuda_graphs_for(cfg: Config, device: torch.device, packing: Packing, world_s
         return cfg.compile, True
     return cfg.compile and packing.smallest == 1 and not cfg.diloco, world_size > 1
 
-def check_gpu_features(cfg: Config, device: torch.device, kernels: Kernels) -> None:
+def check_gpu_features(cfg: Config, device: torch.device, kernels: Kernels):
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     for on, flag, need in ((kernels.fp8_head, "fp8_head", (8, 9)), (kernels.fused_mlp, "fused_mlp", (9, 0))):
         if on and capability < need:
@@ -2313,7 +2313,7 @@ def build_model(cfg: Config, comm: Comm, log) -> tuple[GPT, torch.device, Packin
 # The ints of FA3's masks among the compiled function's arguments
 FA3_HOST_INT_SOURCES = r"L\['masks'\]\['P?[SL]'\]\[[123]\]"
 
-def compile_model(model: GPT, cfg: Config, model_graphs: bool) -> None:
+def compile_model(model: GPT, cfg: Config, model_graphs: bool):
     """One graph of the trunk (faster than a graph per block), one of the longest-match search."""
     if not cfg.compile:
         return
@@ -2685,7 +2685,7 @@ def checkpoint_path_at(path: str, step: int) -> str:
     base = Path(path)
     return str(base.with_name(f"{base.stem}_step{step:06d}{base.suffix or '.pt'}"))
 
-def tidy_checkpoints(cfg: Config) -> None:
+def tidy_checkpoints(cfg: Config):
     """The newest keep_checkpoints periodic checkpoints stay, and one resumed; dead writers' temporaries go."""
     base = Path(cfg.save_checkpoint)
     periodic = sorted((p for p in base.parent.glob(f"{base.stem}_step{'[0-9]' * 6}{base.suffix or '.pt'}")
@@ -2742,7 +2742,7 @@ def gather_optimizer_states(model: GPT, optimizers, comm: Comm, device: torch.de
     return muon_state, adam_state
 
 def scatter_optimizer_states(model: GPT, optimizers, muon_state: dict, adam_state: dict, comm: Comm,
-                             device: torch.device) -> None:
+                             device: torch.device):
     names = {p: name for name, p in model.named_parameters()}
     muon, adam = optimizers
     muon.state.clear()
@@ -2779,7 +2779,7 @@ def not_finite(tree: dict, prefix: str = "") -> list[str]:
         and value.is_floating_point() and not torch.isfinite(value).all() else [])]
 
 def save_checkpoint(path: str, model: GPT, optimizers, cfg: Config, comm: Comm, device: torch.device, step: int,
-                    progress: dict) -> None:
+                    progress: dict):
     muon_state, adam_state = gather_optimizer_states(model, optimizers, comm, device)
     if bad := not_finite(dict(model=model.state_dict(), muon=muon_state, adam=adam_state)):  # alike on every rank
         raise TrainingDiverged(f"at step {step} weights or optimizer state are not finite ({', '.join(bad[:3])}): "
@@ -2820,7 +2820,7 @@ def read_checkpoint(path: str, flag: str) -> dict:
     _scanned_checkpoints.add(key)
     return checkpoint
 
-def check_same_model(checkpoint: dict, cfg: Config, flag: str) -> None:
+def check_same_model(checkpoint: dict, cfg: Config, flag: str):
     saved = model_fields(config_from_dict(checkpoint["config"]))
     differing = [f"{name}={format_value(saved[name], name)} (here {format_value(value, name)})"
                  for name, value in model_fields(cfg).items() if saved[name] != value]
@@ -2829,7 +2829,7 @@ def check_same_model(checkpoint: dict, cfg: Config, flag: str) -> None:
                               + ", ".join(differing) + ("; pass the model flags it was trained with" if flag == "resume"
                                                         else "; leave those flags out: the checkpoint gives them"))
 
-def check_resumable(checkpoint: dict, cfg: Config, train_paths: list[str]) -> None:
+def check_resumable(checkpoint: dict, cfg: Config, train_paths: list[str]):
     check_same_model(checkpoint, cfg, "resume")
     here = data_fingerprint(train_paths)
     if [tuple(entry) for entry in checkpoint["data"]] != here:
@@ -2849,7 +2849,7 @@ def check_resumable(checkpoint: dict, cfg: Config, train_paths: list[str]) -> No
                               f"run's {total} steps")
 
 @torch.no_grad()
-def load_checkpoint_weights(model: GPT, checkpoint: dict) -> None:
+def load_checkpoint_weights(model: GPT, checkpoint: dict):
     """Into the existing tensors: graphs keep their addresses."""
     for name, tensor in model.state_dict().items():
         tensor.copy_(checkpoint["model"][name])
@@ -3181,7 +3181,7 @@ def init_distributed(cfg: Config) -> Comm:
             dist.init_process_group("gloo")
     return Comm(rank, world_size, local_rank)
 
-def check_inputs(cfg: Config) -> None:
+def check_inputs(cfg: Config):
     """--check: device, data and checkpoints, before anything compiles."""
     if cfg.device == "cuda":
         if not torch.cuda.is_available():
@@ -3645,7 +3645,7 @@ def symmetric_matmul(X: Tensor, out: Tensor, alpha: float = 1.0, beta: float = 0
         X, Yt, out, M, K, *X.stride(), *Yt.stride(), *out.stride(), alpha, beta, HAS_Y=Y is not None)
     return out
 
-def muon_apply_(weight: Tensor, update: Tensor, scalars: Tensor, decay: bool) -> None:
+def muon_apply_(weight: Tensor, update: Tensor, scalars: Tensor, decay: bool):
     """Muon._apply's ops on one fp32 matrix in one pass; no FMAs: bit-equal."""
     n = weight.numel()
     _muon_apply_kernel[(triton.cdiv(n, MUON_APPLY_BLOCK),)](
@@ -3660,7 +3660,7 @@ def transpose_fp8(x: Tensor, block_m: int = 64, block_n: int = 128, warps: int =
     return out
 
 def softcapped_ce_fp8(logits: Tensor, targets: Tensor, cap: tuple, losses: Tensor, grad: Tensor,
-                      mtp: tuple | None = None, copy: tuple | None = None) -> None:
+                      mtp: tuple | None = None, copy: tuple | None = None):
     """mtp = (weights summing to 1, period); copy = (gate column, log_copy, log_sink, d_copy, d_sink)."""
     rows, vocab = logits.shape
     weights, period = mtp if mtp is not None else (torch.ones(1, device=logits.device), rows)
@@ -3710,7 +3710,7 @@ def gather_rows(table: Tensor, indices: Tensor, dtype: torch.dtype, use_triton: 
         table, indices, out, T, dim, BLOCK_T=16, BLOCK_D=256, num_warps=4)
     return out
 
-def add_rows_(tables_grads: list[Tensor], indices: Tensor, row_grads: list[Tensor], use_triton: bool) -> None:
+def add_rows_(tables_grads: list[Tensor], indices: Tensor, row_grads: list[Tensor], use_triton: bool):
     """tables_grads[i][indices[t]] += row_grads[i][t]; the kernel sums equal sorted rows, then adds atomically."""
     if not use_triton:
         for grad, rows in zip(tables_grads, row_grads):
