@@ -387,7 +387,7 @@ class Rotary(nn.Module):
             buffer(prefix + "positions", sequence.to(torch.float32))
             buffer(prefix + "cos", torch.empty(len(sequence), head_dim // 2))
             buffer(prefix + "sin", torch.empty(len(sequence), 2, head_dim // 2))  # (sin, -sin)
-        self.paired = paired
+        self.prefixes = [prefix for prefix, _ in sequences]
         buffer("attn_scale", torch.empty(()))
         self.base_attn_scale = attn_scale
         self.set_window_history([])
@@ -399,11 +399,10 @@ class Rotary(nn.Module):
             if new != old:
                 freqs = yarn_rescale(freqs, old, new)
                 scale *= 1 + 0.2 * math.log(new / old)  # sharper attention over a longer window
-        for positions, cos, sin in [(self.positions, self.cos, self.sin)] + (
-                [(self.paired_positions, self.paired_cos, self.paired_sin)] if self.paired else []):
-            theta = torch.outer(positions, freqs)
-            cos.copy_(theta.cos())
-            sin.copy_(torch.stack([theta.sin(), -theta.sin()], dim=1))
+        for prefix in self.prefixes:
+            theta = torch.outer(getattr(self, prefix + "positions"), freqs)
+            getattr(self, prefix + "cos").copy_(theta.cos())
+            getattr(self, prefix + "sin").copy_(torch.stack([theta.sin(), -theta.sin()], dim=1))
         self.attn_scale.fill_(scale)
 
     def tables(self, paired: bool = False) -> tuple[Tensor, Tensor, Tensor]:
