@@ -2107,10 +2107,10 @@ class Optimizers(list):
         # OrderedDicts: a hook's handle keeps a weak reference, which a dict does not take
         self.pre_hooks, self.post_hooks = collections.OrderedDict(), collections.OrderedDict()
 
-    def register_step_pre_hook(self, hook) -> torch.utils.hooks.RemovableHandle:
+    def register_step_pre_hook(self, hook):
         return self._register(self.pre_hooks, hook)
 
-    def register_step_post_hook(self, hook) -> torch.utils.hooks.RemovableHandle:
+    def register_step_post_hook(self, hook):
         return self._register(self.post_hooks, hook)
 
     def _register(self, hooks: dict, hook) -> torch.utils.hooks.RemovableHandle:
