@@ -1207,8 +1207,7 @@ class _AdamBucket:
         return flat[rank * self.shard: (rank + 1) * self.shard]
 
     def views(self, flat: Tensor) -> list[Tensor]:
-        offsets = itertools.accumulate((p.numel() for p in self.params), initial=0)
-        return [flat[offset: offset + p.numel()].view_as(p) for p, offset in zip(self.params, offsets)]
+        return [t.view_as(p) for p, t in zip(self.params, flat[: self.numel].split([p.numel() for p in self.params]))]
 
 def union_of_rows(row_lists: list[np.ndarray], num_rows: int) -> np.ndarray:
     """The sorted union of row indices, through a mask (much faster than np.unique)."""
