@@ -1389,8 +1389,7 @@ class DistAdam(_ShardedOptimizer):
 
     def untie(self):
         follower, leader = self.tied
-        self.state[follower] = {key: value.clone() if isinstance(value, Tensor) else value
-                                for key, value in self.state[leader].items()}
+        self.state[follower] = detached_copy(self.state[leader])
         self.state[follower]["untied"] = True
 
     def load_state_dict(self, state_dict: dict):
