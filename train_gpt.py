@@ -853,7 +853,7 @@ class GPT(nn.Module):
         self.cfg, self.attend, self.compute_dtype, self.kernels = cfg, attend, compute_dtype, kernels
         vocab = next_multiple_of(cfg.vocab_size + cfg.copy_pointer, 128)  # the pointer's gate: the row after vocab
         dim = cfg.model_dim
-        # Tied to the head until UNTIE_FRAC (speedrun 2025-12-22)
+        # Tied to the head until UNTIE_FRAC
         self.embed = nn.Embedding(vocab, dim)
         declare(self.embed.weight, **HEAD, tie="lm_head.weight")
         tables = 1 + max(int(c) for c in cfg.value_embed_layout if c != ".")
