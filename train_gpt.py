@@ -2348,7 +2348,7 @@ def warm_up_forwards(schedule: Schedule, packing: Packing, world_size: int, cuda
 def warm_up(model: GPT, optimizers, cfg: Config, comm: Comm, schedule: Schedule, device: torch.device,
             packing: Packing, log):
     """Every graph the timed region needs, on random data; then the initial weights and state again."""
-    initial = {name: t.detach().clone() for name, t in model.state_dict().items()}
+    initial = detached_copy(model.state_dict())
     runs = warm_up_forwards(schedule, packing, comm.world_size, model.replays_cuda_graphs)
     sizes = [size for (_, size), forwards in runs.items() for _ in range(forwards)]
     batches = prefetch(dummy_batches(cfg, seed=cfg.seed + 1 + comm.rank), cfg, device, packing.largest, sizes)
@@ -2702,7 +2702,7 @@ def data_fingerprint(paths: list[str]) -> list[tuple[str, int]]:
 
 def _owner_state_everywhere(state: dict | None, owner: int, comm: Comm, device: torch.device) -> dict:
     if not comm.distributed:
-        return {key: value.detach().cpu().clone() for key, value in state.items()}
+        return detached_copy(state, "cpu")
     layout = [[(key, tuple(value.shape), value.dtype) for key, value in state.items()] if comm.rank == owner else None]
     dist.broadcast_object_list(layout, src=owner)
     full = {}
@@ -2783,7 +2783,7 @@ def save_checkpoint(path: str, model: GPT, optimizers, cfg: Config, comm: Comm, 
                                f"{path} is not written, earlier checkpoints stay")
     if comm.rank == 0:
         checkpoint = dict(kind=CHECKPOINT_KIND, format=CHECKPOINT_FORMAT, step=step, config=config_to_dict(cfg),
-                          model={name: t.detach().cpu().clone() for name, t in model.state_dict().items()},
+                          model=detached_copy(model.state_dict(), "cpu"),
                           muon=muon_state, adam=adam_state, **progress)
         write_atomically(Path(path), lambda temporary: torch.save(checkpoint, temporary))
     if comm.distributed:
@@ -2885,7 +2885,7 @@ def diloco_fragments(model: GPT, count: int) -> list[nn.Module]:
     return fragments
 
 def detached_copy(tree, device: torch.device | str | None = None):
-    """Tensors cloned: torchft may serve a checkpoint while training goes on."""
+    """Tensors cloned (to device), the rest as is; torchft may serve a checkpoint while training goes on."""
     if isinstance(tree, Tensor):
         return tree.detach().to(device, copy=True)  # device None: where it is
     if isinstance(tree, dict):
