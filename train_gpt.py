@@ -2172,7 +2172,7 @@ def evaluate(model: GPT, cfg: Config, comm: Comm, val_paths: list[str], windows:
     finally:
         batches.close()
     if comm.distributed:
-        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        dist.all_reduce(total)
     return total.item() / (count * comm.world_size)
 
 def read_val_mask(cfg: Config) -> np.ndarray:
@@ -2214,7 +2214,7 @@ def canonical_gap(model: GPT, cfg: Config, comm: Comm, val_paths: list[str], win
         for name, value in compiled.items():
             delattr(model, name) if value is None else setattr(model, name, value)
     if comm.distributed:
-        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        dist.all_reduce(total)
     return total.item() / (count * comm.world_size * cfg.micro_batch_tokens)
 
 def canonical_text(model: GPT, cfg: Config, comm: Comm, val_paths, windows, device, val_loss: float) -> str:
