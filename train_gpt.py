@@ -4,9 +4,8 @@
     python train_gpt.py --device=cpu --preset=tiny         # a tiny run on the CPU
     python train_gpt.py --help                             # every config field
 
-Top to bottom: config, model and loss, optimizers, data, schedule, the loop, checkpoints, DiLoCo, instrumentation,
-main; the Triton kernels as an appendix. Importing it runs nothing. Ideas and constants come from the NanoGPT speedrun
-(github.com/KellerJordan/modded-nanogpt), credited where used; docs/design.md explains the design.
+Importing it runs nothing. Ideas and constants are the NanoGPT speedrun's (github.com/KellerJordan/modded-nanogpt),
+credited where used; docs/design.md explains the design.
 """
 from __future__ import annotations
 
@@ -51,7 +50,7 @@ class UserError(Exception):
     """Bad input: main() prints it on one line and exits non-zero."""
 
 class Stage(typing.NamedTuple):
-    """A schedule row; mtp: (start, end) loss weight of each token ahead, normalised."""
+    """A schedule row; mtp: (start, end) loss weight per token ahead, normalised."""
     batch: int  # micro-batches per step over all ranks, a multiple of 8
     lr: float  # lr multiplier; the extension row's ends the cooldown
     windows: tuple[int, int]  # short, long
@@ -74,7 +73,7 @@ _data, _schedule, _run, _model, _optim, _speed, _diloco = map(_field, CONFIG_GRO
 
 @dataclass(frozen=True)
 class Config:
-    """A run's settings, each a flag --name=value; --help lists them by group."""
+    """A run's settings, each a flag --name=value."""
     train_files: str = _data("data/fineweb10B/fineweb_train_*.bin", "training shards, a glob")
     val_files: str = _data("data/fineweb10B/fineweb_val_*.bin", "validation shards, a glob")
     val_tokens: int = _data(10_485_760, "tokens per validation, a multiple of micro_batch_tokens")
@@ -149,7 +148,7 @@ class Config:
         return self.adam_period or (1 if self.diloco else 2)
 
 PRESETS = {
-    # The default model, every part kept, scaled down for two CPU processes
+    # The default model shrunk for two CPU processes, every part kept
     "tiny": dict(
         num_layers=4, model_dim=64, num_heads=2, head_dim=32, attn_layout="SL-L", value_embed_layout="0..1",
         paired_head_layers=(0,), xsa_layers=(1,), skip_from=1, skip_to=2, attn_input_from=1, backout_from=1,
@@ -163,7 +162,6 @@ PRESETS = {
 CLI_ONLY_FLAGS = ("preset", "check", "help")
 
 def format_value(value, name: str = "") -> str:
-    """A field's value as its flag writes it."""
     if isinstance(value, bool):
         return str(int(value))
     if isinstance(value, tuple) and value and isinstance(value[0], Stage):
@@ -201,7 +199,7 @@ def parse_value(name: str, kind: str, text: str):
     return tuple(int(item) for item in text.split(",")) if text else ()  # layer lists
 
 def parse_cli(argv: list[str]) -> tuple[Config, dict]:
-    """--name=value overrides on an optional --preset=NAME; returns (config, CLI-only flags)."""
+    """--name=value overrides on an optional --preset; returns (config, CLI-only flags)."""
     fields = {f.name: f for f in dataclasses.fields(Config)}
     overrides, flags = {}, {}
     for arg in argv:
@@ -238,7 +236,6 @@ def parse_cli(argv: list[str]) -> tuple[Config, dict]:
     return cfg, flags
 
 def validate_config(cfg: Config):
-    """Raises a one-line UserError naming the flag of an unusable setting."""
     def need(ok: bool, message: str):
         if not ok:
             raise UserError(message)
@@ -305,7 +302,6 @@ def validate_config(cfg: Config):
              f"--replica={cfg.replica} --min_replicas={cfg.min_replicas}: a replica 0 .. diloco_replicas-1, at least 1")
 
 def config_help() -> str:
-    """--help: each group's flags as --name=default, with their help."""
     fields = dataclasses.fields(Config)
     lines = [f"usage: train_gpt.py [--preset={'|'.join(PRESETS)}] [--check] [--name=value ...]"]
     for group in CONFIG_GROUPS:
