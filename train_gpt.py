@@ -324,14 +324,14 @@ UNTIE_FRAC = 0.667  # fraction of steps the embedding is tied to the head (speed
 # Adam settings (speedrun 2025-12): multipliers of --adam_lr and ADAM_WD, betas
 ADAM_BETAS, ADAM_EPS, ADAM_WD = (0.9, 0.99), 1e-10, 0.005
 TABLE = dict(lr=75.0, wd=5.0, betas=(0.75, 0.95))  # the value and bigram tables
-HEAD = dict(lr=1.0, wd=150.0, betas=(0.5, 0.95))  # the head and the embedding tied to it
+HEAD = dict(lr=1.0, wd=150.0, betas=(0.5, 0.95))  # the head and its tied embedding
 SCALAR = dict(lr=5.0)
 MUON_WD = 1.2  # cautious, times the lr (speedrun 2025-11-10)
 
 @dataclass(frozen=True)
 class Opt:
-    """rows: key of the table rows read (sparse gradients); tie: whose update it shares until untied; split: Muon's
-    row blocks (a count or (height, count) runs)."""
+    """rows: key of the rows read (sparse gradients); tie: whose update it shares until untied; split: Muon's row
+    blocks, a count or (height, count) runs."""
     optimizer: str = "adam"
     lr: float = 1.0
     wd: float = 0.0
@@ -451,7 +451,7 @@ class FlexAttention:
         self.window = {kind: torch.zeros((), dtype=torch.int32, device=device) for kind in "SL"}
         self.mask_mods = {kind: self._mask_mod(self.doc, self.window[kind]) for kind in "SL"}
         blocks = torch.arange(seq_len // self.block_size, device=device)
-        self.block_offset = blocks[:, None] - blocks[None, :]  # query block - key block
+        self.block_offset = blocks[:, None] - blocks[None, :]
         self.masks = {}
         self.other_lengths: dict[int, FlexAttention] = {}
 
@@ -742,7 +742,7 @@ class TokenGates(nn.Module):
                           self.lane(i, "xsa", pre, post), self.lane(i, "out", pre, post))
 
 class CopyPointer(nn.Module):
-    """CPLM's pointer (pull request #379): a QK-normed head over the document's last `band` positions and a sink."""
+    """CPLM's pointer (PR #379): a QK-normed head over the document's last `band` positions and a sink."""
     def __init__(self, dim: int, head_dim: int, band: int, use_triton: bool):
         super().__init__()
         self.band, self.use_triton = band, use_triton
@@ -764,14 +764,13 @@ class CopyPointer(nn.Module):
         k = rms_norm(h @ self.k_w.to(h.dtype).T)
         return copy_log_probs(q, k, self.sink, tokens, targets, documents, self.band, self.use_triton)
 
-MATCH_LENGTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # repeat lengths (pull request #378)
+MATCH_LENGTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # repeat lengths (PR #378)
 MATCH_BUCKETS = 1 + 3 * len(MATCH_LENGTHS)  # none; per length: seen once, twice, 3+ times
 # Two polynomial hashes modulo primes under 2**31 (no int64 overflow): a 62-bit key
 _MATCH_PRIMES, _MATCH_MULTIPLIERS = (2147483629, 2147483587), (1000003, 999331)
 
 def longest_matches(tokens: Tensor, starts: Tensor) -> tuple[Tensor, Tensor]:
-    """Per t, the longest context of MATCH_LENGTHS seen earlier in the document, ending at p: (tokens[p + 1], its
-    bucket; 0 if none)."""
+    """Per t, its longest MATCH_LENGTHS context seen earlier in the document, ending at p: (tokens[p + 1], bucket)."""
     T = tokens.numel()
     positions = torch.arange(T, device=tokens.device)
     documents = torch.cumsum(starts.long(), 0)
@@ -847,9 +846,8 @@ class GPT(nn.Module):
                  kernels: Kernels = Kernels()):
         super().__init__()
         self.cfg, self.attend, self.compute_dtype, self.kernels = cfg, attend, compute_dtype, kernels
-        vocab = next_multiple_of(cfg.vocab_size + cfg.copy_pointer, 128)  # the pointer's gate: the row after vocab
+        vocab = next_multiple_of(cfg.vocab_size + cfg.copy_pointer, 128)  # the pointer's gate: row vocab_size
         dim = cfg.model_dim
-        # Tied to the head until UNTIE_FRAC
         self.embed = nn.Embedding(vocab, dim)
         declare(self.embed.weight, **HEAD, tie="lm_head.weight")
         tables = 1 + max(int(c) for c in cfg.value_embed_layout if c != ".")
@@ -870,7 +868,7 @@ class GPT(nn.Module):
         half = 1.1 ** 0.5
         self.mudd_layer = DenseMix(dim, [0.0] * 6 + [2.0, 2.0] + [half, 1.0, 0.0, 0.05, half, 1.0], 0.25)
         self.mudd_head = DenseMix(dim, [0.0, -0.5, 0.0, 0.0, 0.0], 0.25)
-        # Hashed (previous, token) rows, dim // 4 wide (speedrun 2026-01-19)
+        # Hashed (previous, token) rows (speedrun 2026-01-19)
         self.bigram_embed = nn.Embedding(cfg.bigram_rows, dim // 4) if cfg.bigram_rows else None
         if cfg.bigram_rows:
             declare(self.bigram_embed.weight, **TABLE, rows="bigrams")
@@ -990,7 +988,7 @@ class GPT(nn.Module):
         return self.loss_head(x, targets, tokens, starts)
 
     def bigram_input(self, tokens: Tensor, starts: Tensor, rows: Tensor) -> Tensor:
-        """Rows times signs ((previous XOR token) mod count; 0 at a start), padded to model_dim."""
+        """Rows times a random sign vector per (previous, token), padded to model_dim."""
         bigram = rows.to(self.compute_dtype)
         previous = torch.cat([tokens[:1], tokens[:-1]])
         index = torch.where(starts, 0, torch.bitwise_xor(previous, tokens) % BIGRAM_SIGNS)
@@ -1021,7 +1019,7 @@ class GPT(nn.Module):
         copy = None
         if self.copy_pointer is not None:
             copy = (self.cfg.vocab_size, *self.copy_pointer(x, tokens, targets, torch.cumsum(starts.long(), 0)))
-        if self.kernels.fp8_head:  # copy: (the gate's column, log_copy, log_sink)
+        if self.kernels.fp8_head:  # copy: (gate column, log_copy, log_sink)
             return _Fp8SoftcappedHead.apply(x, self.lm_head.weight, targets, LOGIT_CAP, *(mtp or (None, 0)),
                                             *(copy or (0, None, None)))
         z = softcap(x @ self.lm_head.weight.to(x.dtype).T, LOGIT_CAP)
@@ -1051,7 +1049,7 @@ COPY_BLOCK = 128  # queries per block of the copy pointer's scores
 
 def copy_log_probs(q: Tensor, k: Tensor, sink: Tensor, tokens: Tensor, targets: Tensor, documents: Tensor,
                    band: int, use_triton: bool = False) -> tuple[Tensor, Tensor]:
-    """Softmax over the document's keys in (t - band, t] and the sink: log masses on targets[t] and on the sink."""
+    """Softmax over the document's keys in (t - band, t] and a sink: log masses on targets[t] and the sink."""
     T, d = q.shape
     sink = sink.float().expand(T)
     if use_triton:
