@@ -1130,12 +1130,11 @@ class _Fp8SoftcappedHead(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Optimizers and their communication: sharded over the ranks, reduce-scatters launched from backward hooks as soon as
-# a unit's gradients are complete, no all_reduce.
+# Optimizers: sharded over the ranks; backward hooks launch a unit's reduce-scatter once its gradients are in, no
+# all_reduce.
 
 @dataclass(frozen=True)
 class Comm:
-    """Who we are in the job; at world size 1 nothing is communicated."""
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
@@ -1144,7 +1143,7 @@ class Comm:
     def distributed(self) -> bool:
         return self.world_size > 1
 
-# torch 2.13's names of the tensor collectives; 2.11 has only the older ones, which 2.13 deprecates
+# torch 2.13's names of the tensor collectives; 2.11 has only the older ones (deprecated in 2.13)
 all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
@@ -1157,7 +1156,7 @@ def grads_or_zeros(params: list[Tensor]) -> list[Tensor]:
     return [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
 
 class _LaunchWhenGradsReady:
-    """While armed, launch(unit) runs once all of a unit's gradients are in, overlapping the backward."""
+    """While armed, launch(unit) runs once a unit's gradients are all in, overlapping the backward."""
 
     def __init__(self, units: list, launch):
         self.unit_of = {p: unit for unit in units for p in unit.params}
@@ -1204,7 +1203,7 @@ class _AdamBucket:
         return [t.view_as(p) for p, t in zip(self.params, flat[: self.numel].split([p.numel() for p in self.params]))]
 
 def union_of_rows(row_lists: list[np.ndarray], num_rows: int) -> np.ndarray:
-    """The sorted union of row indices, through a mask (much faster than np.unique)."""
+    """Sorted union of row indices by a mask (much faster than np.unique)."""
     touched = np.zeros(num_rows, dtype=bool)
     for rows in row_lists:
         touched[rows] = True
@@ -1257,8 +1256,8 @@ class _ShardedOptimizer(torch.optim.Optimizer):
 
 class DistAdam(_ShardedOptimizer):
     """Adam with cautious weight decay, sharded over the ranks (ZeRO-1; speedrun 2025-05). A step: 1. per bucket a
-    reduce-scatter (average), a tied pair's sum in the leader's, a sparse table's touched rows; 2. update the owned
-    slice, all-gather it; 3. write the parameters. `accumulating`: gradients add up, nothing is sent."""
+    reduce-scatter (mean), a tied pair's sum in the leader's, a sparse table's touched rows; 2. update the owned slice,
+    all-gather it; 3. write the parameters. `accumulating`: gradients add up unsent."""
 
     SMALL = 8192  # parameters below this many values share their group's bucket
     DYNAMIC = 1 << 20  # shards below this many values share one compiled update of dynamic shape
@@ -1273,7 +1272,7 @@ class DistAdam(_ShardedOptimizer):
             torch.compile(adam_update_, dynamic=dynamic, fullgraph=True, options=untuned) if compiled else adam_update_
             for dynamic in (False, True)]
         self.scalars = {}  # group index -> [lr, decay] on the device
-        # sparse_rows: table -> the key of its rows in a forward's row lists
+        # sparse_rows: table -> its rows' key in a forward's row lists
         self.sparse_rows = dict(sparse_rows or {}) if self.distributed else {}
         for p in self.sparse_rows:
             if p.ndim != 2 or p.size(0) % self.world_size or p.numel() < self.SMALL:
@@ -1340,7 +1339,7 @@ class DistAdam(_ShardedOptimizer):
         for bucket in self.buckets:
             if bucket.pending is None:
                 self._launch_reduce(bucket)
-        gathers, tied = [], self.is_tied()  # (bucket, the flat form gathered into, its wait or None)
+        gathers, tied = [], self.is_tied()  # (bucket, flat form gathered into, wait or None)
         for index, group in enumerate(self.param_groups):  # fills: no host-to-device copy to wait for
             if index not in self.scalars:
                 self.scalars[index] = torch.zeros(2, device=group["params"][0].device)
@@ -1406,8 +1405,8 @@ class DistAdam(_ShardedOptimizer):
 
 def adam_update_(p: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: Tensor, lr: Tensor,
                  decay: Tensor, beta1: float, beta2: float, eps: float):
-    """Adam on a flat slice, cautious weight decay (Chen et al. 2025; speedrun 2025-12-18) where update and weight
-    agree in sign."""
+    """Adam on a flat slice; decay where update and weight agree in sign (cautious: Chen et al. 2025; speedrun
+    2025-12-18)."""
     exp_avg.lerp_(grad, 1 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
     bias1, bias2 = 1 - beta1 ** step, 1 - beta2 ** step
@@ -1452,8 +1451,8 @@ def orthogonalize(grads: Tensor, use_triton: bool) -> Tensor:
 
 def plan_muon_groups(shapes: list[tuple[int, ...]], world_size: int,
                      layers: list[int] | None = None) -> list[list[int]]:
-    """Groups of one shape, small shapes and late layers first (the backward's order), a shape in two halves where it
-    can (the second's communication overlaps the first's compute)."""
+    """Groups of one shape, small shapes and late layers first (the backward's order), a shape halved where it can
+    (the second half's communication overlaps the first's compute)."""
     by_shape: dict[tuple[int, ...], list[int]] = {}
     order = range(len(shapes)) if layers is None else sorted(range(len(shapes)), key=lambda i: -layers[i])
     for index in order:
@@ -1467,7 +1466,7 @@ def plan_muon_groups(shapes: list[tuple[int, ...]], world_size: int,
     return groups
 
 class CapturedSteps:
-    """Step parts as CUDA graphs, captured once their tensors repeat; no collectives, settings in device tensors."""
+    """Step parts as CUDA graphs, captured once their tensors repeat; no collectives, settings on the device."""
 
     def __init__(self):
         self.graphs = {}  # key -> (graph, tensors' signature, what the part returned)
@@ -1512,7 +1511,6 @@ class _MuonGroup:
         return self.params[rank * self.per_rank: (rank + 1) * self.per_rank]
 
     def buffer(self, name: str, make) -> Tensor:
-        """make(), or with keep (CUDA graphs) the tensor `name` made once."""
         if not self.keep:
             return make()
         if getattr(self, name) is None:
@@ -1521,9 +1519,8 @@ class _MuonGroup:
 
 class Muon(_ShardedOptimizer):
     """NorMuon (Jordan et al. 2024; Li et al. 2025; speedrun 2025-10-24): Nesterov momentum (and a slow buffer,
-    2026-08-30), orthogonalised per kind of row block ("split"), rescaled per row/column; lr x "lr_mul" x
-    sqrt(max(1, rows/cols)) (2025-10-27); cautious decay. A step: 1. a reduce-scatter per group; 2. the owned
-    matrices' updates, all-gathered; 3. apply."""
+    2026-08-30), orthogonalised per row-block kind ("split"), rescaled per row/column; lr x lr_mul x shape_factor
+    (2025-10-27); cautious decay. A step: 1. reduce-scatter per group; 2. owned updates, all-gathered; 3. apply."""
 
     def __init__(self, params, lr: float, momentum: float, weight_decay: float = 0.0, beta2: float = 0.9,
                  slow_momentum: float = 0.98, use_triton: bool = False, layers: list[int] | None = None,
@@ -1538,7 +1535,7 @@ class Muon(_ShardedOptimizer):
         for group in self.param_groups:
             if len({self.shape_factor(p, group) for p in group["params"]}) > 1:
                 raise ValueError("Muon: the matrices of a param group need one shape factor (shape and split)")
-        self.scalars = None  # the groups' settings on the device (fill_scalars)
+        self.scalars = None  # groups' settings on the device (fill_scalars)
         self.cuda_graphs, self.graphs = cuda_graphs, CapturedSteps() if cuda_graphs else None
         self.fused_apply = use_triton and all(p.dtype == torch.float32 for p in params)
 
@@ -1582,7 +1579,7 @@ class Muon(_ShardedOptimizer):
         return updates
 
     def fill_scalars(self):
-        """Per group (one_minus_fast, momentum, slow_share, -lr, -decay), one copy from pinned memory."""
+        """The groups' settings, in one copy from pinned memory."""
         rows = []
         for settings in self.param_groups:
             momentum, fast = settings["momentum"], settings.get("fast_momentum")
@@ -1651,7 +1648,6 @@ class Muon(_ShardedOptimizer):
         return tensors + [group.gathered if self.distributed else group.outbox]
 
     def _apply(self, params: list[Tensor], updates: Tensor):
-        """p -= lr * update after cautious weight decay (where update * p >= 0)."""
         for p, update in zip(params, updates):
             index = self.group_index_of[p]
             neg_lr_decay, decays = self.scalars[index, 3:], bool(self.param_groups[index]["weight_decay"])
@@ -1676,8 +1672,7 @@ def row_blocks(p: Tensor, settings: dict) -> list[tuple[int, int]]:
     return runs
 
 def normuon_(ortho: Tensor, states: list[dict], split: int, beta2: float, key: str) -> Tensor:
-    """NorMuon: updates [n * split, rows, cols] over the root of a running mean square along the shorter side, the
-    norm kept."""
+    """NorMuon: updates [n * split, rows, cols] over the root of a running mean square on the short side, norm kept."""
     blocks, rows, cols = ortho.shape
     reduce_dim = -1 if rows >= cols else -2
     update = ortho.float()
@@ -1696,7 +1691,7 @@ def normuon_(ortho: Tensor, states: list[dict], split: int, beta2: float, key: s
     return (update * (inverse_root * (norm / rescaled_norm.clamp_min(1e-10)))).to(ortho.dtype)
 
 def muon_momentum_(grad: Tensor, state: dict, momentum, one_minus_fast, slow: float, slow_share) -> Tensor:
-    """Nesterov momentum over the usual and the slow buffer mixed (slow_share; ANVIL2's two rails)."""
+    """Nesterov momentum over the usual and slow buffers mixed (slow_share; ANVIL2's two rails)."""
     if "momentum_buffer" not in state:
         state["momentum_buffer"] = torch.zeros_like(grad)
         state["slow_momentum_buffer"] = torch.zeros_like(grad)
