@@ -1711,7 +1711,7 @@ class DataError(UserError):
     pass
 
 def shard_tokens(path: str) -> int:
-    """The token count, the header and size checked."""
+    """Token count, header and size checked."""
     size, header_bytes = os.path.getsize(path), SHARD_HEADER_INTS * 4
     if size < header_bytes:
         raise DataError(f"{path}: {size} bytes, too short for the {header_bytes}-byte shard header")
@@ -1733,7 +1733,7 @@ def read_shard(path: str) -> np.ndarray:
     return tokens
 
 def shard_paths(pattern: str, flag: str, vocab_size: int = 0) -> list[str]:
-    """The shards of a glob, headers (with vocab_size tokens too) checked; every bad one in one line."""
+    """A glob's shards, headers (with vocab_size, tokens too) checked; all bad ones in one line."""
     paths, bad = sorted(glob.glob(pattern)), []
     if not paths:
         raise DataError(f"--{flag}={pattern!r} matches no files. Download FineWeb shards with "
@@ -1769,7 +1769,7 @@ def document_starts(path: str, bos: int, vocab_size: int) -> tuple[np.ndarray, n
 def bos_aligned_batches(paths: list[str], length: int, max_doc_len, repeat: bool, on_new_pass=None, *,
                         bos: int, vocab_size: int):
     """(tokens, spans) of `length` tokens of whole documents from their BOS, each cut at max_doc_len(batch index), the
-    last to fit (speedrun 2025-07); the rest is dropped. The next shard is indexed on a thread (in line it stalls)."""
+    last to fit (speedrun 2025-07); the rest dropped. The next shard is indexed on a thread (in line it stalls)."""
     order = ((number, path) for number in range(1, sys.maxsize if repeat else 2) for path in paths)
     current, produced, index = next(order), False, 0
     with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-index") as indexer:
@@ -1826,7 +1826,7 @@ def drop(count: int, batches):
         batches.close()
 
 def val_batches_for_rank(paths: list[str], cfg: Config, comm: Comm):
-    """The first val_tokens tokens in consecutive chunks, dealt to the ranks."""
+    """The first val_tokens tokens in chunks, dealt to the ranks."""
     shards = [read_shard(path) for path in paths]
     if (available := sum(len(s) for s in shards)) < cfg.val_tokens + 1:
         raise DataError(f"--val_files={cfg.val_files!r} hold {available:,} tokens, fewer than "
@@ -1862,7 +1862,7 @@ class ForwardBatch:
     targets: Tensor  # [T] int64
     cu_seqlens: Tensor  # [max_documents + 1] int32: the document starts, then T repeated
     bigrams: Tensor | None = None  # [T] int32 rows of the bigram table
-    rows: dict | None = None  # {"bigrams": the sorted rows read}, on the host
+    rows: dict | None = None  # {"bigrams": sorted rows read}, on the host
     documents: int | None = None  # how many documents cu_seqlens starts
     longest_document: int | None = None
 
@@ -1876,7 +1876,7 @@ class _Slot:
         self.cu_seqlens = torch.empty(max_documents(length) + 1, dtype=torch.int32, pin_memory=pin)
         self.bigrams = torch.empty(length, dtype=torch.int32, pin_memory=pin) if bigram_rows else None
         self.rows = self.documents = self.longest_document = None
-        self.length, self.copied = 0, None  # copied: the event of the copy out of this slot
+        self.length, self.copied = 0, None  # copied: event of the copy out of this slot
 
     def fill(self, windows: list[np.ndarray]):
         starts, offset = [], 0
@@ -1958,7 +1958,6 @@ class Prefetcher:
             self.source.close()
 
 def prefetch(windows, cfg: Config, device: torch.device, packed: int, sizes=None) -> Prefetcher:
-    """The one way a run loads its forwards."""
     return Prefetcher(windows, cfg.micro_batch_tokens, device, bos=cfg.bos_token, bigram_rows=cfg.bigram_rows,
                       packed=packed, sizes=sizes)
 
@@ -1967,8 +1966,8 @@ def prefetch(windows, cfg: Config, device: torch.device, packed: int, sizes=None
 # Schedule
 
 class Schedule:
-    """Per-step settings: the stages split the scheduled steps evenly, the lr decays linearly over the last
-    cooldown_frac to the last row's."""
+    """Per-step settings: stages split the scheduled steps evenly; lr decays linearly over the last cooldown_frac to
+    the last row's."""
 
     def __init__(self, cfg: Config):
         self.cfg, self.rows, self.scheduled = cfg, cfg.stages, len(cfg.stages) - 1
@@ -2025,7 +2024,6 @@ class Schedule:
         return (step + 1) % self.cfg.period == 0
 
     def muon_momentum(self, step: int) -> float:
-        """0.85 rising to 0.95 over the first 300 steps, back down over the last 50."""
         low, high, warmup, cooldown = 0.85, 0.95, 300, 50
         steps_left = self.total_steps - step
         if step < warmup:
@@ -2033,7 +2031,7 @@ class Schedule:
         return low + (high - low) * steps_left / cooldown if steps_left < cooldown else high
 
     def muon_rails(self, step: int) -> tuple[float, float]:
-        """(Muon buffer's beta, slow buffer's share): 0.85 and 0.56 from 0.43 of the steps on."""
+        """(Muon buffer's beta, slow buffer's share)."""
         return (0.85, 0.56) if step >= round(0.43 * self.num_iterations) else (self.muon_momentum(step), 0.0)
 
     def windows(self, step: int) -> tuple[int, int]:
