@@ -2084,8 +2084,8 @@ def set_hyperparameters(optimizers, schedule: Schedule, step: int):
         group["fast_momentum"], group["slow_share"] = schedule.muon_rails(step)
 
 class Optimizers(list):
-    """[Muon, DistAdam]: both launches, then both finishes, so Adam updates while Muon's all-gathers wait behind
-    Adam's reduce-scatters on the one NCCL stream. The step hooks serve torchft's DiLoCo."""
+    """[Muon, DistAdam]: launches, then finishes, so Adam updates while Muon's all-gathers wait behind Adam's
+    reduce-scatters on the one NCCL stream. Step hooks serve torchft's DiLoCo."""
 
     def __init__(self, optimizers):
         super().__init__(optimizers)
@@ -2125,7 +2125,7 @@ def forward_loss(model: GPT, batch: ForwardBatch, windows: tuple[int, int]) -> T
 
 def train_step(model: GPT, optimizers: Optimizers, batches: Prefetcher, windows: tuple[int, int], forwards: int,
                mark=None) -> Tensor:
-    """Forwards, backwards, the optimizers; returns the mean loss. Each forward's loss over the forward count (and
+    """Forwards, backwards, optimizers; returns the mean loss. Each forward's loss over the forward count (and
     averaged over ranks): any world size and packing make the same update."""
     mark = mark or (lambda phase: None)
     model.prepare_grads()
@@ -2149,7 +2149,7 @@ def train_step(model: GPT, optimizers: Optimizers, batches: Prefetcher, windows:
 
 def evaluate(model: GPT, cfg: Config, comm: Comm, val_paths: list[str], windows: tuple[int, int],
              device: torch.device, packed: int) -> float:
-    """Mean loss over the validation tokens, autograd on: the training graphs serve, no extra compile."""
+    """Mean validation loss, autograd on: the training graphs serve, no extra compile."""
     batches = prefetch(val_batches_for_rank(val_paths, cfg, comm), cfg, device, packed)
     count = cfg.val_tokens // cfg.micro_batch_tokens // comm.world_size // packed
     total = torch.zeros((), device=device)
@@ -2176,9 +2176,9 @@ def read_val_mask(cfg: Config) -> np.ndarray:
 @torch.no_grad()
 def canonical_gap(model: GPT, cfg: Config, comm: Comm, val_paths: list[str], windows: tuple[int, int],
                   device: torch.device, mask: Tensor) -> float:
-    """Mean of log(1 - m) over validation tokens, m the probability of tokens that never follow the input token: added
-    to the loss, the loss with their probability given to the others (speedrun #350); with the copy pointer an upper
-    bound (its share on them stays). Eager: compiled graphs here would compile outside the warm-up."""
+    """Mean log(1 - m) over validation tokens, m the probability of tokens that never follow the input: added to the
+    loss, the loss with their probability given to the others (speedrun #350); an upper bound with the copy pointer
+    (its share on them stays). Eager: compiled graphs would compile outside the warm-up."""
     batches = prefetch(val_batches_for_rank(val_paths, cfg, comm), cfg, device, 1)
     count = cfg.val_tokens // cfg.micro_batch_tokens // comm.world_size
     total, bits = torch.zeros((), device=device), 1 << torch.arange(8, device=device, dtype=torch.uint8)
@@ -2205,7 +2205,6 @@ def canonical_gap(model: GPT, cfg: Config, comm: Comm, val_paths: list[str], win
     return total.item() / (count * comm.world_size * cfg.micro_batch_tokens)
 
 def canonical_text(model: GPT, cfg: Config, comm: Comm, val_paths, windows, device, val_loss: float) -> str:
-    """' val_loss_canonical:...' under --val_mask, else ''."""
     if not cfg.val_mask:
         return ""
     mask = torch.from_numpy(np.array(read_val_mask(cfg))).to(device)
@@ -2239,8 +2238,8 @@ class Packing:
         return min(*self.stages, self.validation)
 
 def resolve_packing(cfg: Config, world_size: int, device_memory_gib: float | None = None) -> Packing:
-    """--forward_micro_batches, or for 0 per stage the most up to 8 (4 under PACK_8_MIN_GIB) that divides its count
-    per rank: fewer, larger forwards are faster."""
+    """--forward_micro_batches, or for 0 per stage the most up to 8 (4 under PACK_8_MIN_GIB) dividing its count per
+    rank: fewer, larger forwards are faster."""
     per_rank = [stage.batch // world_size for stage in cfg.stages]
     validation = cfg.val_tokens // cfg.micro_batch_tokens // world_size
     fixed = cfg.forward_micro_batches
@@ -2294,7 +2293,7 @@ def build_model(cfg: Config, comm: Comm, log) -> tuple[GPT, torch.device, Packin
         f"{', '.join(map(str, packing.stages))} by stage, {packing.validation} in validation")
     return model, device, packing
 
-# The ints of FA3's masks among the compiled function's arguments
+# FA3 masks' ints among the compiled function's arguments
 FA3_HOST_INT_SOURCES = r"L\['masks'\]\['P?[SL]'\]\[[123]\]"
 
 def compile_model(model: GPT, cfg: Config, model_graphs: bool):
@@ -2480,7 +2479,7 @@ def train(cfg: Config, comm: Comm, log) -> TrainResult:
 TrainResult = collections.namedtuple("TrainResult", "train_losses val_losses train_time_ms")
 
 class RunState:
-    """What the loop keeps besides the model: the clock, the losses, the window history."""
+    """The loop's state besides the model: clock, losses, window history."""
 
     def __init__(self, cfg: Config, comm: Comm, log, trainer: Trainer):
         self.cfg, self.comm, self.log, self.trainer, self.device = cfg, comm, log, trainer, trainer.device
@@ -2578,7 +2577,7 @@ def evaluate_checkpoint(cfg: Config, comm: Comm, log) -> float:
     return val_loss
 
 def set_up_as_validated(model: GPT, checkpoint: dict) -> tuple[int, int]:
-    """The rotary tables and loss of validation at the checkpoint's step; returns its windows."""
+    """Rotary tables and loss as validated at the checkpoint's step; returns its windows."""
     schedule = Schedule(config_from_dict(checkpoint["config"]))
     seen = schedule.validation_step(checkpoint["step"])
     model.rotary.set_window_history(schedule.long_window_history(seen))
@@ -2854,7 +2853,7 @@ def import_torchft():
     return torchft
 
 def diloco_fragments(model: GPT, count: int) -> list[nn.Module]:
-    """`count` contiguous groups of blocks, the input side in the first, the output side in the last."""
+    """`count` contiguous groups of blocks, input-side parts in the first, output-side in the last."""
     bounds = [round(i * len(model.blocks) / count) for i in range(count + 1)]
     fragments = [nn.Module() for _ in range(count)]
     for fragment, lo, hi in zip(fragments, bounds, bounds[1:]):
@@ -3030,7 +3029,6 @@ class RunLog:
             self._write(text)
 
     def finish(self, error: str = ""):
-        """The end marker, or the error and `==== failed ====`."""
         if self.file is not None:
             self._write(f"{error}\n==== failed ====" if error else "==== end ====")
             self.file.close()
@@ -3105,8 +3103,7 @@ class RecompileWatch:
         return (new if self.graphs > graphs else []) + reasons
 
 class StepTimes(dict):
-    """Wall ms by step (the loss read a step late paces the host); summary() per stage, the aim none over 1.2x its
-    median."""
+    """Wall ms by step (the loss read a step late paces the host); summary() per stage: none should pass 1.2x median."""
 
     def __init__(self, schedule: Schedule):
         super().__init__()
