@@ -3231,7 +3231,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Appendix: Triton kernels and their launchers; each has a plain-torch equivalent (--triton_kernels=0).
+# Appendix: Triton kernels and launchers, each with a plain-torch equivalent (--triton_kernels=0).
 
 try:
     import triton
@@ -3276,7 +3276,7 @@ def _symmetric_matmul_kernel(X, Y, Out, M, K, sxb, sxm, sxk, syb, sym, syn, sob,
     if row != col:
         tl.store(Out + cols[None, :] * som + rows[:, None] * son, result, mask=inside)
 
-if triton is not None:  # (BLOCK, BLOCK_K, warps, stages) tried per shape
+if triton is not None:
     _symmetric_matmul_kernel = triton.autotune(
         [triton.Config(dict(BLOCK=b, BLOCK_K=k), num_warps=w, num_stages=st)
          for b, k, w, st in ((128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 4), (128, 32, 8, 4))],
@@ -3284,7 +3284,6 @@ if triton is not None:  # (BLOCK, BLOCK_K, warps, stages) tried per shape
 
 @jit
 def _muon_apply_kernel(W, U, Scalars, N, DECAY: tl.constexpr, BLOCK: tl.constexpr):
-    """W += neg_decay W where U W >= 0 (DECAY), then W += neg_lr U."""
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = offsets < N
     w = tl.load(W + offsets, mask=inside)
@@ -3450,7 +3449,6 @@ def _transpose_kernel(In, Out, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexp
 @jit
 def _copy_tile(q, K, Tokens, Docs, queries, keys, targets, documents, SCALE: tl.constexpr, BAND: tl.constexpr,
               D: tl.constexpr):
-    """Scores, seen (same document, < BAND back), hit (seen and the target), keys."""
     k = tl.load(K + keys[:, None] * D + tl.arange(0, D)[None, :])
     s = tl.dot(q, tl.trans(k)) * SCALE
     back = queries[:, None] - keys[None, :]
