@@ -43,7 +43,7 @@ SHARD_MAGIC, SHARD_VERSION, SHARD_HEADER_INTS = 20240520, 1, 256
 LOG_FORMAT_VERSION = 1
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------
 # Config
 
 class UserError(Exception):
@@ -313,7 +313,7 @@ def config_help() -> str:
                 lines.append(f"  {flag:32}{gap}{f.metadata['help']}")
     return "\n".join(lines)
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------
 # Model
 
 GATE_DIMS = 12  # channels the per-token gates read (speedrun 2025-12-29)
@@ -1129,7 +1129,7 @@ class _Fp8SoftcappedHead(torch.autograd.Function):
         return grad_x, grad_w.to(ctx.w_dtype), None, None, None, None, None, grad_copy, grad_sink
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------
 # Optimizers: sharded over the ranks; backward hooks launch a unit's reduce-scatter once its gradients are in, no
 # all_reduce.
 
@@ -1701,7 +1701,7 @@ def muon_momentum_(grad: Tensor, state: dict, momentum, one_minus_fast, slow: fl
     return grad.lerp(buf.lerp(slow_buf, slow_share), momentum)
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------
 # Data
 #
 # Shards in the llm.c layout: 256 int32 (magic, version, token count, ...), then uint16 tokens, each document after
@@ -1962,7 +1962,7 @@ def prefetch(windows, cfg: Config, device: torch.device, packed: int, sizes=None
                       packed=packed, sizes=sizes)
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------
 # Schedule
 
 class Schedule:
@@ -2043,7 +2043,7 @@ class Schedule:
         return [stage.windows[1] for stage in stages] + final
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------
 # The step and the loop
 
 def build_optimizers(model: GPT, cfg: Config, cuda_graphs: bool = False) -> Optimizers:
@@ -2639,7 +2639,7 @@ def sample_from_checkpoint(cfg: Config, comm: Comm, log, codec=None) -> str:
     return text
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------
 # Checkpoints
 #
 # One torch.save file of whole tensors (it resumes at any world size), written by rank 0 through a rename. No random
@@ -2838,7 +2838,7 @@ def load_checkpoint_weights(model: GPT, checkpoint: dict):
         tensor.copy_(checkpoint["model"][name])
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------
 # Across nodes: streaming DiLoCo on torchft
 
 LIGHTHOUSE_MISSING = "--diloco=1 needs TORCHFT_LIGHTHOUSE=http://host:port of a running torchft_lighthouse"
@@ -2992,7 +2992,7 @@ class StreamingDiLoCo:
         self.manager.shutdown(wait=False)
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------
 # Instrumentation
 
 class RunLog:
@@ -3128,7 +3128,7 @@ def weights_checksum(model: nn.Module) -> str:
     return f"final weights: float64 sum {total:.12e}, sum of squares {squares:.12e}"
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------
 # main
 
 def keep_freed_cpu_memory() -> bool:
@@ -3230,7 +3230,7 @@ def main(argv: list[str] | None = None) -> int:
             dist.destroy_process_group()
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------
 # Appendix: Triton kernels and launchers, each with a plain-torch equivalent (--triton_kernels=0).
 
 try:
