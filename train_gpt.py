@@ -97,10 +97,7 @@ class Config:
     keep_checkpoints: int = _run(3, "the newest periodic checkpoints kept; 0: all")
     resume: str = _run("", "checkpoint to resume training from, as if never stopped")
     eval_only: bool = _run(False, "only validate --init_from's weights")
-    init_from: str = _run("", "checkpoint for --eval_only or --sample")
-    sample: str = _run("", "print a continuation of this prompt and exit")
-    sample_tokens: int = _run(64, "max tokens --sample adds; it stops at a document's end")
-    temperature: float = _run(0.8, "--sample's temperature; 0: greedy")
+    init_from: str = _run("", "checkpoint for --eval_only (sample.py continues prompts with one)")
     num_layers: int = _model(11, "transformer blocks")
     model_dim: int = _model(768, "residual stream width")
     num_heads: int = _model(6, "attention heads, even; num_heads * head_dim = model_dim")
@@ -227,7 +224,7 @@ def parse_cli(argv: list[str]) -> tuple[Config, dict]:
     if preset is not None and preset not in PRESETS:
         raise UserError(f"unknown --preset={preset}; presets: {', '.join(PRESETS)}")
     base = PRESETS.get(preset, {})
-    if overrides.get("init_from") and bool(overrides.get("eval_only")) != bool(overrides.get("sample")):
+    if overrides.get("init_from") and overrides.get("eval_only"):
         saved = config_from_dict(read_checkpoint(overrides["init_from"], "init_from")["config"])
         base = {**base, **{f.name: getattr(saved, f.name) for f in fields.values()  # where no flag sets them
                            if f.metadata["group"] in ("data", "schedule", "model")}}
@@ -245,8 +242,7 @@ def validate_config(cfg: Config):
         need(not isinstance(value, float) or math.isfinite(value), f"--{name}={value}: give a finite number")
     for name, (low, high) in dict(num_iterations=(1, 1e9), extension_steps=(0, 1e9), val_loss_every=(0, 1e9),
                                   keep_checkpoints=(0, 1e9), adam_lr=(0, 1), muon_lr=(0, 1), adam_period=(0, 99),
-                                  cooldown_frac=(1e-6, 1), sample_tokens=(1, 1e9), temperature=(0, 99),
-                                  outer_lr=(1e-6, 9)).items():
+                                  cooldown_frac=(1e-6, 1), outer_lr=(1e-6, 9)).items():
         need(low <= getattr(cfg, name) <= high, f"--{name}={getattr(cfg, name)}: use {low:g} .. {high:g}")
     for name, choices in (("device", ("cuda", "cpu")), ("attn_backend", ("auto", "fa3", "flex", "sdpa")),
                           ("cuda_graphs", ("auto", "1", "0"))):
@@ -284,10 +280,9 @@ def validate_config(cfg: Config):
     need(cfg.checkpoint_every >= 0 and cfg.checkpoint_every % cfg.period == 0,
          f"--checkpoint_every={cfg.checkpoint_every}: 0 or a multiple of Adam's period ({cfg.period}), not mid-sum")
     need(not cfg.checkpoint_every or cfg.save_checkpoint, "--checkpoint_every needs --save_checkpoint=PATH")
-    need(not (cfg.eval_only or cfg.sample) or cfg.init_from, "--eval_only=1 and --sample need --init_from=CHECKPOINT")
-    need(not (cfg.sample and cfg.eval_only), "--sample and --eval_only=1: choose one")
-    need(not cfg.init_from or cfg.eval_only or cfg.sample,
-         "--init_from is read by --eval_only=1 or --sample (to train on, use --resume)")
+    need(not cfg.eval_only or cfg.init_from, "--eval_only=1 needs --init_from=CHECKPOINT")
+    need(not cfg.init_from or cfg.eval_only, "--init_from is read by --eval_only=1 (to train on, use --resume; to "
+         "continue a prompt, sample.py)")
     if cfg.diloco:
         total, period = cfg.num_iterations + cfg.extension_steps, cfg.sync_every // max(cfg.num_fragments, 1)
         need(cfg.period == 1, f"--adam_period={cfg.adam_period}: DiLoCo needs 1")
@@ -2584,60 +2579,6 @@ def set_up_as_validated(model: GPT, checkpoint: dict) -> tuple[int, int]:
     model.set_mtp_weights([1.0])
     return schedule.windows(seen)
 
-@torch.no_grad()
-def generate(model: GPT, cfg: Config, prompt: list[int], windows: tuple[int, int], count: int, temperature: float,
-             seed: int, device: torch.device) -> list[int]:
-    """Up to `count` tokens after `prompt`, to a BOS: a forward per token over the zero-padded text."""
-    length = cfg.micro_batch_tokens
-    slot = _Slot(length, False, cfg.bos_token, cfg.bigram_rows)
-    generator = torch.Generator().manual_seed(seed)
-    tokens = list(prompt)
-    while len(tokens) < min(len(prompt) + count, length):
-        window = np.zeros(length + 1, dtype=np.int64)
-        window[: len(tokens)] = tokens
-        slot.fill([window])
-        inputs = slot.inputs.to(device)
-        masks = model.prepare_masks(inputs, slot.cu_seqlens.to(device), windows, slot.documents, slot.longest_document)
-        bigrams = slot.bigrams.to(device) if cfg.bigram_rows else None
-        logits = model(inputs, None, masks, bigrams)[len(tokens) - 1, : cfg.vocab_size].float().cpu()
-        token = int(logits.argmax()) if temperature == 0 else int(
-            torch.multinomial(torch.softmax(logits / temperature, dim=-1), 1, generator=generator))
-        tokens.append(token)
-        if token == cfg.bos_token:
-            break
-    return tokens[len(prompt):]
-
-def gpt2_encoding():
-    try:
-        import tiktoken
-        return tiktoken.get_encoding("gpt2")
-    except Exception as e:  # no package, no network, no cached files
-        raise UserError(f"--sample needs tiktoken's gpt2 encoding, which did not load ({type(e).__name__}): "
-                        "pip install tiktoken; offline, see data/tokenize_text.py's help") from None
-
-def sample_from_checkpoint(cfg: Config, comm: Comm, log, codec=None) -> str:
-    """--sample: the prompt continued by --init_from's weights; codec: (encode, decode), GPT-2's."""
-    checkpoint = read_checkpoint(cfg.init_from, "init_from")
-    check_same_model(checkpoint, cfg, "init_from")
-    if codec is None:
-        encoding = gpt2_encoding()
-        codec = (encoding.encode_ordinary, encoding.decode)
-    encode, decode = codec
-    prompt = [cfg.bos_token] + list(encode(cfg.sample))
-    if max(prompt) >= cfg.vocab_size:
-        raise UserError(f"--sample: the prompt's tokens go up to {max(prompt)}, outside the model's vocabulary "
-                        f"(--vocab_size={cfg.vocab_size})")
-    if len(prompt) >= cfg.micro_batch_tokens:
-        raise UserError(f"--sample: the prompt is {len(prompt)} tokens, the model reads at most "
-                        f"{cfg.micro_batch_tokens - 1} (--micro_batch_tokens)")
-    model, device, _ = build_model(dataclasses.replace(cfg, forward_micro_batches=1), comm, log)
-    load_checkpoint_weights(model, checkpoint)
-    windows = set_up_as_validated(model, checkpoint)
-    added = generate(model, cfg, prompt, windows, cfg.sample_tokens, cfg.temperature, cfg.seed, device)
-    text = decode([t for t in added if t != cfg.bos_token])
-    log(f"sample (temperature {cfg.temperature}, seed {cfg.seed}): {cfg.sample!r} -> {text!r}")
-    return text
-
 
 # --------------------
 # Checkpoints
@@ -3168,9 +3109,8 @@ def check_inputs(cfg: Config):
         if not torch.cuda.is_available():
             raise UserError(NO_CUDA)
         check_gpu_features(cfg, torch.device("cuda", 0), choose_kernels(cfg, torch.device("cuda", 0)))
-    train_paths = None if cfg.eval_only or cfg.sample else shard_paths(cfg.train_files, "train_files", cfg.vocab_size)
-    if not cfg.sample:
-        next(val_batches_for_rank(shard_paths(cfg.val_files, "val_files"), cfg, Comm()))
+    train_paths = None if cfg.eval_only else shard_paths(cfg.train_files, "train_files", cfg.vocab_size)
+    next(val_batches_for_rank(shard_paths(cfg.val_files, "val_files"), cfg, Comm()))
     if cfg.val_mask:
         read_val_mask(cfg)
     if cfg.resume:  # scanned once a process: the run's own read maps it, no more
@@ -3178,8 +3118,6 @@ def check_inputs(cfg: Config):
         check_resumable(read_checkpoint(cfg.resume, "resume"), cfg, paths)
     if cfg.init_from:
         check_same_model(read_checkpoint(cfg.init_from, "init_from"), cfg, "init_from")
-    if cfg.sample:
-        gpt2_encoding()
     if cfg.diloco:
         import_torchft()
         if not os.environ.get("TORCHFT_LIGHTHOUSE"):
@@ -3207,8 +3145,6 @@ def main(argv: list[str] | None = None) -> int:
         log = RunLog(cfg, comm)
         if cfg.eval_only:
             evaluate_checkpoint(cfg, comm, log)
-        elif cfg.sample:
-            sample_from_checkpoint(cfg, comm, log)
         else:
             train(cfg, comm, log)
         log.finish()

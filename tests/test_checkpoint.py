@@ -1,14 +1,16 @@
 """Checkpoints on the CPU: a run stopped and resumed trains exactly as one that never stopped, at world sizes 1 and 2
-and across them; --eval_only reproduces a run's final validation on 1 and 2 processes; bad checkpoints get one line
-and change nothing."""
+and across them; --eval_only reproduces a run's final validation on 1 and 2 processes; sample.py continues a prompt;
+bad checkpoints get one line and change nothing."""
 import dataclasses
 import os
 import re
+import sys
 
 import numpy as np
 import pytest
 import torch
 
+import sample
 import train_gpt as tg
 from helpers import TINY, run_on_ranks
 
@@ -162,7 +164,7 @@ def test_val_mask_adds_the_canonical_loss_to_the_validation(whole_run, tmp_path,
         tg.read_val_mask(eval_cfg)
 
 
-def test_eval_only_and_sample_take_the_checkpoints_settings(whole_run, tmp_path, capsys):
+def test_eval_only_takes_the_checkpoints_settings(whole_run, tmp_path, capsys):
     """--init_from without the model's flags: its run's data, schedule and model settings come from the checkpoint
     (here the tiny model on 128-token micro-batches, its validation files); a model flag that differs from it is one
     line naming it."""
@@ -170,8 +172,8 @@ def test_eval_only_and_sample_take_the_checkpoints_settings(whole_run, tmp_path,
     assert tg.main(["--device=cpu", "--compile=0", "--eval_only=1", f"--init_from={cfg.save_checkpoint}",
                     f"--log_dir={tmp_path}", "--run_id=bare"]) == 0
     assert f"val_loss:{whole.val_losses[-1][1]:.4f}" in (tmp_path / "bare.txt").read_text()
-    sample_cfg, _ = tg.parse_cli(["--device=cpu", "--sample=hello", f"--init_from={cfg.save_checkpoint}"])
-    assert (sample_cfg.num_layers, sample_cfg.micro_batch_tokens, sample_cfg.vocab_size) == (4, 128, cfg.vocab_size)
+    eval_cfg, _ = tg.parse_cli(["--device=cpu", "--eval_only=1", f"--init_from={cfg.save_checkpoint}"])
+    assert (eval_cfg.num_layers, eval_cfg.micro_batch_tokens, eval_cfg.vocab_size) == (4, 128, cfg.vocab_size)
     assert tg.main(["--device=cpu", "--eval_only=1", f"--init_from={cfg.save_checkpoint}", "--num_layers=5",
                     "--attn_layout=SL-LS", "--value_embed_layout=0..1."]) == 1
     err = capsys.readouterr().err
@@ -212,7 +214,7 @@ def test_bad_checkpoints_get_one_line_and_change_nothing(whole_run, tmp_path, ca
          "the checkpoint's model differs: model_dim=64 (here 128), num_heads=2 (here 4); pass the model flags"),
         ([f"--resume={cfg.save_checkpoint}", f"--train_files={other_data}"], "it was trained on other data files"),
         (["--eval_only=1", f"--init_from={foreign}"], f"--init_from={foreign}: not a checkpoint of train_gpt.py"),
-        (["--eval_only=1"], "--eval_only=1 and --sample need --init_from=CHECKPOINT"),
+        (["--eval_only=1"], "--eval_only=1 needs --init_from=CHECKPOINT"),
         ([f"--resume={cfg.save_checkpoint}", "--diloco=1", "--sync_every=4"],
          "the checkpoint was written without --diloco=1; resume it without it"),
         (["--checkpoint_every=3", f"--save_checkpoint={tmp_path / 'x.pt'}"],
@@ -259,33 +261,47 @@ def test_logits_give_the_validation_loss_and_padding_after_the_text_changes_noth
     torch.testing.assert_close(other[:text], logits[:text])
 
 
-def test_sample_continues_the_learned_rule_and_is_reproducible(whole_run, tmp_path):
+def test_sample_py_continues_the_learned_rule_and_is_reproducible(whole_run, tmp_path):
     """The tiny data's documents count up by 1 (sometimes 2) mod 97; a byte codec stands in for GPT-2 BPE."""
     cfg, _ = whole_run
     codec = (lambda text: list(text.encode("latin-1")), lambda tokens: bytes(tokens).decode("latin-1"))
-    sample_cfg = dataclasses.replace(cfg, run_id="sample", init_from=cfg.save_checkpoint, save_checkpoint="",
-                                     checkpoint_every=0, log_dir=str(tmp_path), sample_tokens=12, temperature=0.0,
-                                     sample=bytes([30, 31, 32, 33, 34]).decode("latin-1"))
-    log = tg.RunLog(sample_cfg, tg.Comm())
-    greedy = tg.sample_from_checkpoint(sample_cfg, tg.Comm(), log, codec)
-    log.finish()
+    options = dict(init_from=cfg.save_checkpoint, prompt=bytes([30, 31, 32, 33, 34]).decode("latin-1"), tokens=12,
+                   temperature=0.0, seed=0, device="cpu")
+    lines = []
+    greedy = sample.sample(options, lines.append, codec)
     steps = np.diff([34] + list(greedy.encode("latin-1")))
     assert len(greedy) == 12 and np.isin(steps % 97, [1, 2]).mean() >= 0.5, steps  # chance: 2 in 97
-    assert "sample (temperature 0.0, seed 0)" in (tmp_path / "sample.txt").read_text()
-    warm = dataclasses.replace(sample_cfg, temperature=1.0, run_id="warm")
-    runs = [tg.sample_from_checkpoint(dataclasses.replace(warm, seed=seed), tg.Comm(), lambda line: None, codec)
-            for seed in (1, 1, 2)]
+    assert lines == [f"sample (temperature 0.0, seed 0): {options['prompt']!r} -> {greedy!r}"]
+    runs = [sample.sample(dict(options, temperature=1.0, seed=seed), lambda line: None, codec) for seed in (1, 1, 2)]
     assert runs[0] == runs[1] and runs[0] != runs[2]
+    with pytest.raises(tg.UserError, match=r"^--prompt: 129 tokens, the model reads at most 127"):
+        sample.sample(dict(options, prompt="x" * 128), lambda line: None, codec)
+    with pytest.raises(tg.CheckpointError, match="^--init_from=.*missing.pt: no such file"):
+        sample.sample(dict(options, init_from=str(tmp_path / "missing.pt")), lambda line: None, codec)
 
 
-def test_without_tiktoken_a_sample_is_refused_by_the_launch_checks(whole_run, tmp_path, monkeypatch):
-    """check_inputs (run before any log is opened or anything compiled) loads GPT-2's BPE for --sample."""
+def test_without_tiktoken_sample_py_says_so_in_one_line(whole_run, monkeypatch, capsys):
     cfg, _ = whole_run
-    sample_cfg = dataclasses.replace(cfg, run_id="sample", init_from=cfg.save_checkpoint, save_checkpoint="",
-                                     checkpoint_every=0, log_dir=str(tmp_path), sample="hello")
-    monkeypatch.setitem(__import__("sys").modules, "tiktoken", None)  # `import tiktoken` fails
-    with pytest.raises(tg.UserError, match="^--sample needs tiktoken's gpt2 encoding, which did not load"):
-        tg.check_inputs(sample_cfg)
+    monkeypatch.setitem(sys.modules, "tiktoken", None)  # `import tiktoken` fails
+    assert sample.main([f"--init_from={cfg.save_checkpoint}", "--prompt=hello", "--device=cpu"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: sample.py needs tiktoken's gpt2 encoding, which did not load") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "sample.py needs --init_from and --prompt"),
+    (["--prompt=hi"], "sample.py needs --init_from (python sample.py"),
+    (["--init_from=x.pt", "--prompt=hi", "--temp=1"], "'--temp=1': sample.py takes --init_from=..., --prompt=..."),
+    (["--init_from=x.pt", "--prompt=hi", "--tokens=many"], "bad value for --tokens: 'many'"),
+    (["--init_from=x.pt", "--prompt=hi", "--tokens=0"], "--tokens=0 and --temperature=0.8: at least 1"),
+    (["--init_from=x.pt", "--prompt=hi", "--device=tpu"], "--device=tpu: use cuda or cpu"),
+    pytest.param(["--init_from=x.pt", "--prompt=hi"], "--device=cuda, but torch sees no CUDA GPU",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here")),
+])
+def test_sample_py_turns_bad_flags_into_one_line(argv, message, capsys):
+    assert sample.main(argv) == 1
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err, err
 
 
 def test_a_run_may_end_on_a_step_that_only_sums_gradients_and_still_save():
@@ -294,11 +310,11 @@ def test_a_run_may_end_on_a_step_that_only_sums_gradients_and_still_save():
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--sample=hello"], "--eval_only=1 and --sample need --init_from=CHECKPOINT"),
-    (["--sample=hello", "--init_from=x.pt", "--eval_only=1"], "--sample and --eval_only=1: choose one"),
-    (["--init_from=x.pt"], "--init_from is read by --eval_only=1 or --sample"),
+    (["--eval_only=1"], "--eval_only=1 needs --init_from=CHECKPOINT"),
+    (["--init_from=x.pt"], "--init_from is read by --eval_only=1 (to train on, use --resume; to continue a prompt, "
+                           "sample.py)"),
 ])
-def test_sample_flags_are_checked(flags, message):
+def test_init_from_flags_are_checked(flags, message):
     with pytest.raises(tg.UserError, match=re.escape(message)):
         tg.parse_cli(["--preset=tiny", *flags])
 

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+import sample
 import train_gpt as tg
 from helpers import TINY
 
@@ -37,7 +38,6 @@ def test_a_resumed_compiled_run_trains_as_one_never_stopped(tiny_data, tmp_path)
                                 save_checkpoint="", checkpoint_every=0)
     assert tg.evaluate_checkpoint(final, tg.Comm(), lambda line: None) == pytest.approx(whole.val_losses[-1][1], rel=1e-4)
     codec = (lambda text: list(text.encode("latin-1")), lambda tokens: bytes(tokens).decode("latin-1"))
-    sample = dataclasses.replace(final, eval_only=False, sample=bytes([30, 31, 32]).decode("latin-1"),
-                                 sample_tokens=8, temperature=0.0)
-    text = tg.sample_from_checkpoint(sample, tg.Comm(), lambda line: None, codec)
-    assert len(text) == 8
+    options = dict(init_from=final.init_from, prompt=bytes([30, 31, 32]).decode("latin-1"), tokens=8, temperature=0.0,
+                   seed=0, device="cuda")
+    assert len(sample.sample(options, lambda line: None, codec)) == 8
