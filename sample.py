@@ -101,8 +101,12 @@ def sample(options: dict, log=print, codec=None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--help" in argv or "-h" in argv:
+        print(__doc__)
+        return 0
     try:
-        sample(parse(sys.argv[1:] if argv is None else argv))
+        sample(parse(argv))
         return 0
     except tg.UserError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -304,6 +304,11 @@ def test_sample_py_turns_bad_flags_into_one_line(argv, message, capsys):
     assert message in err and err.count("\n") == 1 and "Traceback" not in err, err
 
 
+def test_sample_py_help_prints_its_usage(capsys):
+    assert sample.main(["--help"]) == 0
+    assert "python sample.py --init_from=logs/run.pt --prompt=" in capsys.readouterr().out
+
+
 def test_a_run_may_end_on_a_step_that_only_sums_gradients_and_still_save():
     cfg, _ = tg.parse_cli(["--preset=tiny", "--num_iterations=7", "--save_checkpoint=x.pt"])  # Adam every 2nd step
     assert tg.Schedule(cfg).total_steps % cfg.period == 1
