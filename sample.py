@@ -84,7 +84,8 @@ def sample(options: dict, log=print, codec=None) -> str:
     encode, decode = codec
     checkpoint = tg.read_checkpoint(options["init_from"], "init_from")
     cfg = dataclasses.replace(tg.config_from_dict(checkpoint["config"]), device=options["device"],
-                              forward_micro_batches=1, seed=options["seed"])
+                              forward_micro_batches=1, seed=options["seed"], init_from=options["init_from"])
+    tg.check_same_model(checkpoint, cfg, "init_from")  # a model setting this code lacks: refused
     prompt = [cfg.bos_token] + list(encode(options["prompt"]))
     if max(prompt) >= cfg.vocab_size:
         raise tg.UserError(f"--prompt: its tokens go up to {max(prompt)}, outside the model's vocabulary "

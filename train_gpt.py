@@ -2710,7 +2710,7 @@ def save_checkpoint(path: str, model: GPT, optimizers, cfg: Config, comm: Comm, 
                                f"{path} is not written, earlier checkpoints stay")
     if comm.rank == 0:
         checkpoint = dict(kind=CHECKPOINT_KIND, format=CHECKPOINT_FORMAT, step=step, config=config_to_dict(cfg),
-                          model=detached_copy(model.state_dict(), "cpu"),
+                          model_settings=sorted(model_fields(cfg)), model=detached_copy(model.state_dict(), "cpu"),
                           muon=muon_state, adam=adam_state, **progress)
         write_atomically(Path(path), lambda temporary: torch.save(checkpoint, temporary))
     if comm.distributed:
@@ -2745,6 +2745,12 @@ def read_checkpoint(path: str, flag: str) -> dict:
     return checkpoint
 
 def check_same_model(checkpoint: dict, cfg: Config, flag: str):
+    # a model setting this code no longer has would be dropped by config_from_dict, its math silently lost
+    gone = [f"{name}={checkpoint['config'][name]}" for name in checkpoint.get("model_settings", ())
+            if name not in model_fields(cfg)]
+    if gone:
+        raise CheckpointError(f"--{flag}={getattr(cfg, flag)}: the checkpoint's model has settings this train_gpt.py "
+                              f"lacks ({', '.join(gone)}); use the code it was trained with (its log holds it)")
     saved = model_fields(config_from_dict(checkpoint["config"]))
     differing = [f"{name}={format_value(saved[name], name)} (here {format_value(value, name)})"
                  for name, value in model_fields(cfg).items() if saved[name] != value]

@@ -261,6 +261,25 @@ def test_logits_give_the_validation_loss_and_padding_after_the_text_changes_noth
     torch.testing.assert_close(other[:text], logits[:text])
 
 
+def test_a_checkpoint_whose_model_has_a_setting_this_code_lacks_is_refused(whole_run, tmp_path, capsys):
+    """config_from_dict drops names it does not know: a model setting removed since the checkpoint was written would
+    otherwise vanish, and the weights load into a model of other math."""
+    cfg, _ = whole_run
+    checkpoint = torch.load(cfg.save_checkpoint, weights_only=True)
+    assert checkpoint["model_settings"] == sorted(tg.model_fields(cfg))
+    checkpoint["model_settings"].append("old_heads")
+    checkpoint["config"]["old_heads"] = "0,2"
+    path = tmp_path / "older.pt"
+    torch.save(checkpoint, path)
+    message = f"--init_from={path}: the checkpoint's model has settings this train_gpt.py lacks (old_heads=0,2); use "
+    assert tg.main(["--device=cpu", "--eval_only=1", f"--init_from={path}"]) == 1
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+    options = dict(init_from=str(path), prompt="ab", tokens=2, temperature=0.0, seed=0, device="cpu")
+    with pytest.raises(tg.CheckpointError, match=re.escape(message)):
+        sample.sample(options, lambda line: None, (lambda text: list(text.encode()), bytes))
+
+
 def test_sample_py_continues_the_learned_rule_and_is_reproducible(whole_run, tmp_path):
     """The tiny data's documents count up by 1 (sometimes 2) mod 97; a byte codec stands in for GPT-2 BPE."""
     cfg, _ = whole_run
