@@ -2745,15 +2745,15 @@ def read_checkpoint(path: str, flag: str) -> dict:
     return checkpoint
 
 def check_same_model(checkpoint: dict, cfg: Config, flag: str):
+    here = model_fields(cfg)
     # a model setting this code no longer has would be dropped by config_from_dict, its math silently lost
-    gone = [f"{name}={checkpoint['config'][name]}" for name in checkpoint.get("model_settings", ())
-            if name not in model_fields(cfg)]
+    gone = [f"{name}={checkpoint['config'][name]}" for name in checkpoint.get("model_settings", ()) if name not in here]
     if gone:
         raise CheckpointError(f"--{flag}={getattr(cfg, flag)}: the checkpoint's model has settings this train_gpt.py "
                               f"lacks ({', '.join(gone)}); use the code it was trained with (its log holds it)")
     saved = model_fields(config_from_dict(checkpoint["config"]))
     differing = [f"{name}={format_value(saved[name], name)} (here {format_value(value, name)})"
-                 for name, value in model_fields(cfg).items() if saved[name] != value]
+                 for name, value in here.items() if saved[name] != value]
     if differing:
         raise CheckpointError(f"--{flag}={getattr(cfg, flag)}: the checkpoint's model differs: "
                               + ", ".join(differing) + ("; pass the model flags it was trained with" if flag == "resume"
