@@ -11,10 +11,6 @@ if [ -n "${NPROC:-}" ]; then
         *) echo "error: NPROC=$NPROC: use 1, 2, 4 or 8 (every stage's batch splits evenly over those)" >&2; exit 1 ;;
     esac
 fi
-if ! gpus=$(python -c "import torch; print(torch.cuda.device_count())" 2>/dev/null); then
-    echo "error: torch is not importable; install the requirements: pip install -r requirements.txt" >&2
-    exit 1
-fi
 # torchrun's own default for several processes, one thread each, set here so that it prints no banner about it
 quiet_threads() { if [ "$NPROC" -gt 1 ]; then export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}; fi; }
 # torchrun with its stderr filtered: once a process says "error: ...", that line shows once, and what follows it on
@@ -40,6 +36,7 @@ case " $* " in
         quiet_threads
         launch "$@" ;;
 esac
+gpus=$(python -c "import torch; print(torch.cuda.device_count())")  # --check has imported torch
 if [ -n "${NPROC:-}" ] && [ "$NPROC" -gt "$gpus" ]; then
     echo "error: NPROC=$NPROC, but torch sees $gpus GPU(s)" >&2
     exit 1

@@ -33,7 +33,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
+
+try:
+    import torch
+except ImportError as e:  # one line, not a traceback
+    sys.exit(f"error: torch is not importable ({e}); install the requirements: pip install -r requirements.txt")
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
