@@ -36,7 +36,7 @@ import numpy as np
 
 try:
     import torch
-except ImportError as e:  # one line, not a traceback
+except (ImportError, OSError) as e:  # one line, not a traceback (OSError: a shared library missing)
     sys.exit(f"error: torch is not importable ({e}); install the requirements: pip install -r requirements.txt")
 import torch.distributed as dist
 import torch.nn as nn

@@ -441,8 +441,9 @@ def test_run_sh_checks_before_launching(tmp_path, tiny_data):
     (tmp_path / "notes.bin").write_bytes(b"not tokens" * 200)
     train, val = tiny_data
     short = write_shard(tmp_path / "short_000001.bin", learnable_documents(3_000, seed=1))
-    (tmp_path / "broken" / "torch").mkdir(parents=True)  # a torch that fails to import
-    (tmp_path / "broken" / "torch" / "__init__.py").write_text("raise ImportError('a broken install')\n")
+    for error in ("ImportError", "OSError"):  # torches that fail to import: a module missing, a library missing
+        (tmp_path / error / "torch").mkdir(parents=True)
+        (tmp_path / error / "torch" / "__init__.py").write_text(f"raise {error}('a broken install')\n")
     cases = {  # started together: each is mostly a Python start and torch's import
         "no_cuda": ([], {}),
         "missing": (["--device=cpu", "--train_files=nowhere/*.bin"], {}),
@@ -450,7 +451,8 @@ def test_run_sh_checks_before_launching(tmp_path, tiny_data):
         "three": (["--device=cpu", *TINY, f"--train_files={train}", f"--val_files={val}"], {"NPROC": "3"}),
         "check": (["--check", "--device=cpu", *TINY, f"--train_files={train}", f"--val_files={val}"], {}),
         "help": (["--help"], {}),
-        "no_torch": (["--help"], {"PYTHONPATH": str(tmp_path / "broken")}),
+        "no_torch": (["--help"], {"PYTHONPATH": str(tmp_path / "ImportError")}),
+        "no_library": (["--help"], {"PYTHONPATH": str(tmp_path / "OSError")}),
         "ran_out": (["--device=cpu", *TINY, f"--train_files={short}", f"--val_files={val}", "--val_loss_every=0",
                      f"--log_dir={tmp_path}"], {"NPROC": "2"}),
     }
@@ -474,9 +476,10 @@ def test_run_sh_checks_before_launching(tmp_path, tiny_data):
     assert code == 0 and out.strip() == "ok: config, device and data files look right" and not err
     code, out, err = done["help"]
     assert code == 0 and out.startswith("usage: train_gpt.py") and "--stages=" in out and not err
-    code, out, err = done["no_torch"]
-    assert code == 1 and not out and err == ("error: torch is not importable (a broken install); install the "
-                                             "requirements: pip install -r requirements.txt\n")
+    for name in ("no_torch", "no_library"):
+        code, out, err = done[name]
+        assert code == 1 and not out and err == ("error: torch is not importable (a broken install); install the "
+                                                 "requirements: pip install -r requirements.txt\n"), (name, err)
     code, out, err = done["ran_out"]  # both processes say it, torchrun reports it: the launcher shows it once
     assert code == 1 and err.startswith("error: the training data ran out") and err.count("\n") == 1, err
 
